@@ -1,0 +1,16 @@
+"""causal_adapter: turn a Qwen checkpoint into a causal language model, PEFT-style."""
+__version__ = "0.1.0"
+
+from .config import CausalAdapterConfig, LoraSettings
+from .model import CausalModel, CausalOutput, get_causal_model
+from .verify import verify_initialization
+
+__all__ = [
+    "CausalAdapterConfig",
+    "LoraSettings",
+    "CausalModel",
+    "CausalOutput",
+    "get_causal_model",
+    "verify_initialization",
+    "__version__",
+]

@@ -1,0 +1,129 @@
+"""Adapter-only artifacts (SPEC section 5): atomic directory writes and the two files.
+
+An adapter directory holds exactly
+    adapter_config.json        the CausalAdapterConfig + base-model facts + library version
+    adapter_model.safetensors  the adapter's tensors only (heads, d, b_cls, <NUM> row, LoRA)
+
+Atomicity: everything is written into a fresh temporary directory next to the target and
+fsynced; the temporary directory then takes the target's place in one step (Linux
+renameat2(RENAME_EXCHANGE) swaps the two directories atomically; elsewhere the old
+directory is moved aside first and restored by the loader if a crash hits in between).
+A crash at any point leaves either the previous complete adapter or the new one.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+FORMAT_VERSION = 1  # bumped on an incompatible change of the adapter layout
+_ASIDE_SUFFIX = ".previous"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE). False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    rc = renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    if rc != 0:
+        err = ctypes.get_errno()
+        if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: filesystem cannot exchange
+            return False
+        raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+    return True
+
+
+def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_dir)` to fill a fresh directory, then put it in place of `target` atomically."""
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, target)  # target absent (or an empty dir): plain atomic rename
+        except OSError:
+            if not _exchange(tmp, target):
+                aside = target.with_name(target.name + _ASIDE_SUFFIX)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(target, aside)
+                os.rename(tmp, target)
+                shutil.rmtree(aside, ignore_errors=True)
+        _fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # after an exchange it holds the previous version
+    return target
+
+
+def resolve_adapter_dir(path: str | os.PathLike) -> Path:
+    """The directory to load from; recovers a save interrupted on a filesystem without exchange."""
+    path = Path(path)
+    aside = path.with_name(path.name + _ASIDE_SUFFIX)
+    if not path.exists() and aside.is_dir():
+        return aside
+    return path
+
+
+def write_adapter_files(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the two adapter files into `directory` (no atomicity here; see atomic_write_dir)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "causal_adapter": str(FORMAT_VERSION)})
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_adapter_files(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read and sanity-check an adapter directory; errors name the file and the problem."""
+    directory = resolve_adapter_dir(directory)
+    cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    if not directory.is_dir():
+        raise FileNotFoundError(f"adapter directory {str(directory)!r} does not exist")
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{str(cfg_path)!r} is missing: {str(directory)!r} is not a causal_adapter adapter")
+    if not w_path.is_file():
+        raise FileNotFoundError(f"{str(w_path)!r} is missing")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    version = config.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(
+            f"{str(cfg_path)!r} has format_version={version!r}; this causal_adapter reads format "
+            f"{FORMAT_VERSION} or older (written by version {config.get('library_version')!r}): upgrade causal_adapter"
+        )
+    try:
+        tensors = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{str(w_path)!r} is truncated or corrupted: {e}") from None
+    return config, tensors

@@ -1,0 +1,131 @@
+"""CausalAdapterConfig: every knob of SPEC sections 2-3, validated, JSON round-trippable."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# peft would save these matrices whole (V x H rows): never allowed as LoRA targets.
+FORBIDDEN_LORA_TARGETS = ("embed_tokens", "lm_head")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA on the backbone through peft (`None` in CausalAdapterConfig.lora = frozen backbone)."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+    def validate(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"lora.r must be a positive integer, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty; give module names such as ['q_proj', 'v_proj']")
+        bad = [t for t in self.target_modules if any(f in t for f in FORBIDDEN_LORA_TARGETS)]
+        if bad:
+            raise ValueError(
+                f"lora.target_modules {bad} would make peft save the full V x H matrices; "
+                "the <NUM> row of W_cls is trained by the adapter itself (train_num_row=True)"
+            )
+
+
+@dataclass
+class CausalAdapterConfig:
+    """Configuration of the causal adapter (SPEC sections 2-3; notation C, gamma0, alpha, lambda).
+
+    causal_size: C, the size of U (None = hidden size H, which gives the exact identity init).
+    gamma0: initial scale_U (softplus(b_scale) = gamma0).
+    b_noise_init: initial value of every entry of b_noise (exogenous noise, scale_U' = scale_U + |b_noise|).
+    threshold_init: OvR threshold C_k (init value); threshold_mode "scalar" (one C) or "vector" (one per row).
+    learnable_threshold: thresholds are trained parameters instead of fixed buffers.
+    learnable_direction: the numeric-embedding direction d trains (forces backprop through the backbone).
+    direction_std: std of the Gaussian draw of d before normalisation.
+    train_num_row: the <NUM> row of W_cls trains (saved as one row, never the matrix).
+    alpha: gate floor: gate_i = m_i * (alpha + (1 - alpha) * P_num_i).
+    reg_weight: lambda in L = L_cls + lambda * L_reg.
+    num_token_id: explicit <NUM> id (None = first reserved row, len(tokenizer)).
+    lora: LoraSettings (or a dict of them) for a LoRA-tuned backbone; None = frozen backbone.
+    scale_floor: lower bound of scale_S (a zero row of W_cls must not give scale 0).
+    fused_loss: use the chunked fused OvR loss (False = the reference formula, for debugging).
+    seed: seed of every random initialisation in the adapter (d, w_reg, Xavier when C != H).
+    """
+
+    causal_size: int | None = None
+    gamma0: float = 10.0
+    b_noise_init: float = 0.1
+    threshold_init: float = 100.0
+    threshold_mode: str = "scalar"
+    learnable_threshold: bool = False
+    learnable_direction: bool = False
+    direction_std: float = 0.02
+    train_num_row: bool = True
+    alpha: float = 0.0
+    reg_weight: float = 1.0
+    num_token_id: int | None = None
+    lora: LoraSettings | dict | None = None
+    scale_floor: float = 1e-6
+    fused_loss: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        self.validate()
+
+    def validate(self) -> None:
+        def finite(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            return float(v)
+
+        if self.causal_size is not None and (not isinstance(self.causal_size, int) or self.causal_size <= 0):
+            raise ValueError(f"causal_size must be a positive integer or None, got {self.causal_size!r}")
+        if finite("gamma0") <= 0:
+            raise ValueError(f"gamma0 must be > 0 (it is the initial Cauchy scale), got {self.gamma0!r}")
+        finite("b_noise_init")
+        finite("threshold_init")
+        if self.threshold_mode not in ("scalar", "vector"):
+            raise ValueError(f"threshold_mode must be 'scalar' or 'vector', got {self.threshold_mode!r}")
+        if finite("direction_std") <= 0:
+            raise ValueError(f"direction_std must be > 0, got {self.direction_std!r}")
+        if not 0.0 <= finite("alpha") <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha!r}")
+        if finite("reg_weight") < 0:
+            raise ValueError(f"reg_weight (lambda) must be >= 0, got {self.reg_weight!r}")
+        if not 0 < finite("scale_floor") < 1:
+            raise ValueError(f"scale_floor must be in (0, 1), got {self.scale_floor!r}")
+        if self.num_token_id is not None and (not isinstance(self.num_token_id, int) or self.num_token_id < 0):
+            raise ValueError(f"num_token_id must be a non-negative integer or None, got {self.num_token_id!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraSettings):
+                raise ValueError(f"lora must be None, a dict or LoraSettings, got {type(self.lora).__name__}")
+            self.lora.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CausalAdapterConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown CausalAdapterConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CausalAdapterConfig":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,165 @@
+"""The three adapter modules of SPEC section 2.
+
+NumericEmbedding  phi(v) = sign(v) ln(1 + |v|) d, added to the token embedding.
+AbductionHead     z -> (loc_U, scale_U): a Cauchy distribution over the individual U.
+ActionHead        U -> OvR token scores (loc_S, scale_S) through the SHARED lm_head weight,
+                  and a Cauchy regression (loc_Y, scale_Y) for the value of a <NUM>.
+
+All heads compute in `dtype` (float32 for a bf16/fp16 backbone, else the backbone's dtype);
+the shared W_cls is cast per use, never copied into the adapter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y, stable for any y > 0: y + log(-expm1(-y))."""
+    return y + math.log(-math.expm1(-y))
+
+
+def symlog(values: Tensor) -> Tensor:
+    """sign(v) ln(1 + |v|): the value's magnitude on a log scale; symlog(0) = 0."""
+    return torch.sign(values) * torch.log1p(values.abs())
+
+
+class NumericEmbedding(nn.Module):
+    """phi(v) = symlog(v) * d with d a unit vector (fixed buffer unless learnable)."""
+
+    def __init__(self, hidden_size: int, *, learnable: bool, std: float, generator: torch.Generator,
+                 dtype: torch.dtype, device: torch.device | None = None):
+        super().__init__()
+        d = torch.randn(hidden_size, generator=generator, dtype=torch.float64) * std
+        d = (d / d.norm()).to(dtype=dtype, device=device)
+        if learnable:
+            self.direction = nn.Parameter(d)
+        else:
+            self.register_buffer("direction", d)
+
+    def forward(self, numeric_values: Tensor) -> Tensor:
+        """[B, S] values -> [B, S, H] offsets (exact zeros where the value is 0)."""
+        return symlog(numeric_values.to(self.direction.dtype)).unsqueeze(-1) * self.direction
+
+
+class AbductionHead(nn.Module):
+    """loc_U = W_loc z + b_loc, scale_U = softplus(W_scale z + b_scale).
+
+    Init (C = H): W_loc = I, b_loc = 0, W_scale = 0, b_scale = softplus^-1(gamma0), so that
+    loc_U = z exactly and scale_U = gamma0 everywhere.
+    """
+
+    def __init__(self, hidden_size: int, causal_size: int, *, gamma0: float, generator: torch.Generator,
+                 dtype: torch.dtype, device: torch.device | None = None):
+        super().__init__()
+        self.loc = nn.Linear(hidden_size, causal_size, dtype=dtype, device=device)
+        self.scale = nn.Linear(hidden_size, causal_size, dtype=dtype, device=device)
+        with torch.no_grad():
+            if causal_size == hidden_size:
+                self.loc.weight.copy_(torch.eye(causal_size, dtype=dtype))
+            else:
+                bound = math.sqrt(6.0 / (hidden_size + causal_size))
+                w = torch.rand(causal_size, hidden_size, generator=generator, dtype=torch.float64)
+                self.loc.weight.copy_((2 * w - 1) * bound)
+            self.loc.bias.zero_()
+            self.scale.weight.zero_()
+            self.scale.bias.fill_(inverse_softplus(gamma0))
+
+    def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0)."""
+        z = z.to(self.loc.weight.dtype)
+        return self.loc(z), F.softplus(self.scale(z))
+
+
+class ActionHead(nn.Module):
+    """Classification and regression from U ~ Cauchy(loc_U, scale_U').
+
+    scale_U' = scale_U + |b_noise|
+    loc_S = W_cls loc_U + b_cls, scale_S = max(|W_cls| scale_U', scale_floor)   (all V rows)
+    loc_Y = w_reg . loc_U + b_reg, scale_Y = max(|w_reg| . scale_U', scale_floor)
+
+    W_cls is the backbone's lm_head weight, passed in at call time (shared, not a submodule:
+    it must not be saved or counted twice). Its <NUM> row is replaced by `num_row`, a
+    trained copy (one row), when `train_num_row` is set.
+    """
+
+    def __init__(self, causal_size: int, vocab_size: int, num_token_id: int, w_num_init: Tensor, *,
+                 b_noise_init: float, threshold_init: float, threshold_mode: str, learnable_threshold: bool,
+                 train_num_row: bool, scale_floor: float, generator: torch.Generator,
+                 dtype: torch.dtype, device: torch.device | None = None):
+        super().__init__()
+        self.num_token_id = num_token_id
+        self.scale_floor = scale_floor
+        kw = dict(dtype=dtype, device=device)
+        self.b_noise = nn.Parameter(torch.full((causal_size,), float(b_noise_init), **kw))
+        self.b_cls = nn.Parameter(torch.zeros(vocab_size, **kw))
+        thresholds = torch.full((vocab_size,) if threshold_mode == "vector" else (), float(threshold_init), **kw)
+        if learnable_threshold:
+            self.thresholds = nn.Parameter(thresholds)
+        else:
+            self.register_buffer("thresholds", thresholds)
+        if train_num_row:
+            self.num_row = nn.Parameter(w_num_init.detach().to(**kw).clone())
+        else:
+            self.num_row = None
+        w_reg = torch.randn(causal_size, generator=generator, dtype=torch.float64) / math.sqrt(causal_size)
+        self.w_reg = nn.Parameter(w_reg.to(**kw))
+        self.b_reg = nn.Parameter(torch.zeros((), **kw))
+
+    def noisy_scale(self, scale_U: Tensor) -> Tensor:
+        """scale_U' = scale_U + |b_noise|."""
+        return scale_U + self.b_noise.abs()
+
+    def row_override(self) -> tuple[Tensor, Tensor] | None:
+        """(indices [1], rows [1, C]) replacing W_cls's <NUM> row, or None when it is not trained."""
+        if self.num_row is None:
+            return None
+        idx = torch.tensor([self.num_token_id], device=self.num_row.device)
+        return idx, self.num_row.unsqueeze(0)
+
+    def num_threshold(self) -> Tensor:
+        return self.thresholds if self.thresholds.dim() == 0 else self.thresholds[self.num_token_id]
+
+    def num_weight(self, W_cls: Tensor) -> Tensor:
+        """The <NUM> row of the effective W_cls, [C]."""
+        return self.num_row if self.num_row is not None else W_cls[self.num_token_id].to(self.b_cls.dtype)
+
+    def regression(self, loc_U: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
+        """[..., C] -> loc_Y [...], scale_Y [...]."""
+        loc_Y = loc_U @ self.w_reg + self.b_reg
+        scale_Y = (scale_Up @ self.w_reg.abs()).clamp_min(self.scale_floor)
+        return loc_Y, scale_Y
+
+    def scores(self, loc_U: Tensor, scale_Up: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
+        """Full-vocabulary scores: [..., C] -> loc_S, scale_S [..., V]. Materialises [..., V]:
+        only for inference on few positions or when asked; training uses the fused loss."""
+        loc_S = _linear(loc_U, W_cls) + self.b_cls
+        scale_S = _linear(scale_Up, W_cls.abs())
+        if self.num_row is not None:
+            k = self.num_token_id
+            loc_S = loc_S.index_copy(-1, _idx(k, loc_S), (loc_U @ self.num_row + self.b_cls[k]).unsqueeze(-1))
+            scale_S = scale_S.index_copy(-1, _idx(k, scale_S), (scale_Up @ self.num_row.abs()).unsqueeze(-1))
+        return loc_S, scale_S.clamp_min(self.scale_floor)
+
+    def decision_scores(self, u: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
+        """Noise-free action for a sampled individual u [..., C]: (s - C_k) [..., V] and y [...]."""
+        s = _linear(u, W_cls) + self.b_cls
+        if self.num_row is not None:
+            k = self.num_token_id
+            s = s.index_copy(-1, _idx(k, s), (u @ self.num_row + self.b_cls[k]).unsqueeze(-1))
+        return s - self.thresholds, u @ self.w_reg + self.b_reg
+
+
+def _idx(k: int, like: Tensor) -> Tensor:
+    return torch.tensor([k], device=like.device)
+
+
+def _linear(x: Tensor, W: Tensor) -> Tensor:
+    """x @ W.T in x's dtype. A lower-precision W (bf16) is not copied to fp32 (that would be a
+    V x H copy per call): x is cast down for the matmul, as the base model itself computes."""
+    if W.dtype == x.dtype:
+        return F.linear(x, W)
+    return F.linear(x.to(W.dtype), W).to(x.dtype)

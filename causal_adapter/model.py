@@ -1,0 +1,391 @@
+"""CausalModel: a Qwen backbone (frozen or LoRA through peft) plus the causal heads.
+
+    input_ids, numeric_values --embed + phi(v)--> inputs_embeds --backbone + final norm--> z
+    z --AbductionHead--> (loc_U, scale_U) --ActionHead--> OvR scores (loc_S, scale_S), (loc_Y, scale_Y)
+
+One `forward` holds embedding, backbone, heads and loss (what DDP needs).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.utils import ModelOutput
+
+from . import __version__
+from .artifacts import FORMAT_VERSION, atomic_write_dir, read_adapter_files, write_adapter_files
+from .config import CausalAdapterConfig
+from .heads import AbductionHead, ActionHead, NumericEmbedding
+from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+_LORA_PREFIX = "lora."
+
+
+@dataclass
+class CausalOutput(ModelOutput):
+    """Shapes: B batch, S sequence, C causal size, V vocabulary rows.
+
+    loss, loss_cls, loss_reg: scalars (None without labels). loc_U, scale_U: [B, S, C]
+    (scale_U without the exogenous noise; scale_U' = scale_U + |b_noise|). loc_Y, scale_Y: [B, S].
+    loc_S, scale_S: [B, S, V], only with `return_scores=True`. hidden_states: z [B, S, H].
+    """
+
+    loss: Tensor | None = None
+    loss_cls: Tensor | None = None
+    loss_reg: Tensor | None = None
+    loc_U: Tensor | None = None
+    scale_U: Tensor | None = None
+    loc_Y: Tensor | None = None
+    scale_Y: Tensor | None = None
+    loc_S: Tensor | None = None
+    scale_S: Tensor | None = None
+    hidden_states: Tensor | None = None
+    past_key_values: Any = None
+
+
+def _head_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Heads keep full precision on a bf16/fp16 backbone; an fp64 backbone gets fp64 heads.
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def check_supported(model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(
+            f"unsupported base model {type(model).__name__} (model_type={model_type!r}); causal_adapter "
+            f"supports {SUPPORTED_MODEL_TYPES} *ForCausalLM models (Qwen2, Qwen2.5, Qwen3 checkpoints)"
+        )
+
+
+def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenizer=None) -> int:
+    """SPEC 1: config.num_token_id, else len(tokenizer), else the tokenizer found offline at
+    model.name_or_path; the id must be a row of the embedding that the tokenizer does not use."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    if config.num_token_id is not None:
+        num_id = config.num_token_id
+        source = "config.num_token_id"
+    else:
+        if tokenizer is None:
+            tokenizer = _offline_tokenizer(getattr(model, "name_or_path", None))
+        if tokenizer is None:
+            raise ValueError(
+                "cannot determine the <NUM> token id: pass tokenizer=... to get_causal_model, or set "
+                "CausalAdapterConfig(num_token_id=len(tokenizer)) (the first reserved embedding row)"
+            )
+        num_id = len(tokenizer)
+        source = f"len(tokenizer)={num_id}"
+        if num_id >= rows:
+            raise ValueError(
+                f"the model has no reserved embedding row for <NUM>: len(tokenizer)={num_id} >= "
+                f"{rows} embedding rows; pass an explicit CausalAdapterConfig(num_token_id=...)"
+            )
+    if not 0 <= num_id < rows:
+        raise ValueError(f"num_token_id={num_id} (from {source}) is outside the model's {rows} embedding rows")
+    return num_id
+
+
+def _offline_tokenizer(name_or_path: str | None):
+    if not name_or_path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except Exception:  # not a local dir / not cached: the caller raises the actionable error
+        return None
+
+
+class CausalModel(nn.Module):
+    """The wrapped model. Build it with `get_causal_model` or `CausalModel.from_pretrained`."""
+
+    def __init__(self, backbone: nn.Module, config: CausalAdapterConfig, num_token_id: int):
+        super().__init__()
+        check_supported(backbone)
+        self.config = config
+        self.num_token_id = num_token_id
+        self.backbone = backbone
+        W = backbone.get_output_embeddings().weight
+        H, V = backbone.config.hidden_size, W.shape[0]
+        C = config.causal_size or H
+        if C != H:
+            raise ValueError(
+                f"causal_size={C} must equal the backbone hidden size {H}: W_cls is the backbone's own "
+                "lm_head weight (shared, not copied), which acts on H-dimensional vectors"
+            )
+        dtype, device = _head_dtype(W.dtype), W.device
+        gen = torch.Generator().manual_seed(config.seed)  # CPU generator: same init on every device
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        if config.lora is not None:
+            self._inject_lora()
+        self.numeric_embedding = NumericEmbedding(
+            H, learnable=config.learnable_direction, std=config.direction_std, generator=gen, dtype=dtype, device=device
+        )
+        self.abduction = AbductionHead(H, C, gamma0=config.gamma0, generator=gen, dtype=dtype, device=device)
+        self.action = ActionHead(
+            C, V, num_token_id, W[num_token_id],
+            b_noise_init=config.b_noise_init, threshold_init=config.threshold_init,
+            threshold_mode=config.threshold_mode, learnable_threshold=config.learnable_threshold,
+            train_num_row=config.train_num_row, scale_floor=config.scale_floor,
+            generator=gen, dtype=dtype, device=device,
+        )
+
+    # ------------------------------------------------------------------ backbone
+    def _inject_lora(self) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        s = self.config.lora
+        lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules))
+        try:
+            inject_adapter_in_model(lora_config, self.backbone)
+        except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+            raise ValueError(f"LoRA target_modules {list(s.target_modules)} do not match the backbone: {e}") from None
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The transformer body (Qwen2Model / Qwen3Model): ends with the final norm."""
+        return self.backbone.get_decoder()
+
+    @property
+    def W_cls(self) -> Tensor:
+        """The backbone's lm_head weight [V, H] (tied models: also the input embedding)."""
+        return self.backbone.get_output_embeddings().weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.W_cls.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_cls.device
+
+    def backbone_needs_grad(self) -> bool:
+        """False -> the backbone runs under no_grad (frozen, fixed d): no activations kept."""
+        return self.numeric_embedding.direction.requires_grad or any(
+            p.requires_grad for p in self.backbone.parameters()
+        )
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, input_ids: Tensor, numeric_values: Tensor | None) -> Tensor:
+        """e = embed(x) + phi(v): [B, S] -> [B, S, H] in the backbone's dtype."""
+        embeds = self.backbone.get_input_embeddings()(input_ids)
+        if numeric_values is None:
+            return embeds
+        return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
+
+    def _check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
+                      label_values: Tensor | None) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        for name, t in (("numeric_values", numeric_values), ("labels", labels), ("label_values", label_values)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
+        for name, t in (("numeric_values", numeric_values), ("label_values", label_values)):
+            if t is not None and not torch.isfinite(t).all():
+                raise ValueError(f"{name} contains NaN or inf (first at index {_first_bad(~torch.isfinite(t))})")
+        if numeric_values is not None:
+            stray = (numeric_values != 0) & (input_ids != self.num_token_id)
+            if stray.any():
+                raise ValueError(
+                    f"numeric_values is non-zero at a position whose token is not <NUM> "
+                    f"(id {self.num_token_id}), first at index {_first_bad(stray)}"
+                )
+        if labels is not None:
+            bad = (labels != -100) & ((labels < 0) | (labels >= self.vocab_size))
+            if bad.any():
+                i = _first_bad(bad)
+                raise ValueError(
+                    f"labels must be -100 or in [0, {self.vocab_size}); got {labels[i].item()} at index {i}"
+                )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        numeric_values: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        label_values: Tensor | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        return_scores: bool = False,
+    ) -> CausalOutput:
+        """input_ids, numeric_values, attention_mask, labels, label_values: [B, S].
+
+        labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
+        label_values default to numeric_values (the value of each <NUM> label).
+        """
+        self._check_inputs(input_ids, numeric_values, labels, label_values)
+        if labels is not None and label_values is None:
+            label_values = numeric_values
+        grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
+        with grad_ctx:
+            out = self.decoder(
+                inputs_embeds=self.embed(input_ids, numeric_values),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+            )
+        z = out.last_hidden_state
+        loc_U, scale_U = self.abduction(z)
+        scale_Up = self.action.noisy_scale(scale_U)
+        loc_Y, scale_Y = self.action.regression(loc_U, scale_Up)
+        result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
+                              past_key_values=out.past_key_values if use_cache else None)
+        if return_scores:
+            result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
+        if labels is not None:
+            result.loss, result.loss_cls, result.loss_reg = self.loss(loc_U, scale_Up, loc_Y, scale_Y, labels, label_values)
+        return result
+
+    def loss(self, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, scale_Y: Tensor, labels: Tensor,
+             label_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """L = L_cls + lambda L_reg over positions predicting labels[:, 1:] (SPEC 3)."""
+        labels = labels[:, 1:].reshape(-1)
+        keep = labels != -100  # ignored rows never enter the heads' loss
+        labels = labels[keep]
+        C = loc_U.shape[-1]
+        loc_U = loc_U[:, :-1].reshape(-1, C)[keep]
+        scale_Up = scale_Up[:, :-1].reshape(-1, C)[keep]
+        loc_Y, scale_Y = loc_Y[:, :-1].reshape(-1)[keep], scale_Y[:, :-1].reshape(-1)[keep]
+        if label_values is None:
+            values = torch.zeros_like(loc_Y)
+        else:
+            values = label_values[:, 1:].reshape(-1)[keep].to(loc_Y.dtype)
+        act = self.action
+        ovr = fused_ovr_loss if self.config.fused_loss else reference_ovr_loss
+        loss_cls = ovr(loc_U, scale_Up, self.W_cls, act.b_cls, act.thresholds, labels,
+                       row_override=act.row_override(), scale_floor=act.scale_floor)
+        k = self.num_token_id
+        p_num = num_probability(loc_U, scale_Up, act.num_weight(self.W_cls), act.b_cls[k], act.num_threshold(),
+                                scale_floor=act.scale_floor)
+        loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.config.alpha)
+        return loss_cls + self.config.reg_weight * loss_reg, loss_cls, loss_reg
+
+    # ------------------------------------------------------------------ parameters
+    def adapter_state_dict(self) -> dict[str, Tensor]:
+        """Only the adapter's tensors: heads, d, b_cls, the <NUM> row, fixed buffers, LoRA."""
+        state = {}
+        for name in ("numeric_embedding", "abduction", "action"):
+            for k, v in getattr(self, name).state_dict().items():
+                state[f"{name}.{k}"] = v
+        if self.config.lora is not None:
+            from peft import get_peft_model_state_dict
+
+            lora = get_peft_model_state_dict(self.backbone, save_embedding_layers=False)
+            state.update({_LORA_PREFIX + k: v for k, v in lora.items()})
+        return state
+
+    def load_adapter_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Strict: every adapter tensor must be present with its shape; nothing else may be."""
+        expected = self.adapter_state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"adapter tensors do not match this model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        for k, v in expected.items():
+            if state[k].shape != v.shape:
+                raise ValueError(f"adapter tensor {k!r} has shape {tuple(state[k].shape)}, the model expects {tuple(v.shape)}")
+        heads = {k: v for k, v in state.items() if not k.startswith(_LORA_PREFIX)}
+        with torch.no_grad():
+            for name in ("numeric_embedding", "abduction", "action"):
+                sub = {k[len(name) + 1:]: v for k, v in heads.items() if k.startswith(name + ".")}
+                getattr(self, name).load_state_dict(sub, strict=True)
+        if self.config.lora is not None:
+            from peft import set_peft_model_state_dict
+
+            lora = {k[len(_LORA_PREFIX):]: v for k, v in state.items() if k.startswith(_LORA_PREFIX)}
+            result = set_peft_model_state_dict(self.backbone, lora)
+            bad = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+            if bad:
+                raise ValueError(f"LoRA tensors not found in the backbone: {bad[:8]}")
+
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameter counts; the shared W_cls is counted once."""
+        trainable = sum(p.numel() for _, p in self.trainable_parameters())
+        total = sum(p.numel() for p in self.parameters())  # parameters() deduplicates tied/shared tensors
+        return trainable, total
+
+    def print_trainable_parameters(self) -> None:
+        trainable, total = self.get_nb_trainable_parameters()
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}")
+
+    # ------------------------------------------------------------------ artifacts
+    def adapter_metadata(self) -> dict[str, Any]:
+        bc = self.backbone.config
+        return {
+            "format_version": FORMAT_VERSION,
+            "library": "causal_adapter",
+            "library_version": __version__,
+            "adapter_config": self.config.to_dict(),
+            "base_model_name_or_path": getattr(self.backbone, "name_or_path", None) or getattr(bc, "_name_or_path", None),
+            "model_type": bc.model_type,
+            "hidden_size": bc.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_token_id": self.num_token_id,
+            "tie_word_embeddings": bool(getattr(bc, "tie_word_embeddings", False)),
+        }
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write adapter_config.json + adapter_model.safetensors atomically (adapter tensors only)."""
+        meta, tensors = self.adapter_metadata(), self.adapter_state_dict()
+        return atomic_write_dir(save_directory, lambda tmp: write_adapter_files(tmp, meta, tensors))
+
+    @classmethod
+    def from_pretrained(cls, base_model: nn.Module, adapter_dir: str | os.PathLike, tokenizer=None) -> "CausalModel":
+        """Attach a saved adapter to `base_model` (an untouched Qwen checkpoint). Refuses a base whose
+        model type, hidden size, vocabulary rows or <NUM> id differ from the adapter's, naming both."""
+        meta, tensors = read_adapter_files(adapter_dir)
+        bc = base_model.config
+        rows = base_model.get_output_embeddings().weight.shape[0]
+        for key, base_value in (("model_type", bc.model_type), ("hidden_size", bc.hidden_size), ("vocab_size", rows)):
+            if meta.get(key) != base_value:
+                raise ValueError(
+                    f"adapter {str(adapter_dir)!r} was made for {key}={meta.get(key)!r}, but the base model has "
+                    f"{key}={base_value!r}"
+                )
+        num_id = meta["num_token_id"]
+        if tokenizer is not None and len(tokenizer) != num_id:
+            raise ValueError(
+                f"adapter {str(adapter_dir)!r} uses num_token_id={num_id}, but this tokenizer's first reserved row "
+                f"is len(tokenizer)={len(tokenizer)}: the adapter was made for another tokenizer"
+            )
+        config = CausalAdapterConfig.from_dict({**meta["adapter_config"], "num_token_id": num_id})
+        model = get_causal_model(base_model, config)
+        model.load_adapter_state_dict(tensors)
+        return model
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, *args, **kwargs):
+        """See causal_adapter.generation.generate (modes: softmax, deterministic, causal)."""
+        from .generation import generate
+
+        return generate(self, *args, **kwargs)
+
+
+def _first_bad(mask: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None = None, *,
+                     tokenizer=None) -> CausalModel:
+    """Wrap a Qwen2/Qwen2.5/Qwen3 `*ForCausalLM` (any dtype, tied or untied) with the causal heads.
+
+    The backbone is frozen (or gets LoRA through peft when `config.lora` is set). At return,
+    `loc_S` equals the base model's logits for every position and every vocabulary row.
+    """
+    config = config or CausalAdapterConfig()
+    check_supported(qwen_model)
+    num_id = resolve_num_token_id(qwen_model, config, tokenizer)
+    return CausalModel(qwen_model, config, num_id)

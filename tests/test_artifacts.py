@@ -1,0 +1,174 @@
+"""Adapter-only save / load: content, exact reload, compatibility checks, atomicity."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
+from causal_adapter.artifacts import CONFIG_NAME, WEIGHTS_NAME
+from causal_adapter.assets import build_tiny_qwen
+
+NUM = 151_669
+
+
+def trained_model(arch="qwen2", lora=None, seed=0, steps=3, **cfg):
+    """A model after a few optimiser steps, so that every adapter tensor differs from its init."""
+    base = build_tiny_qwen(arch, seed=seed)
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM, lora=lora, learnable_threshold=True,
+                                                       threshold_mode="vector", learnable_direction=True, **cfg))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 150_000, (2, 8), generator=g)
+    ids[:, 3] = NUM
+    vals = torch.zeros(2, 8)
+    vals[:, 3] = torch.tensor([12.5, -7.0])
+    opt = torch.optim.Adam([p for _, p in model.trainable_parameters()], lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(ids, vals, labels=ids).loss.backward()
+        opt.step()
+    return model, ids, vals
+
+
+def outputs(model, ids, vals):
+    with torch.no_grad():
+        o = model(ids, vals, labels=ids, return_scores=True)
+    return [o.loss, o.loc_U, o.scale_U, o.loc_Y, o.scale_Y, o.loc_S, o.scale_S]
+
+
+@pytest.mark.parametrize("arch, lora", [("qwen2", None), ("qwen3", LoraSettings(r=4, target_modules=["q_proj", "v_proj"]))])
+def test_save_reload_identical_outputs(tmp_path, arch, lora):
+    model, ids, vals = trained_model(arch, lora=lora)
+    init = get_causal_model(build_tiny_qwen(arch, seed=0), model.config)
+    for name, t in model.adapter_state_dict().items():  # every adapter tensor was trained
+        if name not in ("numeric_embedding.direction",) and t.dtype.is_floating_point:
+            assert not torch.equal(t, init.adapter_state_dict()[name]), name
+    model.save_pretrained(tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    fresh_base = build_tiny_qwen(arch, seed=0)
+    loaded = CausalModel.from_pretrained(fresh_base, tmp_path / "adapter")
+    for a, b in zip(outputs(model, ids, vals), outputs(loaded, ids, vals)):
+        assert torch.equal(a, b)
+    if lora is not None:
+        assert any("lora_A" in k for k in load_file(str(tmp_path / "adapter" / WEIGHTS_NAME)))
+
+
+def test_saved_file_holds_only_adapter_tensors(tmp_path):
+    model, _, _ = trained_model("qwen2", lora=LoraSettings(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "a")
+    tensors = load_file(str(tmp_path / "a" / WEIGHTS_NAME))
+    V, H = 151_936, 64
+    heads = {"numeric_embedding.direction", "abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight",
+             "abduction.scale.bias", "action.b_noise", "action.b_cls", "action.thresholds", "action.num_row",
+             "action.w_reg", "action.b_reg"}
+    assert heads <= set(tensors)
+    others = set(tensors) - heads
+    assert others and all(k.startswith("lora.") and ("lora_A" in k or "lora_B" in k) for k in others)
+    for k, t in tensors.items():
+        if k in ("action.b_cls", "action.thresholds"):
+            assert t.shape == (V,)
+        else:
+            assert V not in t.shape, k  # never a vocabulary-sized matrix
+    assert tensors["action.num_row"].shape == (H,)
+    meta = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    assert meta["num_token_id"] == NUM and meta["vocab_size"] == V and meta["hidden_size"] == H
+    assert meta["model_type"] == "qwen2" and meta["adapter_config"]["lora"]["r"] == 2
+    assert meta["library_version"] and meta["format_version"] == 1
+
+
+def test_reload_in_a_new_process(tmp_path):
+    model, ids, vals = trained_model("qwen3")
+    model.save_pretrained(tmp_path / "a")
+    torch.save({"ids": ids, "vals": vals, "loc_Y": outputs(model, ids, vals)[3]}, tmp_path / "ref.pt")
+    code = textwrap.dedent(f"""
+        import torch
+        from causal_adapter import CausalModel
+        from causal_adapter.assets import build_tiny_qwen
+        ref = torch.load({str(tmp_path / 'ref.pt')!r})
+        m = CausalModel.from_pretrained(build_tiny_qwen("qwen3", seed=0), {str(tmp_path / 'a')!r})
+        with torch.no_grad():
+            y = m(ref["ids"], ref["vals"]).loc_Y
+        assert torch.equal(y, ref["loc_Y"]), (y - ref["loc_Y"]).abs().max()
+        print("OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+
+
+def test_incompatible_base_is_refused_naming_both_sides(tmp_path, qwen_tokenizer):
+    model, _, _ = trained_model("qwen2")
+    model.save_pretrained(tmp_path / "a")
+    with pytest.raises(ValueError, match="model_type='qwen2'.*model_type='qwen3'"):
+        CausalModel.from_pretrained(build_tiny_qwen("qwen3"), tmp_path / "a")
+    with pytest.raises(ValueError, match="hidden_size=64.*hidden_size=32"):
+        CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32), tmp_path / "a")
+    with pytest.raises(ValueError, match="vocab_size=151936.*vocab_size=152000"):
+        CausalModel.from_pretrained(build_tiny_qwen("qwen2", vocab_size=152_000), tmp_path / "a")
+    # a Qwen2.5 tokenizer would put <NUM> at 151,665: simulate by a tokenizer of another length
+    class ShortTokenizer:
+        def __len__(self):
+            return 151_665
+
+    with pytest.raises(ValueError, match="num_token_id=151669.*len\\(tokenizer\\)=151665"):
+        CausalModel.from_pretrained(build_tiny_qwen("qwen2"), tmp_path / "a", tokenizer=ShortTokenizer())
+    # the real tokenizer agrees
+    CausalModel.from_pretrained(build_tiny_qwen("qwen2"), tmp_path / "a", tokenizer=qwen_tokenizer)
+
+
+def test_damaged_artifacts_give_clear_errors(tmp_path):
+    model, _, _ = trained_model("qwen2", steps=1)
+    d = tmp_path / "a"
+    model.save_pretrained(d)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        CausalModel.from_pretrained(build_tiny_qwen(), tmp_path / "nope")
+    w = d / WEIGHTS_NAME
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        CausalModel.from_pretrained(build_tiny_qwen(), d)
+    w.write_bytes(data)
+    meta = json.loads((d / CONFIG_NAME).read_text())
+    (d / CONFIG_NAME).write_text(json.dumps({**meta, "format_version": 99, "library_version": "9.0"}))
+    with pytest.raises(ValueError, match="format_version=99.*upgrade causal_adapter"):
+        CausalModel.from_pretrained(build_tiny_qwen(), d)
+    (d / CONFIG_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match="adapter_config.json.*is missing"):
+        CausalModel.from_pretrained(build_tiny_qwen(), d)
+
+
+def test_adapter_of_another_configuration_is_refused(tmp_path):
+    model, _, _ = trained_model("qwen2", steps=1)
+    model.save_pretrained(tmp_path / "a")
+    plain = get_causal_model(build_tiny_qwen(), CausalAdapterConfig(num_token_id=NUM))  # no vector thresholds
+    from causal_adapter.artifacts import read_adapter_files
+
+    _, tensors = read_adapter_files(tmp_path / "a")
+    with pytest.raises(ValueError, match="thresholds.*has shape"):
+        plain.load_adapter_state_dict(tensors)
+    tensors["action.extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="unexpected \\['action.extra'\\]"):
+        plain.load_adapter_state_dict(tensors)
+
+
+def test_crash_during_save_leaves_previous_adapter(tmp_path, monkeypatch):
+    model, ids, vals = trained_model("qwen2", steps=1)
+    d = tmp_path / "a"
+    model.save_pretrained(d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    import causal_adapter.model as model_module
+
+    def crash(directory, config, tensors):  # the new weights file is half written, then the process dies
+        (directory / WEIGHTS_NAME).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_module, "write_adapter_files", crash)
+    with torch.no_grad():
+        model.action.b_reg.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # the temporary directory was cleaned up
+    CausalModel.from_pretrained(build_tiny_qwen(), d)
