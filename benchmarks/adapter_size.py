@@ -81,7 +81,7 @@ def main() -> None:
     for name, size, b16, b32 in rows:
         print(f"{name:<18}{size / 2**20:>12.2f}{b16 / 2**20:>15.1f}{b32 / 2**20:>15.1f}{size / b16:>12.4%}")
     if args.quick:
-        print("(--quick: the 0.5B base has 2 of its 24 layers; ratios are upper bounds of nothing: rerun without --quick)")
+        print("(--quick: the 0.5B base has 2 of its 24 layers, so its sizes and ratios are not the real 0.5B figures)")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 

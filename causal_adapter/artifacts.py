@@ -64,7 +64,8 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
     """Call `write(tmp_dir)` to fill a fresh directory, then put it in place of `target` atomically."""
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    _remove_stale_tmp_dirs(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         write(tmp)
         for f in tmp.iterdir():
@@ -84,6 +85,24 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after an exchange it holds the previous version
     return target
+
+
+def _remove_stale_tmp_dirs(target: Path) -> None:
+    """Temporary directories left by a killed writer (its pid is gone) are removed."""
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = tmp.name[len(f".{target.name}.tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def resolve_adapter_dir(path: str | os.PathLike) -> Path:

@@ -1,5 +1,6 @@
 """Adapter-only save / load: content, exact reload, compatibility checks, atomicity."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -172,3 +173,89 @@ def test_crash_during_save_leaves_previous_adapter(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["a"]  # the temporary directory was cleaned up
     CausalModel.from_pretrained(build_tiny_qwen(), d)
+
+
+def _fork_saver(model, versions, directory, ready, rounds=None):
+    """A forked child that saves alternating adapter versions to `directory` (until killed)."""
+    import multiprocessing as mp
+
+    def run():
+        i = 0
+        while rounds is None or i < rounds:
+            model.load_adapter_state_dict(versions[i % len(versions)])
+            model.save_pretrained(directory)
+            if i == 0:
+                ready.set()
+            i += 1
+        os._exit(0)
+
+    proc = mp.get_context("fork").Process(target=run)
+    proc.start()
+    return proc
+
+
+def _version_of(directory, versions):
+    from causal_adapter.artifacts import read_adapter_files
+
+    _, tensors = read_adapter_files(directory)
+    for i, v in enumerate(versions):
+        if set(v) == set(tensors) and all(torch.equal(v[k], tensors[k]) for k in v):
+            return i
+    return None
+
+
+def _two_versions():
+    from conftest import small_vocab_qwen
+
+    model = get_causal_model(small_vocab_qwen(), CausalAdapterConfig(num_token_id=300))
+    v0 = {k: t.clone() for k, t in model.adapter_state_dict().items()}
+    v1 = {k: (t + 1.0 if t.dtype.is_floating_point else t).clone() for k, t in v0.items()}
+    return model, [v0, v1]
+
+
+def test_kill_9_during_save_never_damages_the_adapter(tmp_path):
+    """SIGKILL a process that saves in a loop, at random moments, many times: the directory
+    always holds one complete version, which loads."""
+    import multiprocessing as mp
+    import random
+    import signal
+    import time
+
+    model, versions = _two_versions()
+    d = tmp_path / "adapter"
+    model.load_adapter_state_dict(versions[0])
+    model.save_pretrained(d)
+    rng = random.Random(0)
+    seen = set()
+    kills = 25
+    for _ in range(kills):
+        ready = mp.get_context("fork").Event()
+        proc = _fork_saver(model, versions, d, ready)
+        ready.wait(30)
+        time.sleep(rng.uniform(0.0, 0.05))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        v = _version_of(d, versions)
+        assert v is not None, "the adapter directory holds a mix of versions"
+        seen.add(v)
+    assert seen == {0, 1}  # the kills really landed at different points of the save loop
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "adapter"]
+    model.save_pretrained(d)  # the next save removes temporary directories of killed writers
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"], leftovers
+    from conftest import small_vocab_qwen
+
+    CausalModel.from_pretrained(small_vocab_qwen(), d)
+
+
+def test_concurrent_saves_give_one_complete_adapter(tmp_path):
+    import multiprocessing as mp
+
+    model, versions = _two_versions()
+    d = tmp_path / "adapter"
+    events = [mp.get_context("fork").Event() for _ in range(2)]
+    procs = [_fork_saver(model, [versions[i]], d, events[i], rounds=15) for i in range(2)]
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert _version_of(d, versions) in (0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
