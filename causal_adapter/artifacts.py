@@ -67,6 +67,7 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
     _remove_stale_tmp_dirs(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an adapter is as readable as any directory
         write(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -85,6 +86,12 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after an exchange it holds the previous version
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _remove_stale_tmp_dirs(target: Path) -> None:

@@ -53,18 +53,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def cmd_data(args: argparse.Namespace) -> int:
-    from .corpora import main as corpora_main
-
-    return corpora_main(args.rest)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from .train import main as train_main
-
-    return train_main(args.rest)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from .model import CausalModel, get_causal_model
 
@@ -120,9 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", help="fine-tune an adapter (all flags: causal-adapter train --help)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_train)
+    # train / data own their flags: main() hands them the rest of the command line
+    sub.add_parser("train", add_help=False, help="fine-tune an adapter (flags: causal-adapter train --help)")
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the constant and persistence baselines")
     p.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
@@ -153,13 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=DEFAULT_TEXT, help="text to compare on")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("data", help="write an offline corpus as jsonl (causal-adapter data --help)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_data)
+    sub.add_parser("data", add_help=False, help="write an offline corpus as jsonl (flags: causal-adapter data --help)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+
+        return train_main(argv[1:])
+    if argv[:1] == ["data"]:
+        from .corpora import main as corpora_main
+
+        return corpora_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -453,6 +453,10 @@ class NumberTokenizer:
                         pieces.append(len(runs))
                         runs.append(cur)
                         cur = []
+                    elif i > 0 and ids[i - 1] == num:
+                        # Two adjacent <NUM> (only generation makes them; encoded text never has
+                        # them): a space keeps them two numbers when the text is read back.
+                        pieces.append(" ")
                     src = get_src(i)
                     if src is None:
                         if vals is None:

@@ -428,3 +428,12 @@ def test_batch_decode_with_number_texts(ntok):
 def test_encoding_dataclass(ntok):
     enc = ntok.encode("a 1")
     assert isinstance(enc, NumberEncoding) and len(enc) == len(enc.input_ids)
+
+
+def test_adjacent_generated_numbers_are_separated(ntok):
+    num = ntok.num_token_id
+    ids = ntok.encode("values: ").input_ids + [num, num]
+    text = ntok.decode(ids, [0.0] * (len(ids) - 2) + [1.5, 2.0])
+    assert text == "values: 1.5 2"
+    spans = find_numbers(text)
+    assert [s.value for s in spans] == [1.5, 2.0]

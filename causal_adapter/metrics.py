@@ -1,0 +1,316 @@
+"""Evaluation metrics of a CausalModel on labelled batches, and the two value baselines.
+
+Every metric is taken at the positions that carry a label (``labels != -100`` after the
+transformers shift: position i predicts ``labels[i + 1]``):
+
+* ``loss_cls`` / ``loss_reg`` / ``loss``: L_cls (mean over labelled positions), L_reg
+  (gated Cauchy NLL summed and divided by the number of ``<NUM>`` labels) and
+  ``loss_cls + reg_weight * loss_reg``, aggregated exactly over the whole split (not a mean of
+  batch means).
+* ``accuracy``: next-token accuracy of the deterministic mode, token = argmax_k P_k of the OvR
+  probabilities over all V rows.
+* ``num_precision`` / ``num_recall`` / ``num_f1``: ``<NUM>`` as a class, "predicted <NUM>"
+  meaning argmax_k P_k is ``<NUM>``.
+* ``value_mae`` / ``value_median_ae``: |loc_Y - y| at ``<NUM>`` labels (value = loc_Y, the
+  deterministic mode's value).
+* ``coverage_50`` / ``coverage_90``: share of ``<NUM>`` labels inside the central 50% / 90%
+  interval of Cauchy(loc_Y, scale_Y) (a calibrated model gives 0.5 / 0.9).
+* ``perplexity``: exp of the mean cross-entropy of softmax(loc_S), the softmax-compatible mode.
+* Baselines (from the ``target`` / ``previous`` columns of the rows, when present):
+  ``baseline_constant_*`` predicts the median of the TRAIN split's targets,
+  ``baseline_persistence_*`` the previous value of the series (the last number of the prompt).
+  For the built-in corpora every row has exactly one ``<NUM>`` label (its completion), so the
+  model's value metrics and the baselines are taken on the same items.
+
+The [n, V] score tensors are only formed for labelled positions, in row chunks.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from .cauchy import cauchy_icdf, ovr_probability
+
+IGNORE_INDEX = -100
+INTERVAL_LEVELS = (0.5, 0.9)
+SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)
+
+
+def _unwrap(model):
+    """The CausalModel under DDP / accelerate wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "action"):
+        model = model.module
+    return model
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return float(statistics.median(xs)) if len(xs) else None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+class MetricAccumulator:
+    """Accumulates the metrics of this module over batches; `state()` / `merge()` combine the
+    accumulators of several processes (plain Python data, picklable)."""
+
+    def __init__(self, num_token_id: int, reg_weight: float = 1.0, levels: Sequence[float] = INTERVAL_LEVELS):
+        self.num_token_id = int(num_token_id)
+        self.reg_weight = float(reg_weight)
+        self.levels = tuple(float(q) for q in levels)
+        self.n_tokens = 0
+        self.n_num_labels = 0
+        self.sum_cls = 0.0
+        self.sum_reg = 0.0
+        self.correct = 0
+        self.tp = self.fp = self.fn = 0
+        self.softmax_nll = 0.0
+        self.covered = [0] * len(self.levels)
+        # per <NUM> label: true value, loc_Y, scale_Y (for the value metrics and the plot)
+        self.y_true: list[float] = []
+        self.y_loc: list[float] = []
+        self.y_scale: list[float] = []
+        # per row with baseline columns: target, previous value
+        self.targets: list[float] = []
+        self.previous: list[float] = []
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def update(self, model, output, batch: Mapping[str, Any]) -> None:
+        """Add one batch. `output` is the model's CausalOutput for `batch` (computed with
+        `labels`, so loss_cls / loss_reg are set); `model` is the CausalModel (wrappers allowed)."""
+        model = _unwrap(model)
+        labels = batch["labels"]
+        shifted = labels[:, 1:]
+        keep = shifted != IGNORE_INDEX
+        n = int(keep.sum())
+        y = shifted[keep]
+        is_num = y == self.num_token_id
+        n_num = int(is_num.sum())
+        if n:
+            self.n_tokens += n
+            self.sum_cls += float(output.loss_cls) * n
+            self.sum_reg += float(output.loss_reg) * max(1, n_num)
+            self.n_num_labels += n_num
+            preds, nll = self._predict(model, output, keep, y)
+            self.correct += int((preds == y).sum())
+            pred_num = preds == self.num_token_id
+            self.tp += int((pred_num & is_num).sum())
+            self.fp += int((pred_num & ~is_num).sum())
+            self.fn += int((~pred_num & is_num).sum())
+            self.softmax_nll += nll
+        if n_num:
+            values = batch.get("label_values")
+            if values is None:
+                values = batch["numeric_values"]
+            y_true = values[:, 1:][keep][is_num].to(torch.float64)
+            loc = output.loc_Y[:, :-1][keep][is_num].to(torch.float64)
+            scale = output.scale_Y[:, :-1][keep][is_num].to(torch.float64)
+            for i, q in enumerate(self.levels):
+                lo = cauchy_icdf(torch.tensor((1 - q) / 2, dtype=torch.float64), loc, scale)
+                hi = cauchy_icdf(torch.tensor((1 + q) / 2, dtype=torch.float64), loc, scale)
+                self.covered[i] += int(((y_true >= lo) & (y_true <= hi)).sum())
+            self.y_true += y_true.tolist()
+            self.y_loc += loc.tolist()
+            self.y_scale += scale.tolist()
+        if "target" in batch and "previous" in batch:
+            self.targets += [float(v) for v in batch["target"].tolist()]
+            self.previous += [float(v) for v in batch["previous"].tolist()]
+
+    def _predict(self, model, output, keep: Tensor, y: Tensor) -> tuple[Tensor, float]:
+        """argmax_k P_k at the labelled positions and the summed softmax(loc_S) NLL."""
+        if output.loc_S is not None and output.scale_S is not None:
+            chunks = [(output.loc_S[:, :-1][keep], output.scale_S[:, :-1][keep], slice(None))]
+        else:
+            C = output.loc_U.shape[-1]
+            lu = output.loc_U[:, :-1][keep].reshape(-1, C)
+            su = model.action.noisy_scale(output.scale_U[:, :-1][keep].reshape(-1, C))
+            chunks = (
+                (*model.action.scores(lu[i:i + SCORE_CHUNK_ROWS], su[i:i + SCORE_CHUNK_ROWS], model.W_cls),
+                 slice(i, i + SCORE_CHUNK_ROWS))
+                for i in range(0, lu.shape[0], SCORE_CHUNK_ROWS)
+            )
+        preds, nll = [], 0.0
+        thresholds = model.action.thresholds
+        for loc_S, scale_S, rows in chunks:
+            preds.append(ovr_probability(loc_S, scale_S, thresholds).argmax(-1))
+            nll += float(torch.nn.functional.cross_entropy(loc_S.float(), y[rows], reduction="sum"))
+        return torch.cat(preds), nll
+
+    # ------------------------------------------------------------------ combine
+    def state(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items()}
+
+    def merge(self, states: Iterable[Mapping[str, Any]]) -> "MetricAccumulator":
+        """Add other accumulators' `state()` into this one (returns self)."""
+        for s in states:
+            for k in ("n_tokens", "n_num_labels", "sum_cls", "sum_reg", "correct", "tp", "fp", "fn", "softmax_nll"):
+                setattr(self, k, getattr(self, k) + s[k])
+            self.covered = [a + b for a, b in zip(self.covered, s["covered"])]
+            for k in ("y_true", "y_loc", "y_scale", "targets", "previous"):
+                getattr(self, k).extend(s[k])
+        return self
+
+    @classmethod
+    def merged(cls, states: Sequence[Mapping[str, Any]]) -> "MetricAccumulator":
+        first = states[0]
+        acc = cls(first["num_token_id"], first["reg_weight"], first["levels"])
+        return acc.merge(states)
+
+    # ------------------------------------------------------------------ results
+    def compute(self, constant_value: float | None = None) -> dict[str, Any]:
+        """The metrics as a flat dict (None where undefined, e.g. no <NUM> label in the split).
+        `constant_value`: the constant baseline's prediction (median of the train targets)."""
+        n, k = self.n_tokens, self.n_num_labels
+        loss_cls = _ratio(self.sum_cls, n)
+        loss_reg = self.sum_reg / max(1, k) if n else None
+        prec = _ratio(self.tp, self.tp + self.fp)
+        rec = _ratio(self.tp, self.tp + self.fn)
+        f1 = None
+        if prec is not None and rec is not None:
+            f1 = 2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0
+        elif rec is not None:  # nothing predicted as <NUM>: precision undefined, F1 = 0
+            f1 = 0.0
+        errors = [abs(a - b) for a, b in zip(self.y_loc, self.y_true)]
+        out: dict[str, Any] = {
+            "eval_tokens": n,
+            "num_targets": k,
+            "loss": None if loss_cls is None else loss_cls + self.reg_weight * loss_reg,
+            "loss_cls": loss_cls,
+            "loss_reg": loss_reg,
+            "accuracy": _ratio(self.correct, n),
+            "num_precision": prec,
+            "num_recall": rec,
+            "num_f1": f1,
+            "value_mae": _ratio(sum(errors), len(errors)),
+            "value_median_ae": _median(errors),
+        }
+        for q, c in zip(self.levels, self.covered):
+            out[f"coverage_{round(100 * q)}"] = _ratio(c, len(self.y_true))
+        out["perplexity"] = math.exp(min(self.softmax_nll / n, 700.0)) if n else None
+        out.update(baseline_metrics(self.targets, self.previous, constant_value))
+        return out
+
+    def predictions(self) -> dict[str, list[float]]:
+        """Per <NUM> label: true value, loc_Y, scale_Y (in evaluation order)."""
+        return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale)}
+
+
+def baseline_metrics(targets: Sequence[float], previous: Sequence[float],
+                     constant_value: float | None) -> dict[str, Any]:
+    """MAE / median absolute error of the constant (`constant_value`) and persistence
+    (`previous`) predictors of `targets`; empty dict without targets."""
+    if not targets:
+        return {}
+    out: dict[str, Any] = {"baseline_examples": len(targets)}
+    if constant_value is not None:
+        err = [abs(t - constant_value) for t in targets]
+        out["baseline_constant_mae"] = sum(err) / len(err)
+        out["baseline_constant_median_ae"] = _median(err)
+    if previous:
+        err = [abs(t - p) for t, p in zip(targets, previous)]
+        out["baseline_persistence_mae"] = sum(err) / len(err)
+        out["baseline_persistence_median_ae"] = _median(err)
+    return out
+
+
+def train_median(values: Iterable[float]) -> float | None:
+    """The constant baseline's prediction: the median of the train split's targets."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return _median(vals)
+
+
+MODEL_INPUTS = ("input_ids", "numeric_values", "attention_mask", "labels", "label_values")
+
+
+@torch.no_grad()
+def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricAccumulator | None = None, *,
+               device: torch.device | str | None = None) -> MetricAccumulator:
+    """Run `model` (a CausalModel, possibly wrapped) on collated `batches` (dicts with at least
+    input_ids and labels, as `NumericCollator` builds them) in eval mode (the previous mode is
+    restored) and add them to `accumulator` (a new one by default), which is returned."""
+    inner = _unwrap(model)
+    acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight)
+    device = torch.device(device) if device is not None else inner.device
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            batch = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
+            out = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+            acc.update(inner, out, batch)
+    finally:
+        model.train(was_training)
+    return acc
+
+
+def evaluate(model, batches: Iterable[Mapping[str, Any]], *, constant_value: float | None = None,
+             device: torch.device | str | None = None, return_predictions: bool = False):
+    """Metrics of `model` on collated `batches` (see `accumulate`). `constant_value`: the
+    constant baseline's prediction (`train_median` of the train targets). Returns the metrics
+    dict (and `MetricAccumulator.predictions()` with ``return_predictions=True``)."""
+    acc = accumulate(model, batches, device=device)
+    metrics = acc.compute(constant_value)
+    return (metrics, acc.predictions()) if return_predictions else metrics
+
+
+def evaluate_dataset(model, dataset, pad_token_id: int, *, batch_size: int = 8,
+                     train_targets: Iterable[float] | None = None, return_predictions: bool = False):
+    """Convenience: evaluate a tokenized dataset (features of `data.tokenize_dataset`, plus the
+    optional ``target`` / ``previous`` columns) in order. `train_targets`: the train split's
+    targets, for the constant baseline."""
+    from .data import NumericCollator
+
+    collate = NumericCollator(pad_token_id)
+    keep = [c for c in (*MODEL_INPUTS, "target", "previous") if c in dataset.column_names]
+    ds = dataset.select_columns(keep)
+    batches = (collate([ds[j] for j in range(i, min(i + batch_size, len(ds)))]) for i in range(0, len(ds), batch_size))
+    constant = train_median(train_targets) if train_targets is not None else None
+    return evaluate(model, batches, constant_value=constant, return_predictions=return_predictions)
+
+
+TABLE_ROWS = (
+    ("loss", "L = L_cls + lambda L_reg"),
+    ("loss_cls", "L_cls (OvR)"),
+    ("loss_reg", "L_reg (gated Cauchy NLL)"),
+    ("accuracy", "next-token accuracy (argmax P)"),
+    ("num_precision", "<NUM> precision"),
+    ("num_recall", "<NUM> recall"),
+    ("num_f1", "<NUM> F1"),
+    ("perplexity", "perplexity, softmax(loc_S)"),
+    ("coverage_50", "coverage of 50% interval"),
+    ("coverage_90", "coverage of 90% interval"),
+)
+
+
+def format_metrics_table(metrics: Mapping[str, Any], title: str = "validation") -> str:
+    """A markdown table of the metrics with the baselines beside the model's value errors."""
+    def fmt(v):
+        if v is None:
+            return "n/a"
+        if isinstance(v, int):
+            return str(v)
+        return f"{v:.4g}"
+
+    lines = [f"| metric ({title}) | value |", "| --- | --- |"]
+    for key, label in TABLE_ROWS:
+        if key in metrics:
+            lines.append(f"| {label} | {fmt(metrics[key])} |")
+    lines += ["", "| value prediction at <NUM> targets | MAE | median AE |", "| --- | --- | --- |",
+              f"| causal adapter (loc_Y), n={metrics.get('num_targets', 0)} | {fmt(metrics.get('value_mae'))} | "
+              f"{fmt(metrics.get('value_median_ae'))} |"]
+    if "baseline_examples" in metrics:
+        n = metrics["baseline_examples"]
+        if "baseline_constant_mae" in metrics:
+            lines.append(f"| constant baseline (train median), n={n} | {fmt(metrics['baseline_constant_mae'])} | "
+                         f"{fmt(metrics['baseline_constant_median_ae'])} |")
+        if "baseline_persistence_mae" in metrics:
+            lines.append(f"| persistence baseline (previous value), n={n} | "
+                         f"{fmt(metrics['baseline_persistence_mae'])} | "
+                         f"{fmt(metrics['baseline_persistence_median_ae'])} |")
+    return "\n".join(lines)
