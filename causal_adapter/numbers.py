@@ -270,11 +270,23 @@ class NumberTokenizer:
         if not segments:
             return [], []
         if self._backend is not None:
-            if with_offsets:
-                encs = self._backend.encode_batch(segments, add_special_tokens=False)
-                return [e.ids for e in encs], [e.offsets for e in encs]
-            encs = self._backend.encode_batch_fast(segments, add_special_tokens=False)
-            return [e.ids for e in encs], None
+            backend = self._backend
+            # A transformers call with padding=True / truncation leaves the shared Rust backend in
+            # that mode; segments must be encoded bare, so switch it off and restore it after.
+            padding, truncation = backend.padding, backend.truncation
+            backend.no_padding()
+            backend.no_truncation()
+            try:
+                if with_offsets:
+                    encs = backend.encode_batch(segments, add_special_tokens=False)
+                    return [e.ids for e in encs], [e.offsets for e in encs]
+                encs = backend.encode_batch_fast(segments, add_special_tokens=False)
+                return [e.ids for e in encs], None
+            finally:
+                if padding is not None:
+                    backend.enable_padding(**padding)
+                if truncation is not None:
+                    backend.enable_truncation(**truncation)
         out = self.tokenizer(segments, add_special_tokens=False, return_offsets_mapping=with_offsets)
         return out["input_ids"], (out["offset_mapping"] if with_offsets else None)
 

@@ -437,3 +437,14 @@ def test_adjacent_generated_numbers_are_separated(ntok):
     assert text == "values: 1.5 2"
     spans = find_numbers(text)
     assert [s.value for s in spans] == [1.5, 2.0]
+
+
+def test_encoding_ignores_padding_mode_left_on_the_shared_tokenizer(tok, ntok):
+    """A transformers call with padding=True leaves the fast backend padding; segments must not be padded."""
+    text = "Yearly sunspot numbers. 1749: 80.9; 1750: 83.4; 1751:"
+    before = ntok.encode(text).input_ids
+    tok(["a", "a much longer text than the first one"], padding=True, truncation=True, max_length=64)
+    assert ntok.encode(text).input_ids == before
+    assert ntok(text)["input_ids"][0].tolist() == before
+    # and the tokenizer's own state is restored for its next padded call
+    assert tok.backend_tokenizer.padding is not None

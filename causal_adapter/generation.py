@@ -1,0 +1,673 @@
+"""Text generation with the causal heads (SPEC section 4), on the backbone's KV cache.
+
+    generate(model, "prompt with 3 numbers", tokenizer=tok, mode="deterministic")
+    model.generate(input_ids=..., numeric_values=..., attention_mask=..., mode="causal", seed=0)
+
+Modes (the token and, when the token is ``<NUM>``, its value):
+
+* ``softmax``: logits = loc_S (= the base model's logits at initialisation); greedy, or sampling
+  with temperature / top-k / top-p (transformers' logits warpers). value = loc_Y.
+* ``deterministic`` (default): token = argmax_k P_k, P_k = P(S_k > C_k) the OvR probability;
+  value = loc_Y.
+* ``causal``: sample an individual u = loc_U + scale_U' * tan(pi (eps - 1/2)), eps ~ U(0,1)^C,
+  then act without noise: token = argmax_k (W_cls u + b_cls - C)_k (ties -> lowest index, but a
+  sampled u practically never ties, unlike P with scale 0), value = w_reg . u + b_reg.
+  ``shared_individual=True`` draws eps once per sequence and keeps it for every step (one
+  individual acting consistently); otherwise eps is fresh at every step. Random protocol
+  (documented so a run can be reproduced): the first draw is ``torch.rand((B, C))`` from the
+  generator, then one more such draw per step when eps is not shared.
+
+Per step the backbone sees only the new position (``inputs_embeds`` = token embedding +
+phi(value), so a generated number is fed back), with the 2-D attention mask and
+``position_ids = cumsum(mask) - 1`` exactly as transformers' own ``generate`` builds them;
+the heads run on the last position only. Sequences that emit an eos id or complete a stop
+string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the backbone keeps
+being fed the pad token, as transformers does, so batching never changes a row's output).
+
+Cost of the deterministic mode. P needs scale_S = |W_cls| scale_U' over all V rows: a second
+V x H product per token (plus |W_cls| itself, a V x H temporary, if taken naively). The argmax
+avoids it exactly: with per-row norms ||W_k||_1, ||W_k||_2 (one pass over W_cls, cached across
+calls while the weight is unchanged),
+scale_S_k lies in [lo_k, hi_k] (min/max and Cauchy-Schwarz bounds, widened by a rounding
+margin), which bounds t_k = (loc_S_k - C_k) / scale_S_k; only the rows whose upper bound
+reaches the best lower bound (usually a handful) get their exact scale_S_k, and the argmax
+over them is the argmax over all V (``ovr_pruning=True``). The bounds are tight when scale_U'
+is nearly uniform over its C dimensions (as at initialisation, W_scale = 0); when it is uneven
+(coefficient of variation over ~5%, less for nearly flat logits) more than V/8 rows survive and the full
+product is computed: by chunks of |W_cls| through one reused buffer (no V x H temporary; costs
+about one more V x H product per token), or from a copy of |W_cls| kept for the call
+(``cache_abs_weight=True``: V x H extra memory, in W_cls's dtype, i.e. half of it for bf16).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .cauchy import cauchy_icdf, ovr_probability
+from .heads import _linear
+
+MODES = ("softmax", "deterministic", "causal")
+_ABS_CHUNK_ROWS = 2048  # rows of |W_cls| per chunk (a few MB: stays in cache, reused buffer)
+# id(W_cls) -> (weakref to it, (version, data_ptr, dtype, shape), norms [2, V]); a few entries
+_NORM_CACHE: dict[int, tuple] = {}
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `generate`. B batch, S prompt length (padded), T generated steps.
+
+    sequences: [B, S+T] prompt + generated ids (pad after a row finished).
+    numeric_values: [B, S+T] values aligned with `sequences` (non-zero only at <NUM>).
+    attention_mask: [B, S+T] prompt mask, 1 for generated tokens, 0 for the padding after a
+        row finished (ready for a continuation).
+    new_tokens, new_values: [B, T] the generated part.
+    lengths: [B] generated tokens per row (eos / the token completing a stop string included).
+    finished: [B] bool, True when the row stopped on eos or a stop string.
+    token_probs: [B, T] OvR probability P_k of each chosen token (0 after the row finished).
+    numbers: per row, one dict per generated <NUM>: position (index in new_tokens), index (in
+        sequences), value (what was emitted and fed back), text (as rendered), loc / scale
+        (loc_Y, scale_Y of that step), interval_50 / interval_90 (central Cauchy intervals).
+    texts: decoded generated text per row (numbers rendered), when a tokenizer was available.
+    eps: [B, T, C] the uniforms of causal mode (with return_eps=True); with
+        shared_individual=True every step of a row holds the same eps.
+    """
+
+    sequences: Tensor
+    numeric_values: Tensor
+    attention_mask: Tensor
+    new_tokens: Tensor
+    new_values: Tensor
+    lengths: Tensor
+    finished: Tensor
+    token_probs: Tensor
+    numbers: list[list[dict[str, Any]]] = field(default_factory=list)
+    texts: list[str] | None = None
+    eps: Tensor | None = None
+    mode: str = "deterministic"
+
+
+# ----------------------------------------------------------------------------- tokenizer glue
+def _number_tokenizer(tokenizer, num_token_id: int):
+    """A NumberTokenizer for `tokenizer` (a HF tokenizer or already a NumberTokenizer)."""
+    if tokenizer is None:
+        return None
+    from .numbers import NumberTokenizer
+
+    if isinstance(tokenizer, NumberTokenizer):
+        if tokenizer.num_token_id != num_token_id:
+            raise ValueError(
+                f"the NumberTokenizer uses num_token_id={tokenizer.num_token_id} but the model's <NUM> id is "
+                f"{num_token_id}"
+            )
+        return tokenizer
+    return NumberTokenizer(tokenizer, num_token_id)
+
+
+def _encode(ntok, texts: str | Sequence[str]) -> dict:
+    return ntok(texts, padding_side="left", return_tensors="pt")
+
+
+def _decode(ntok, ids: Tensor, values: Tensor, prev_id: int | None = None, prev_value: float = 0.0) -> str:
+    """Text of generated ids. When the prompt ends with <NUM> (prev_id), the continuation is
+    decoded after it and the prompt's number cut off, so whatever NumberTokenizer puts between
+    two adjacent numbers (they must stay two numbers) is part of the new text."""
+    if prev_id is not None and prev_id == ntok.num_token_id and ids.numel():
+        head = ntok.decode([prev_id], [prev_value], skip_special_tokens=True)
+        full = ntok.decode([prev_id] + ids.tolist(), [prev_value] + values.tolist(), skip_special_tokens=True)
+        if full.startswith(head):
+            return full[len(head):]
+    return ntok.decode(ids.tolist(), values.tolist(), skip_special_tokens=True)
+
+
+def _format(value: float) -> str:
+    from .numbers import format_number
+
+    return format_number(value)
+
+
+class NumberStreamer:
+    """Prints generated text as it comes, numbers rendered (batch size 1, like TextStreamer).
+
+    Protocol (also what `generate` expects from any ``streamer``): ``put(token_ids)`` first with
+    the prompt [1, S], then once per step with the new token [1]; ``end()`` at the end. `generate`
+    passes ``numeric_values=`` as well to a ``put`` that accepts it. A plain
+    ``transformers.TextStreamer`` works too, but shows no number (<NUM> is not in its vocabulary).
+    """
+
+    def __init__(self, tokenizer, num_token_id: int | None = None, skip_prompt: bool = True, file=None):
+        self.ntok = _number_tokenizer(tokenizer, num_token_id if num_token_id is not None else len(tokenizer))
+        self.skip_prompt = skip_prompt
+        self.file = file
+        self._ids: list[int] = []
+        self._vals: list[float] = []
+        self._printed = 0
+        self._prompt_seen = False
+        self.text = ""
+
+    def put(self, token_ids: Tensor, numeric_values: Tensor | None = None) -> None:
+        if token_ids.dim() > 1:
+            if token_ids.shape[0] > 1:
+                raise ValueError("NumberStreamer only supports batch size 1")
+            token_ids = token_ids[0]
+            numeric_values = None if numeric_values is None else numeric_values[0]
+        values = [0.0] * token_ids.numel() if numeric_values is None else numeric_values.reshape(-1).tolist()
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            if self.skip_prompt:
+                return
+        self._ids += token_ids.reshape(-1).tolist()
+        self._vals += values
+        text = self.ntok.decode(self._ids, self._vals, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return
+        self._emit(text)
+
+    def end(self) -> None:
+        self._emit(self.ntok.decode(self._ids, self._vals, skip_special_tokens=True) if self._ids else self.text)
+        self.on_finalized_text("", stream_end=True)
+
+    def _emit(self, text: str) -> None:
+        new = text[self._printed:]
+        self._printed = len(text)
+        self.text = text
+        if new:
+            self.on_finalized_text(new, stream_end=False)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        print(text, end="" if not stream_end else "\n", flush=True, file=self.file or sys.stdout)
+
+
+# ----------------------------------------------------------------------------- head computations
+class _Heads:
+    """The heads at one position per row, with per-call caches (row norms, optional |W_cls|)."""
+
+    def __init__(self, model, *, ovr_pruning: bool, cache_abs_weight: bool):
+        self.model = model
+        self.act = model.action
+        self.W = model.W_cls
+        self.V, self.H = self.W.shape
+        self.k = model.num_token_id
+        self.num_row = self.act.num_row
+        self.thr = self.act.thresholds
+        self.floor = self.act.scale_floor
+        self.dtype = self.act.b_cls.dtype
+        self.ovr_pruning = ovr_pruning
+        self.cache_abs_weight = cache_abs_weight
+        self._abs_W: Tensor | None = None
+        self._buf: Tensor | None = None
+        self._norms: Tensor | None = None
+        self._rho: float | None = None  # median ||W_k||_2 / ||W_k||_1
+        # rounding margin of a computed scale_S_k = sum_j |W_kj| s_j (positive terms: relative error
+        # <= H * unit roundoff per accumulation; bf16/fp16 weights also round s and the result)
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        delta = self.H * torch.finfo(acc).eps
+        if self.W.dtype not in (torch.float32, torch.float64):
+            delta += 2 * torch.finfo(self.W.dtype).eps
+        self.delta = delta + 1e-6 if acc == torch.float32 else delta + 1e-12
+
+    # -- scores of all rows ------------------------------------------------------------
+    def loc_scores(self, loc_U: Tensor) -> Tensor:
+        """loc_S = W_cls loc_U + b_cls over all V rows (the <NUM> row from num_row): [B, C] -> [B, V]."""
+        s = _linear(loc_U, self.W) + self.act.b_cls
+        if self.num_row is not None:
+            s[:, self.k] = loc_U @ self.num_row + self.act.b_cls[self.k]
+        return s
+
+    def abs_scores(self, scale_Up: Tensor, idx: Tensor | None = None) -> Tensor:
+        """scale_S = max(|W_cls| scale_U', floor) for the rows `idx` (None = all): [B, C] -> [B, n]."""
+        if idx is not None:
+            out = _linear(scale_Up, self.W.index_select(0, idx).abs())
+        elif self.cache_abs_weight:
+            if self._abs_W is None:
+                self._abs_W = self.W.abs()
+            out = _linear(scale_Up, self._abs_W)
+        else:  # by chunks of rows through one reused buffer: no V x H temporary, no page faults
+            out = scale_Up.new_empty(scale_Up.shape[0], self.V)
+            if self._buf is None:
+                self._buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=self.W.dtype, device=self.W.device)
+            for c in range(0, self.V, _ABS_CHUNK_ROWS):
+                n = min(_ABS_CHUNK_ROWS, self.V - c)
+                out[:, c:c + n] = _linear(scale_Up, torch.abs(self.W[c:c + n], out=self._buf[:n]))
+        if self.num_row is not None:
+            num_scale = scale_Up @ self.num_row.abs()
+            if idx is None:
+                out[:, self.k] = num_scale
+            else:
+                hit = (idx == self.k).nonzero()
+                if hit.numel():
+                    out[:, hit[0, 0]] = num_scale
+        return out.clamp_min(self.floor)
+
+    def _thr(self, idx: Tensor | None) -> Tensor:
+        if idx is None or self.thr.dim() == 0:
+            return self.thr
+        return self.thr.index_select(0, idx)
+
+    # -- one row per batch element ---------------------------------------------------
+    def row_probability(self, ids: Tensor, loc_S_rows: Tensor, scale_Up: Tensor) -> Tensor:
+        """P of the row ids[b] for each b, given its loc_S: [B]."""
+        W = self.W.index_select(0, ids).to(self.dtype)
+        if self.num_row is not None:
+            W = torch.where((ids == self.k).unsqueeze(-1), self.num_row.unsqueeze(0), W)
+        scale = (scale_Up * W.abs()).sum(-1).clamp_min(self.floor)
+        thr = self.thr if self.thr.dim() == 0 else self.thr.index_select(0, ids)
+        return ovr_probability(loc_S_rows, scale, thr)
+
+    # -- deterministic: argmax_k P_k -------------------------------------------------
+    def _row_norms(self) -> Tensor:
+        """[2, V]: ||W_k||_1 and ||W_k||_2 of every row of the effective W_cls. One pass over W_cls,
+        cached across calls for the same, unmodified weight (keyed on its version counter)."""
+        if self._norms is None:
+            W = self.W
+            key = (W._version, W.data_ptr(), W.dtype, tuple(W.shape))
+            hit = _NORM_CACHE.get(id(W))
+            if hit is not None and hit[0]() is W and hit[1] == key:
+                norms = hit[2]
+            else:
+                norms = torch.empty(2, self.V, dtype=torch.float32 if W.dtype != torch.float64 else W.dtype,
+                                    device=W.device)
+                buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=W.dtype, device=W.device)
+                for c in range(0, self.V, _ABS_CHUNK_ROWS):
+                    n = min(_ABS_CHUNK_ROWS, self.V - c)
+                    b = torch.abs(W[c:c + n], out=buf[:n])
+                    norms[0, c:c + n] = b.sum(-1, dtype=norms.dtype)
+                    torch.mul(b, b, out=b)
+                    norms[1, c:c + n] = b.sum(-1, dtype=norms.dtype).sqrt_()
+                for stale in [i for i, e in _NORM_CACHE.items() if e[0]() is None] + list(_NORM_CACHE)[:-3]:
+                    _NORM_CACHE.pop(stale, None)
+                _NORM_CACHE[id(W)] = (weakref.ref(W), key, norms)
+            norms = norms.to(self.dtype, copy=True)
+            if self.num_row is not None:
+                r = self.num_row.detach()
+                norms[0, self.k], norms[1, self.k] = r.abs().sum(), r.norm()
+            self._norms = norms
+        return self._norms
+
+    def _candidates(self, z: Tensor, scale_Up: Tensor) -> Tensor | None:
+        """Rows that can hold argmax_k t_k, t_k = z_k / scale_S_k (union over the batch), or None
+        when the bounds leave more than V/8 of them.
+
+        scale_S_k = max(sum_j |W_kj| s_j, floor) lies in [lo_k, hi_k] with, per batch row, the
+        tighter of two bounds: min/max  s_min ||W_k||_1 <= . <= s_max ||W_k||_1, and
+        Cauchy-Schwarz  |sum_j |W_kj| (s_j - s_mean)| <= ||W_k||_2 ||s - s_mean||_2.
+        Both are a [B, 2] x [2, V] product with (||W_k||_1, ||W_k||_2); the margin 3 delta covers
+        the rounding of the computed scale_S, of the norms and of the bounds themselves. t is monotone in
+        scale_S, so t_k lies between z_k / lo_k and z_k / hi_k.
+        """
+        norms = self._row_norms()
+        s = scale_Up
+        s_mean = s.mean(-1, keepdim=True)
+        s_min = s.amin(-1, keepdim=True)
+        s_max = s.amax(-1, keepdim=True)
+        r = (s - s_mean).norm(dim=-1, keepdim=True)
+        if self._rho is None:
+            self._rho = float((norms[1] / norms[0].clamp_min(1e-30)).median())
+        d2 = 3 * self.delta  # rounding of the computed scale_S, of the norms and of the bounds
+        zero = torch.zeros_like(r)
+        cs_lo = r * self._rho < s_mean - s_min
+        cs_hi = r * self._rho < s_max - s_mean
+        coef_lo = torch.where(cs_lo, torch.cat([s_mean * (1 - d2), -r * (1 + d2)], 1),
+                              torch.cat([s_min * (1 - d2), zero], 1))
+        coef_hi = torch.where(cs_hi, torch.cat([s_mean * (1 + d2), r * (1 + d2)], 1),
+                              torch.cat([s_max * (1 + d2), zero], 1))
+        lo = (coef_lo @ norms).clamp_min_(self.floor)
+        hi = (coef_hi @ norms).clamp_min_(self.floor)
+        q_lo = z / lo
+        q_hi = torch.div(z, hi, out=hi)
+        t_hi = torch.maximum(q_lo, q_hi)
+        bar = torch.minimum(q_lo, q_hi, out=q_lo).amax(-1, keepdim=True)
+        idx = (t_hi >= bar).any(0).nonzero().squeeze(1)
+        if idx.numel() > max(64, self.V // 8):
+            return None
+        return idx
+
+    def ovr_argmax(self, loc_S: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
+        """(argmax_k P_k, its P) per row: [B, V], [B, C] -> [B], [B]."""
+        if self.ovr_pruning:
+            z = loc_S - self.thr
+            idx = self._candidates(z, scale_Up)
+            if idx is not None:
+                P = ovr_probability(loc_S.index_select(1, idx), self.abs_scores(scale_Up, idx), self._thr(idx))
+                j = P.argmax(-1)
+                return idx[j], P.gather(1, j.unsqueeze(1)).squeeze(1)
+        P = ovr_probability(loc_S, self.abs_scores(scale_Up), self.thr)
+        tok = P.argmax(-1)
+        return tok, P.gather(1, tok.unsqueeze(1)).squeeze(1)
+
+
+# ----------------------------------------------------------------------------- inputs
+def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, ntok):
+    if isinstance(inputs, (str, list, tuple)) and (isinstance(inputs, str) or all(isinstance(t, str) for t in inputs)):
+        if input_ids is not None:
+            raise ValueError("give either text prompts or input_ids, not both")
+        if ntok is None:
+            raise ValueError("text prompts need tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
+        enc = _encode(ntok, [inputs] if isinstance(inputs, str) else list(inputs))
+        input_ids, numeric_values, attention_mask = enc["input_ids"], enc["numeric_values"], enc["attention_mask"]
+    elif isinstance(inputs, (Tensor, list, tuple)):  # ids: a tensor, or (nested) lists of ints
+        if input_ids is not None:
+            raise ValueError("input_ids given twice (positionally and as a keyword)")
+        input_ids = inputs
+    elif hasattr(inputs, "keys") and "input_ids" in inputs:  # a dict / BatchEncoding
+        input_ids = inputs["input_ids"]
+        numeric_values = inputs.get("numeric_values", numeric_values)
+        attention_mask = inputs.get("attention_mask", attention_mask)
+    elif inputs is not None:
+        raise ValueError(f"inputs must be a str, a list of str, a tensor of ids or a dict, got {type(inputs).__name__}")
+    if input_ids is None:
+        raise ValueError("nothing to generate from: pass a prompt (str / list of str with tokenizer=) or input_ids")
+    dev = model.device
+    input_ids = torch.as_tensor(input_ids, device=dev, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {tuple(input_ids.shape)}")
+    if numeric_values is None:
+        numeric_values = torch.zeros(input_ids.shape, device=dev)
+    else:
+        numeric_values = torch.as_tensor(numeric_values, device=dev).reshape(input_ids.shape)
+        if not numeric_values.is_floating_point():
+            numeric_values = numeric_values.float()
+    attention_mask = (torch.ones_like(input_ids) if attention_mask is None
+                      else torch.as_tensor(attention_mask, device=dev).long().reshape(input_ids.shape))
+    if (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
+        raise ValueError("generation needs LEFT padding: an attention_mask row goes from 1 back to 0 "
+                         "(pad prompts on the left, e.g. number_tokenizer(texts, padding_side='left'))")
+    if (attention_mask[:, -1] == 0).any():
+        raise ValueError("a prompt is empty (its attention_mask row is all zeros)")
+    model._check_inputs(input_ids, numeric_values, None, None)
+    return input_ids, numeric_values, attention_mask
+
+
+def _default_ids(model, eos_token_id, pad_token_id, ntok):
+    gc = getattr(model.backbone, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(gc, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(model.backbone.config, "eos_token_id", None)
+    if eos_token_id is None or eos_token_id is False:
+        eos = []
+    elif isinstance(eos_token_id, int):
+        eos = [eos_token_id]
+    else:
+        eos = [int(e) for e in eos_token_id]
+    if pad_token_id is None:
+        for cand in (getattr(ntok, "pad_token_id", None), getattr(gc, "pad_token_id", None),
+                     getattr(model.backbone.config, "pad_token_id", None), eos[0] if eos else None):
+            if cand is not None:
+                pad_token_id = int(cand)
+                break
+        else:
+            pad_token_id = 0
+    return eos, int(pad_token_id)
+
+
+def _make_generator(seed, generator, device):
+    if generator is not None and seed is not None:
+        raise ValueError("give seed or generator, not both")
+    if seed is not None:
+        return torch.Generator(device=device).manual_seed(int(seed))
+    return generator
+
+
+def _put(streamer, ids: Tensor, values: Tensor) -> None:
+    try:
+        accepts = "numeric_values" in inspect.signature(streamer.put).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts:
+        streamer.put(ids.cpu(), numeric_values=values.cpu())
+    else:
+        streamer.put(ids.cpu())
+
+
+# ----------------------------------------------------------------------------- generate
+@torch.no_grad()
+def generate(
+    model,
+    inputs: str | Sequence[str] | Tensor | dict | None = None,
+    *,
+    input_ids: Tensor | None = None,
+    numeric_values: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    tokenizer=None,
+    mode: str = "deterministic",
+    max_new_tokens: int = 32,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    logits_processor=None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    shared_individual: bool = False,
+    return_eps: bool = False,
+    streamer=None,
+    callback: Callable[[int, Tensor, Tensor], Any] | None = None,
+    ovr_pruning: bool = True,
+    cache_abs_weight: bool = False,
+) -> GenerationOutput:
+    """Generate up to `max_new_tokens` tokens per prompt with the causal model (KV cached).
+
+    inputs: a str or list of str (needs `tokenizer`; prompts are left padded), a tensor of
+        input_ids, or a dict with input_ids / numeric_values / attention_mask. The same three
+        can be given as keywords (attention_mask must be LEFT padded).
+    tokenizer: a Qwen tokenizer or a NumberTokenizer; gives `texts` and enables stop_strings.
+    mode: "softmax" | "deterministic" (default) | "causal" (see the module docstring).
+    eos_token_id: int or list (None = the backbone's generation_config; [] = no eos).
+    pad_token_id: None = tokenizer's pad, else generation_config / config pad, else eos.
+    stop_strings: a row stops after the token that completes one of them in its new text.
+    do_sample, temperature, top_k, top_p, logits_processor: softmax mode only (transformers'
+        warpers; do_sample=None samples iff temperature/top_k/top_p is given).
+    seed / generator: randomness of softmax sampling and of causal mode (None = global RNG).
+    shared_individual: causal mode: one eps per sequence for the whole generation.
+    return_eps: causal mode: return the eps used ([B, T, C]).
+    streamer: TextStreamer-like (put / end); callback(step, token_ids [B], values [B]).
+    ovr_pruning, cache_abs_weight: speed options of the deterministic mode (exact either way).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    sampling_args = any(x is not None for x in (temperature, top_k, top_p)) or logits_processor is not None
+    if mode != "softmax" and (do_sample or sampling_args):
+        raise ValueError(f"do_sample / temperature / top_k / top_p / logits_processor apply to mode='softmax', "
+                         f"not mode={mode!r}")
+    if mode != "causal" and (shared_individual or return_eps):
+        raise ValueError("shared_individual / return_eps apply to mode='causal'")
+    if do_sample is None:
+        do_sample = mode == "softmax" and any(x is not None for x in (temperature, top_k, top_p))
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    stop_strings = [s for s in (stop_strings or []) if s]
+
+    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    if stop_strings and ntok is None:
+        raise ValueError("stop_strings need tokenizer=...")
+    input_ids, numeric_values, attention_mask = _resolve_inputs(
+        model, inputs, input_ids, numeric_values, attention_mask, ntok)
+    eos, pad_id = _default_ids(model, eos_token_id, pad_token_id, ntok)
+    device = input_ids.device
+    gen = _make_generator(seed, generator, device)
+    heads = _Heads(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
+    hdtype = heads.dtype
+    B, S = input_ids.shape
+    T = max_new_tokens
+    C = model.abduction.loc.weight.shape[0]
+    num_id = model.num_token_id
+
+    warpers = None
+    if mode == "softmax" and do_sample:
+        from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                  TopPLogitsWarper)
+
+        warpers = LogitsProcessorList(list(logits_processor or []))
+        if temperature is not None and temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k is not None and top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+    elif logits_processor is not None:
+        from transformers import LogitsProcessorList
+
+        warpers = LogitsProcessorList(list(logits_processor))
+
+    sequences = torch.cat([input_ids, torch.full((B, T), pad_id, dtype=torch.long, device=device)], 1)
+    vdtype = torch.promote_types(numeric_values.dtype, hdtype)
+    values = torch.cat([numeric_values.to(vdtype), torch.zeros(B, T, dtype=vdtype, device=device)], 1)
+    token_probs = torch.zeros(B, T, dtype=hdtype, device=device)
+    loc_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
+    scale_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
+    eps_all = torch.zeros(B, T, C, dtype=hdtype, device=device) if return_eps else None
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+
+    if streamer is not None:
+        _put(streamer, input_ids, numeric_values)
+
+    was_training = model.training
+    model.eval()
+    try:
+        steps = 0
+        shared_eps = None
+        if T > 0:
+            from transformers.cache_utils import DynamicCache
+
+            cache = DynamicCache(config=model.backbone.config)
+            mask = attention_mask
+            position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
+                                position_ids=position_ids, past_key_values=cache, use_cache=True)
+            last_pos = position_ids[:, -1:]
+            if mode == "causal" and shared_individual:
+                shared_eps = _draw_eps(B, C, hdtype, device, gen)
+        for t in range(T):
+            z = out.last_hidden_state[:, -1]
+            loc_U, scale_U = model.abduction(z)
+            scale_Up = model.action.noisy_scale(scale_U)
+            loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
+            if mode == "causal":
+                eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
+                u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
+                decision, y = model.action.decision_scores(u, heads.W)
+                tok = decision.argmax(-1)
+                val = y
+                prob = heads.row_probability(tok, _rows_loc(heads, loc_U, tok), scale_Up)
+                if eps_all is not None:
+                    eps_all[:, t] = eps
+            else:
+                loc_S = heads.loc_scores(loc_U)
+                val = loc_Y
+                if mode == "deterministic":
+                    tok, prob = heads.ovr_argmax(loc_S, scale_Up)
+                else:
+                    scores = loc_S
+                    if warpers is not None and len(warpers):
+                        scores = warpers(sequences[:, :S + t], scores)
+                    if do_sample:
+                        probs = torch.softmax(scores, -1)
+                        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                    else:
+                        tok = scores.argmax(-1)
+                    prob = heads.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+            tok = torch.where(finished, pad_id, tok)
+            val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
+            live = ~finished
+            sequences[:, S + t] = tok
+            values[:, S + t] = val
+            token_probs[:, t] = torch.where(live, prob.to(hdtype), 0)
+            loc_Y_all[:, t] = loc_Y
+            scale_Y_all[:, t] = scale_Y
+            lengths += live.long()
+            steps = t + 1
+            if eos:
+                finished = finished | (live & torch.isin(tok, eos_t))
+            if stop_strings:
+                finished = finished | _hit_stop(ntok, sequences, values, S, steps, lengths, live & ~finished,
+                                                 stop_strings)
+            if streamer is not None:
+                _put(streamer, tok, val)
+            if callback is not None:
+                callback(t, tok, val)
+            if t == T - 1 or bool(finished.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+            last_pos = last_pos + 1
+            out = model.decoder(inputs_embeds=model.embed(tok.unsqueeze(1), val.unsqueeze(1)), attention_mask=mask,
+                                position_ids=last_pos, past_key_values=cache, use_cache=True)
+    finally:
+        model.train(was_training)
+        if streamer is not None:
+            streamer.end()
+
+    sequences, values = sequences[:, :S + steps], values[:, :S + steps]
+    gen_mask = torch.arange(steps, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+    full_mask = torch.cat([attention_mask, gen_mask.long()], 1)
+    new_tokens, new_values = sequences[:, S:], values[:, S:]
+    numbers = _numbers(new_tokens, new_values, loc_Y_all[:, :steps], scale_Y_all[:, :steps], gen_mask, num_id, S)
+    texts = None
+    if ntok is not None:
+        texts = [_decode(ntok, new_tokens[b, :int(lengths[b])], new_values[b, :int(lengths[b])],
+                         int(input_ids[b, -1]), float(numeric_values[b, -1])) for b in range(B)]
+    return GenerationOutput(
+        sequences=sequences, numeric_values=values, attention_mask=full_mask, new_tokens=new_tokens,
+        new_values=new_values, lengths=lengths, finished=finished, token_probs=token_probs[:, :steps],
+        numbers=numbers, texts=texts, eps=None if eps_all is None else eps_all[:, :steps], mode=mode,
+    )
+
+
+def _rows_loc(heads: _Heads, loc_U: Tensor, ids: Tensor) -> Tensor:
+    """loc_S of the row ids[b] for each b: [B]."""
+    W = heads.W.index_select(0, ids).to(heads.dtype)
+    if heads.num_row is not None:
+        W = torch.where((ids == heads.k).unsqueeze(-1), heads.num_row.unsqueeze(0), W)
+    return (loc_U * W).sum(-1) + heads.act.b_cls.index_select(0, ids)
+
+
+def _draw_eps(B: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:
+    eps = torch.rand((B, C), generator=gen, dtype=dtype, device=device)
+    tiny = torch.finfo(dtype).eps  # never exactly 0 or 1: u stays finite (as sample_cauchy)
+    return eps.clamp(tiny, 1.0 - tiny)
+
+
+def _hit_stop(ntok, sequences, values, S, steps, lengths, rows, stop_strings) -> Tensor:
+    hit = torch.zeros_like(rows)
+    for b in rows.nonzero().flatten().tolist():
+        n = int(lengths[b])
+        text = _decode(ntok, sequences[b, S:S + n], values[b, S:S + n], int(sequences[b, S - 1]), float(values[b, S - 1]))
+        if any(s in text for s in stop_strings):
+            hit[b] = True
+    return hit
+
+
+_Q50 = (0.25, 0.75)
+_Q90 = (0.05, 0.95)
+
+
+def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S) -> list[list[dict[str, Any]]]:
+    is_num = (new_tokens == num_id) & gen_mask
+    out: list[list[dict[str, Any]]] = [[] for _ in range(new_tokens.shape[0])]
+    if not bool(is_num.any()):
+        return out
+    q = torch.tensor(_Q50 + _Q90, dtype=torch.float64)
+    for b, t in is_num.nonzero().tolist():
+        loc, scale = float(loc_Y[b, t]), float(scale_Y[b, t])
+        ends = cauchy_icdf(q, loc, scale).tolist()
+        v = float(new_values[b, t])
+        out[b].append({
+            "position": t, "index": S + t, "value": v, "text": _format(v) if math.isfinite(v) else str(v),
+            "loc": loc, "scale": scale, "interval_50": (ends[0], ends[1]), "interval_90": (ends[2], ends[3]),
+        })
+    return out

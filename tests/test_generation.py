@@ -1,0 +1,476 @@
+"""Generation (SPEC 4): base equivalence, KV cache vs full recomputation, the three modes,
+<NUM> value feedback, stopping, streaming. Every check compares with an independent computation."""
+import io
+import math
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig, get_causal_model
+from causal_adapter.assets import build_tiny_qwen
+from causal_adapter.generation import GenerationOutput, NumberStreamer, _Heads, generate
+from causal_adapter.numbers import NumberTokenizer, find_numbers, format_number
+from conftest import small_vocab_qwen
+
+NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)
+NUM_REAL = 151_669  # len(Qwen3 tokenizer): first reserved row of the real vocabulary
+PAD_REAL = 151_643
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is faster, and with the cores shared by other work a second
+    thread mostly waits at the barrier of every small op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tok(qwen_tokenizer):
+    return qwen_tokenizer
+
+
+@pytest.fixture(scope="module")
+def bases():
+    """Real-vocabulary tiny Qwens (layers stirred), built once; tests wrap them with fresh heads."""
+    return {
+        "qwen2": stir(build_tiny_qwen("qwen2", hidden_size=32, seed=3), seed=1, std=0.1),
+        "qwen3": stir(build_tiny_qwen("qwen3", hidden_size=32, seed=3), seed=1, std=0.1),
+        "qwen2_f64": stir(build_tiny_qwen("qwen2", hidden_size=32, seed=9, dtype=torch.float64), seed=9),
+    }
+
+
+def stir(base, seed=0, std=0.15):
+    """Random tiny Qwens barely use their layers (std 0.02): make the layers matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in base.model.layers.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * std)
+    return base
+
+
+def perturb(model, seed=0, num_bias=0.0, b_reg=40.0):
+    """Trained-looking heads: uneven scale_U, noisy b_cls, a <NUM> bias, values around b_reg."""
+    g = torch.Generator().manual_seed(seed)
+    a, act = model.abduction, model.action
+
+    def noise(t, std):
+        return torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) * std
+
+    with torch.no_grad():
+        a.scale.weight.add_(noise(a.scale.weight, 0.05))
+        act.b_cls.add_(noise(act.b_cls, 0.5))
+        act.b_cls[model.num_token_id] += num_bias
+        act.b_reg.fill_(b_reg)
+    return model
+
+
+def small_model(num_bias=0.0, gamma0=1.0, seed=0):
+    base = stir(small_vocab_qwen(dtype=torch.float64, hidden_size=32, seed=seed), seed=seed)
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM_SMALL, gamma0=gamma0))
+    return perturb(model, seed=seed, num_bias=num_bias)
+
+
+def small_prompts():
+    """Two left-padded prompts of lengths 7 and 4, with numbers in them."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 290, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    vals = torch.zeros(2, 7, dtype=torch.float64)
+    ids[0, 2], vals[0, 2] = NUM_SMALL, 99.9
+    ids[1, 5], vals[1, 5] = NUM_SMALL, -3.5
+    return ids, vals, mask
+
+
+def positions(mask):
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def effective_W(model):
+    W = model.W_cls.detach().to(model.action.b_cls.dtype).clone()
+    if model.action.num_row is not None:
+        W[model.num_token_id] = model.action.num_row
+    return W
+
+
+@torch.no_grad()
+def reference_generate(model, ids, vals, mask, mode, steps, *, eos=(), pad=0, seed=None, shared=False,
+                       top_k=None, temperature=None):
+    """Uncached: a full forward over the whole growing sequence at every step, heads written out."""
+    act = model.action
+    W, C = effective_W(model), act.thresholds
+    B = ids.shape[0]
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    H = W.shape[1]
+    shared_eps = torch.rand((B, H), generator=gen, dtype=W.dtype) if (mode == "causal" and shared) else None
+    finished = torch.zeros(B, dtype=torch.bool)
+    new_ids, new_vals = [], []
+    for _ in range(steps):
+        out = model(ids, vals, attention_mask=mask, position_ids=positions(mask), return_scores=True)
+        loc_S, scale_S = out.loc_S[:, -1], out.scale_S[:, -1]
+        loc_U, scale_Up = out.loc_U[:, -1], act.noisy_scale(out.scale_U[:, -1])
+        if mode == "softmax":
+            if top_k is None:
+                tok = loc_S.argmax(-1)
+            else:
+                s = loc_S / temperature
+                kth = s.topk(top_k, -1).values[:, -1:]
+                probs = torch.softmax(s.masked_fill(s < kth, -math.inf), -1)
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            val = out.loc_Y[:, -1]
+        elif mode == "deterministic":
+            P = 0.5 + torch.atan((loc_S - C) / scale_S) / math.pi
+            tok, val = P.argmax(-1), out.loc_Y[:, -1]
+        else:
+            eps = shared_eps if shared else torch.rand((B, H), generator=gen, dtype=W.dtype)
+            u = loc_U + scale_Up * torch.tan(math.pi * (eps - 0.5))
+            tok = (u @ W.T + act.b_cls - C).argmax(-1)
+            val = u @ act.w_reg + act.b_reg
+        tok = torch.where(finished, pad, tok)
+        val = torch.where(tok == model.num_token_id, val, 0.0)
+        finished = finished | torch.isin(tok, torch.tensor(list(eos), dtype=torch.long))
+        new_ids.append(tok)
+        new_vals.append(val)
+        ids = torch.cat([ids, tok[:, None]], 1)
+        vals = torch.cat([vals, val[:, None].to(vals.dtype)], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if finished.all():
+            break
+    return torch.stack(new_ids, 1), torch.stack(new_vals, 1)
+
+
+# --------------------------------------------------------------------------- softmax == base
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_softmax_greedy_equals_base_generate(arch, tok, bases):
+    import copy
+
+    base = bases[arch]
+    assert base.config.tie_word_embeddings == (arch == "qwen2")
+    model = get_causal_model(base, CausalAdapterConfig(), tokenizer=tok)
+    enc = NumberTokenizer(tok)(["Hello there, how are", "The cat sat on the mat and then it", "x"],
+                               padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    assert (mask == 0).any()
+    T = 12
+    gc = copy.deepcopy(base.generation_config)
+    gc.eos_token_id, gc.do_sample, gc.max_new_tokens = None, False, T  # no eos on either side
+    ref = base.generate(ids, attention_mask=mask, generation_config=gc)
+    out = model.generate(input_ids=ids, attention_mask=mask, mode="softmax", max_new_tokens=T, eos_token_id=[])
+    assert isinstance(out, GenerationOutput)
+    assert torch.equal(out.sequences, ref)
+    assert len(set(ref[:, -T:].flatten().tolist())) > 8  # a real sequence, not one repeated token
+
+    # with an eos that one row reaches mid-way: same early stop and padding as transformers
+    eos = int(ref[0, -T + 4])
+    ref2 = base.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=T, eos_token_id=eos,
+                         pad_token_id=PAD_REAL)
+    out2 = model.generate(input_ids=ids, attention_mask=mask, mode="softmax", max_new_tokens=T, eos_token_id=eos)
+    assert torch.equal(out2.sequences, ref2)
+    stop = (ref[0, -T:] == eos).nonzero()[0, 0].item() + 1
+    assert out2.lengths[0].item() == stop and out2.finished[0].item()
+    assert (out2.new_tokens[0, stop:] == PAD_REAL).all() and (out2.new_values == 0).all()
+    assert out2.attention_mask[0, ids.shape[1] + stop:].sum() == 0
+
+
+# --------------------------------------------------------------------------- cache == recomputation
+@pytest.mark.parametrize("mode,kw,num_bias", [
+    ("softmax", {}, 1.5),
+    ("softmax", dict(top_k=20, temperature=0.7, seed=3), 3.0),
+    ("deterministic", {}, 8.0),
+    ("causal", dict(seed=11), 2.0),
+    ("causal", dict(seed=12, shared_individual=True), 1.5),
+])
+def test_cached_equals_uncached_recomputation(mode, kw, num_bias):
+    model = small_model(num_bias=num_bias)
+    ids, vals, mask = small_prompts()
+    T = 10
+    out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, mode=mode, max_new_tokens=T,
+                         eos_token_id=[], **kw)
+    ref_ids, ref_vals = reference_generate(model, ids, vals, mask, mode, T, seed=kw.get("seed"),
+                                           shared=kw.get("shared_individual", False), top_k=kw.get("top_k"),
+                                           temperature=kw.get("temperature"))
+    assert torch.equal(out.new_tokens, ref_ids)
+    torch.testing.assert_close(out.new_values, ref_vals, rtol=0, atol=1e-5)
+    # the test exercises value feedback: generated <NUM>s whose values differ
+    is_num = out.new_tokens == NUM_SMALL
+    assert is_num.sum() >= 2 and len(set(out.new_values[is_num].tolist())) == int(is_num.sum())
+    assert (out.new_values[~is_num] == 0).all()
+    assert torch.equal(out.sequences[:, :7], ids) and torch.equal(out.numeric_values[:, :7], vals)
+
+
+def test_cached_equals_uncached_with_eos():
+    model = small_model(num_bias=2.0)
+    ids, vals, mask = small_prompts()
+    free, _ = reference_generate(model, ids, vals, mask, "causal", 8, seed=4)
+    eos = int(free[1, 2])  # row 1 stops at its third token
+    out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, mode="causal", max_new_tokens=8,
+                         eos_token_id=eos, pad_token_id=7, seed=4)
+    ref_ids, ref_vals = reference_generate(model, ids, vals, mask, "causal", 8, eos=[eos], pad=7, seed=4)
+    assert torch.equal(out.new_tokens, ref_ids)
+    torch.testing.assert_close(out.new_values, ref_vals, rtol=0, atol=1e-5)
+    k = (free[1] == eos).nonzero()[0, 0].item()
+    assert out.lengths[1].item() == k + 1 and (out.new_tokens[1, k + 1:] == 7).all()
+
+
+# --------------------------------------------------------------------------- deterministic = argmax P
+@pytest.mark.parametrize("perturbed", [False, True])
+def test_deterministic_picks_argmax_of_full_forward_P(perturbed, tok, bases):
+    base = bases["qwen3"]
+    model = get_causal_model(base, CausalAdapterConfig(gamma0=3.0), tokenizer=tok)
+    if perturbed:
+        perturb(model, seed=6)
+    ntok = NumberTokenizer(tok)
+    enc = ntok(["In 1749 the sunspot number was 80.9", "Price: 99.9 yuan"], padding_side="left")
+    T = 6
+    out = model.generate(enc, mode="deterministic", max_new_tokens=T, eos_token_id=[])
+    unpruned = model.generate(enc, mode="deterministic", max_new_tokens=T, eos_token_id=[], ovr_pruning=False)
+    assert torch.equal(out.sequences, unpruned.sequences)
+    S = enc["input_ids"].shape[1]
+    mask = out.attention_mask
+    differs_from_loc_argmax = False
+    with torch.no_grad():
+        for t in range(T):
+            m = mask[:, :S + t]
+            full = model(out.sequences[:, :S + t], out.numeric_values[:, :S + t].float(), attention_mask=m,
+                         position_ids=positions(m))
+            loc_U, scale_Up = full.loc_U[:, -1], model.action.noisy_scale(full.scale_U[:, -1])
+            loc_S, scale_S = (x.double() for x in model.action.scores(loc_U, scale_Up, model.W_cls))
+            P = 0.5 + torch.atan((loc_S - model.action.thresholds.double()) / scale_S) / math.pi
+            chosen = out.new_tokens[:, t]
+            p_chosen = P.gather(1, chosen[:, None]).squeeze(1)
+            assert (p_chosen >= P.max(-1).values - 1e-6).all(), t
+            torch.testing.assert_close(out.token_probs[:, t].double(), p_chosen, rtol=1e-5, atol=1e-6)
+            differs_from_loc_argmax |= bool((loc_S.argmax(-1) != chosen).any())
+    assert differs_from_loc_argmax  # argmax P is not argmax loc_S: the check has teeth
+
+
+@pytest.mark.parametrize("spread", ["constant", "mild", "wild"])
+def test_pruned_ovr_argmax_equals_full_argmax(spread):
+    """The candidate pruning is exact: same token as the argmax of P over all rows."""
+    base = small_vocab_qwen(vocab_size=6000, hidden_size=48, seed=2)
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=5990, threshold_mode="vector"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.action.num_row.mul_(3.0)
+        model.action.thresholds.add_(torch.randn(6000, generator=g))
+        model.action.b_cls.add_(torch.randn(6000, generator=g) * 2)
+    heads = _Heads(model, ovr_pruning=True, cache_abs_weight=False)
+    B, Cdim = 16, 48
+    loc_U = torch.randn(B, Cdim, generator=g) * 3
+    base_scale = torch.rand(B, 1, generator=g) * 10 + 0.1
+    noise = {"constant": 0.0, "mild": 0.05, "wild": 3.0}[spread]
+    scale_Up = base_scale * torch.exp(torch.randn(B, Cdim, generator=g) * noise)
+    loc_U[0] *= 1000  # one row with positive z (loc_S > C) for many classes
+    with torch.no_grad():
+        loc_S, scale_S = model.action.scores(loc_U, scale_Up, model.W_cls)
+        P = 0.5 + torch.atan((loc_S.double() - model.action.thresholds.double()) / scale_S.double()) / math.pi
+        tok, p = heads.ovr_argmax(heads.loc_scores(loc_U), scale_Up)
+    p_full = P.gather(1, tok[:, None]).squeeze(1)
+    assert (p_full >= P.max(-1).values - 1e-6).all()
+    assert (tok == P.argmax(-1)).float().mean() >= 0.9
+    torch.testing.assert_close(p.double(), p_full, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- causal mode
+def test_causal_seeds_and_shared_individual():
+    model = small_model(num_bias=2.0, gamma0=0.5)
+    ids, vals, mask = small_prompts()
+    kw = dict(input_ids=ids, numeric_values=vals, attention_mask=mask, mode="causal", max_new_tokens=8,
+              eos_token_id=[], return_eps=True)
+    a, b = model.generate(seed=1, **kw), model.generate(seed=1, **kw)
+    c = model.generate(seed=2, **kw)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.numeric_values, b.numeric_values)
+    assert not torch.equal(a.new_tokens, c.new_tokens)
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(model.generate(generator=g, **kw).sequences, a.sequences)
+    # fresh eps: the protocol draws one (B, C) uniform per step; different steps differ
+    g = torch.Generator().manual_seed(1)
+    expected = torch.stack([torch.rand((2, 32), generator=g, dtype=torch.float64) for _ in range(8)], 1)
+    torch.testing.assert_close(a.eps, expected, rtol=0, atol=1e-15)
+    assert not torch.equal(a.eps[:, 0], a.eps[:, 1])
+
+    s = model.generate(seed=1, shared_individual=True, **kw)
+    assert s.eps.shape == (2, 8, 32)
+    assert torch.equal(s.eps, s.eps[:, :1].expand_as(s.eps))  # one individual per sequence
+    assert not torch.equal(s.eps[0, 0], s.eps[1, 0])
+    torch.testing.assert_close(s.eps[:, 0], expected[:, 0], rtol=0, atol=1e-15)
+    # and that one eps is what acted at every step: independent recomputation from it
+    ref_ids, ref_vals = reference_generate(model, ids, vals, mask, "causal", 8, seed=1, shared=True)
+    assert torch.equal(s.new_tokens, ref_ids)
+    torch.testing.assert_close(s.new_values, ref_vals, rtol=0, atol=1e-5)
+    assert not torch.equal(s.new_tokens, a.new_tokens)
+
+
+def test_causal_decision_is_not_argmax_of_saturated_P():
+    """At init with C = 100, P with scale 0 would be 0 for every row (ties -> token 0)."""
+    model = small_model(num_bias=0.0, gamma0=0.5)
+    ids, vals, mask = small_prompts()
+    out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, mode="causal", max_new_tokens=6,
+                         seed=0, eos_token_id=[])
+    assert (out.new_tokens != 0).all() and len(set(out.new_tokens.flatten().tolist())) > 3
+
+
+# --------------------------------------------------------------------------- <NUM> feedback
+@pytest.mark.parametrize("mode", ["softmax", "deterministic", "causal"])
+def test_generated_number_is_fed_back_and_rendered(mode, tok, bases):
+    base = bases["qwen2"]
+    model = get_causal_model(base, CausalAdapterConfig(gamma0=1.0), tokenizer=tok)
+    assert model.num_token_id == NUM_REAL
+    with torch.no_grad():
+        model.action.b_cls[NUM_REAL] = 500.0  # <NUM> wins in every mode
+        model.action.b_reg.fill_(42.5)
+    seen = []
+    hook = model.decoder.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["inputs_embeds"].clone()),
+                                                   with_kwargs=True)
+    try:
+        out = model.generate("The price was 99.9 yuan, then", tokenizer=tok, mode=mode, max_new_tokens=4,
+                             seed=0, eos_token_id=[])
+    finally:
+        hook.remove()
+    assert (out.new_tokens == NUM_REAL).all()
+    v = out.new_values[0]
+    assert (v != 0).all() and len(set(v.tolist())) > 1
+    E, d = base.get_input_embeddings().weight, model.numeric_embedding.direction
+    assert len(seen) == 4 and seen[0].shape[1] == out.sequences.shape[1] - 4  # prefill, then one position per step
+    for t in range(1, 4):
+        x = float(v[t - 1])
+        expected = E[NUM_REAL] + math.copysign(math.log1p(abs(x)), x) * d
+        assert seen[t].shape == (1, 1, 32)
+        torch.testing.assert_close(seen[t][0, 0], expected, rtol=1e-5, atol=1e-6)
+    # the text shows the numbers: reading it back gives the generated values (format precision)
+    assert [n.value for n in find_numbers(out.texts[0])] == pytest.approx(v.tolist(), rel=1e-5)
+    assert all(format_number(x) in out.texts[0] for x in v.tolist())
+    nums = out.numbers[0]
+    assert [n["position"] for n in nums] == [0, 1, 2, 3]
+    for n, x in zip(nums, v.tolist()):
+        assert n["value"] == pytest.approx(x) and n["text"] == format_number(x)
+        lo, hi = n["interval_50"]
+        assert lo == pytest.approx(n["loc"] - n["scale"]) and hi == pytest.approx(n["loc"] + n["scale"])
+        lo, hi = n["interval_90"]
+        assert hi - n["loc"] == pytest.approx(n["scale"] * math.tan(0.45 * math.pi))
+        if mode != "causal":
+            assert n["loc"] == pytest.approx(x)
+    # the prompt's own number went in as a value too
+    assert (out.numeric_values[0] != 0).sum() == 5
+    assert out.numeric_values[0, :-4][out.sequences[0, :-4] == NUM_REAL].tolist() == pytest.approx([99.9])
+
+
+# --------------------------------------------------------------------------- text in / out, batching
+def test_text_prompts_batch_left_padding_equals_single_rows(tok, bases):
+    base = bases["qwen2_f64"]
+    model = get_causal_model(base, CausalAdapterConfig(gamma0=2.0), tokenizer=tok)
+    perturb(model, seed=9, num_bias=6.0)
+    prompts = ["In 1749 the yearly sunspot number was 80.9; in 1750 it was", "It costs 3 dollars"]
+    ntok = NumberTokenizer(tok)
+    enc = ntok(prompts, padding_side="left")
+    tok(["a", "bb"], padding=True)  # leaves padding on in the backend: generate must not be affected
+    for mode in ("softmax", "deterministic"):
+        batch = model.generate(prompts, tokenizer=ntok, mode=mode, max_new_tokens=6, eos_token_id=[])
+        for i, p in enumerate(prompts):
+            one = generate(model, p, tokenizer=tok, mode=mode, max_new_tokens=6, eos_token_id=[])
+            assert torch.equal(one.new_tokens[0], batch.new_tokens[i]), (mode, i)
+            torch.testing.assert_close(one.new_values[0], batch.new_values[i], rtol=0, atol=1e-9)
+            assert one.texts[0] == batch.texts[i]
+            assert batch.texts[i] == ntok.decode(batch.new_tokens[i].tolist(), batch.new_values[i].tolist(),
+                                                 skip_special_tokens=True)
+    same = model.generate(input_ids=enc["input_ids"], numeric_values=enc["numeric_values"],
+                          attention_mask=enc["attention_mask"], mode="deterministic", max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(same.sequences, batch.sequences) and same.texts is None
+
+
+def test_stop_strings_streamer_and_callback(tok, bases):
+    from transformers import TextStreamer
+
+    base = bases["qwen3"]
+    model = get_causal_model(base, tokenizer=tok)
+    prompt = "Once upon a time"
+    full = model.generate(prompt, tokenizer=tok, mode="softmax", max_new_tokens=12, eos_token_id=[])
+    toks = full.new_tokens[0].tolist()
+    prefixes = [tok.decode(toks[:j + 1]) for j in range(12)]
+    stop = prefixes[6][len(prefixes[5]) - 2:]  # text completed by token 6
+    first = next(j for j, p in enumerate(prefixes) if stop in p)
+    assert first < 11
+    cut = model.generate(prompt, tokenizer=tok, mode="softmax", max_new_tokens=12, eos_token_id=[],
+                         stop_strings=[stop])
+    assert cut.lengths[0].item() == first + 1 and cut.finished[0].item()
+    assert cut.texts[0] == prefixes[first] and full.texts[0].startswith(cut.texts[0])
+
+    steps = []
+    buf = io.StringIO()
+    out = model.generate(prompt, tokenizer=tok, mode="softmax", max_new_tokens=12, eos_token_id=[],
+                         streamer=NumberStreamer(tok, file=buf),
+                         callback=lambda t, ids, vals: steps.append((t, ids.clone(), vals.clone())))
+    assert [s[0] for s in steps] == list(range(12))
+    assert torch.equal(torch.stack([s[1] for s in steps], 1), out.new_tokens)
+    assert buf.getvalue() == out.texts[0] + "\n"
+    model.generate(prompt, tokenizer=tok, mode="softmax", max_new_tokens=3,
+                   streamer=TextStreamer(tok, skip_prompt=True))  # transformers' own streamer works
+
+
+def test_softmax_sampling_controls():
+    model = small_model()
+    ids, vals, mask = small_prompts()
+    kw = dict(input_ids=ids, numeric_values=vals, attention_mask=mask, mode="softmax", max_new_tokens=8,
+              eos_token_id=[])
+    greedy = model.generate(**kw)
+    assert torch.equal(model.generate(top_k=1, seed=0, **kw).sequences, greedy.sequences)
+    a, b = model.generate(top_k=50, seed=5, **kw), model.generate(top_k=50, seed=5, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert not torch.equal(a.sequences, model.generate(top_k=50, seed=6, **kw).sequences)
+    # every sampled token is in the top-3 of loc_S at its step (full forward)
+    out = model.generate(top_k=3, temperature=2.0, seed=1, **kw)
+    with torch.no_grad():
+        for t in range(8):
+            m = out.attention_mask[:, :7 + t]
+            loc_S = model(out.sequences[:, :7 + t], out.numeric_values[:, :7 + t], attention_mask=m,
+                          position_ids=positions(m), return_scores=True).loc_S[:, -1]
+            assert (loc_S.topk(3, -1).indices == out.new_tokens[:, t:t + 1]).any(-1).all()
+
+
+def test_bad_arguments_are_clear():
+    model = small_model()
+    ids, vals, mask = small_prompts()
+    with pytest.raises(ValueError, match="mode"):
+        model.generate(input_ids=ids, mode="greedy")
+    with pytest.raises(ValueError, match="LEFT padding"):
+        model.generate(input_ids=ids, attention_mask=mask.flip(-1))
+    with pytest.raises(ValueError, match="softmax"):
+        model.generate(input_ids=ids, mode="deterministic", temperature=0.5)
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate("text without a tokenizer")
+    out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, max_new_tokens=0)
+    assert torch.equal(out.sequences, ids) and out.new_tokens.shape == (2, 0)
+
+
+def test_row_norm_cache_follows_weight_updates():
+    """The pruning bounds use per-row norms cached across calls: an in-place update of W_cls
+    (an optimizer step) must invalidate them, or a row that grew would be pruned wrongly."""
+    base = small_vocab_qwen(vocab_size=3000, hidden_size=32, seed=4)
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=2990))
+    ids = torch.randint(0, 2900, (1, 5), generator=torch.Generator().manual_seed(0))
+    first = model.generate(input_ids=ids, max_new_tokens=1, eos_token_id=[]).new_tokens[0, 0].item()
+    other = (first + 7) % 2900
+    with torch.no_grad():
+        model.W_cls[other] *= 3.0  # its ||W||_1 triples: at C = 100 it becomes argmax P
+    pruned = model.generate(input_ids=ids, max_new_tokens=1, eos_token_id=[])
+    full = model.generate(input_ids=ids, max_new_tokens=1, eos_token_id=[], ovr_pruning=False)
+    assert torch.equal(pruned.sequences, full.sequences)
+    assert pruned.new_tokens[0, 0].item() == other
+
+
+def test_text_after_a_prompt_ending_with_a_number(tok):
+    """Prompt "... 80.9" + a generated <NUM>: the new text must keep the two numbers apart."""
+    model = get_causal_model(build_tiny_qwen("qwen2", hidden_size=32, seed=8), tokenizer=tok)
+    with torch.no_grad():
+        model.action.b_cls[NUM_REAL] = 500.0
+        model.action.b_reg.fill_(7.0)
+    prompt = "The sunspot number was 80.9"
+    out = model.generate(prompt, tokenizer=tok, mode="deterministic", max_new_tokens=2, eos_token_id=[])
+    assert out.sequences[0, -3].item() == NUM_REAL == out.new_tokens[0, 0].item()
+    values = [n.value for n in find_numbers(prompt + out.texts[0])]
+    assert values == pytest.approx([80.9] + out.new_values[0].tolist(), rel=1e-5)
