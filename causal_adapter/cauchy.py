@@ -1,0 +1,158 @@
+"""Numerically stable Cauchy math (SPEC sections 2.7, 3, 4).
+
+Notation: a Cauchy variable X ~ Cauchy(loc, scale); for a score S_k ~ Cauchy(loc_S, scale_S)
+and a threshold C_k the one-vs-rest probability is
+
+    P = P(S > C) = 1/2 + atan(t)/pi,   t = z / s,   z = loc_S - C,   s = scale_S > 0.
+
+The textbook form loses everything in the tails: for t << 0, 1/2 + atan(t)/pi subtracts two
+numbers close to 1/2 (P ~ -1/(pi t) ends up as 0 or noise). With theta = atan2(s, z) in (0, pi)
+and phi = atan2(s, -z) = pi - theta (both exact identities for s > 0):
+
+    P     = phi   / pi    (accurate when P is small: phi ~ s/|z| is computed without cancellation)
+    1 - P = theta / pi    (accurate when 1 - P is small)
+
+Neither form divides by s (s may sit at a tiny floor). The logs are taken from the branch
+that has no cancellation: log P = log(phi/pi) when z <= 0 (P <= 1/2), log1p(-theta/pi) when
+z > 0; symmetrically for log(1 - P).
+
+Derivatives (u = s^2 + z^2, t = z/s):
+    dP/dt = 1 / (pi (1 + t^2)),   dP/dz = s / (pi u),   dP/ds = -z / (pi u)
+    d log P     / dz =  s / (u phi),     d log P     / ds = -z / (u phi)
+    d log(1-P)  / dz = -s / (u theta),   d log(1-P)  / ds =  z / (u theta)
+All are finite for s > 0: when phi -> 0 (t -> -inf), s / (u phi) -> 1/|z|; when
+theta -> 0 (t -> +inf), s / (u theta) -> 1/z. Here they come from autograd through atan2 /
+log / log1p, which evaluates exactly these products (no cancellation); the fused loss
+(loss.py) uses the same closed forms by hand.
+
+Every function computes in at least float32 (bf16/fp16 inputs are upcast; float64 stays
+float64) and accepts any broadcastable shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+LOG_PI = math.log(math.pi)
+
+
+def _compute_dtype(*xs: Tensor | float) -> torch.dtype:
+    """float32, or float64 if any tensor input is float64 (bf16/fp16 are upcast)."""
+    dt = torch.float32
+    for x in xs:
+        if isinstance(x, Tensor) and x.dtype == torch.float64:
+            dt = torch.float64
+    return dt
+
+
+def _as(x: Tensor | float, dtype: torch.dtype, like: Tensor | None = None) -> Tensor:
+    if isinstance(x, Tensor):
+        return x.to(dtype)
+    return torch.tensor(x, dtype=dtype, device=None if like is None else like.device)
+
+
+def ovr_log_probs(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """(log P, log(1 - P)) for P = 1/2 + atan(z/s)/pi, elementwise, s > 0.
+
+    z: loc_S - C (any shape); s: scale_S > 0 (broadcastable to z).
+    Returns two tensors of the broadcast shape in float32 (float64 if an input is float64).
+    Accurate (relative) in both tails and finite with finite gradients for |z/s| up to at
+    least 1e8 and s in [1e-6, 1e6] (see the module docstring for the derivation).
+    """
+    dt = _compute_dtype(z, s)
+    z, s = z.to(dt), s.to(dt)
+    theta = torch.atan2(s, z)  # pi * (1 - P)
+    phi = torch.atan2(s, -z)  # pi * P
+    pos = z > 0
+    # Each branch only ever sees arguments of its own side, so the branch torch.where
+    # discards can neither be inf nor produce 0 * inf = NaN in the backward pass.
+    half = torch.full_like(theta, math.pi / 2)
+    log_p = torch.where(
+        pos,
+        torch.log1p(-torch.where(pos, theta, half) / math.pi),
+        torch.log(torch.where(pos, half, phi)) - LOG_PI,
+    )
+    neg = z < 0
+    log_1mp = torch.where(
+        neg,
+        torch.log1p(-torch.where(neg, phi, half) / math.pi),
+        torch.log(torch.where(neg, half, theta)) - LOG_PI,
+    )
+    return log_p, log_1mp
+
+
+def ovr_probability(loc_S: Tensor, scale_S: Tensor, thresholds: Tensor | float) -> Tensor:
+    """P_k = 1/2 + atan((loc_S_k - C_k)/scale_S_k)/pi, computed as atan2(s, -z)/pi.
+
+    loc_S, scale_S: [..., V] (scale_S > 0); thresholds: scalar, 0-dim or [V] (broadcast).
+    """
+    dt = _compute_dtype(loc_S, scale_S, thresholds)
+    z = loc_S.to(dt) - _as(thresholds, dt, loc_S)
+    return torch.atan2(scale_S.to(dt), -z) / math.pi
+
+
+def cauchy_cdf(x: Tensor, loc: Tensor | float, scale: Tensor | float) -> Tensor:
+    """F(x) = 1/2 + atan((x - loc)/scale)/pi = atan2(scale, loc - x)/pi (accurate left tail)."""
+    dt = _compute_dtype(x, loc, scale)
+    x = x.to(dt)
+    return torch.atan2(_as(scale, dt, x), _as(loc, dt, x) - x) / math.pi
+
+
+def _standard_icdf(p: Tensor) -> Tensor:
+    """tan(pi (p - 1/2)) without forming p - 1/2 in the tails.
+
+    tan(pi (p - 1/2)) = -1/tan(pi p) = 1/tan(pi (1 - p)); the branch with the argument in
+    (0, pi/2] keeps p's relative precision near 0 (1 - p is exact for p >= 1/2).
+    p = 0 gives -inf and p = 1 gives +inf, the true quantiles.
+    """
+    low = p < 0.5
+    q = torch.where(low, p, 1.0 - p)
+    return torch.where(low, -1.0, 1.0) / torch.tan(math.pi * q)
+
+
+def cauchy_icdf(p: Tensor, loc: Tensor | float = 0.0, scale: Tensor | float = 1.0) -> Tensor:
+    """Quantile function loc + scale * tan(pi (p - 1/2)), p in [0, 1] (e.g. interval ends)."""
+    dt = _compute_dtype(p, loc, scale)
+    p = p.to(dt)
+    return _as(loc, dt, p) + _as(scale, dt, p) * _standard_icdf(p)
+
+
+def sample_cauchy(
+    loc: Tensor, scale: Tensor | float, generator: torch.Generator | None = None
+) -> Tensor:
+    """One draw loc + scale * tan(pi (eps - 1/2)) per element, eps ~ U(0, 1) from `generator`.
+
+    Shape = broadcast of loc and scale; reparameterised (gradients flow to loc and scale).
+    eps is clamped to [tiny, 1 - tiny] (tiny = the dtype's resolution near 0 and 1) so a draw
+    is never +-inf; this truncates the tails only beyond |x| ~ scale / (pi * tiny).
+    """
+    dt = _compute_dtype(loc, scale)
+    loc = loc.to(dt)
+    scale = _as(scale, dt, loc)
+    shape = torch.broadcast_shapes(loc.shape, scale.shape)
+    eps = torch.rand(shape, generator=generator, dtype=dt, device=loc.device)
+    tiny = torch.finfo(dt).eps  # 1 - tiny is representable, so the upper clamp is real
+    eps = eps.clamp(tiny, 1.0 - tiny)
+    return loc + scale * _standard_icdf(eps)
+
+
+def cauchy_nll(y: Tensor, loc: Tensor, scale: Tensor) -> Tensor:
+    """-log Cauchy pdf = log(pi * scale) + log1p(((y - loc)/scale)^2), elementwise, scale > 0.
+
+    Finite even when |y - loc| / scale ~ 1e300: for |d| > scale (d = y - loc) it uses
+    log1p(r^2) = 2 log|d| - 2 log(scale) + log1p((scale/d)^2), which never squares a large
+    number. Gradients are finite in both branches (torch.where arguments are kept in range).
+    """
+    dt = _compute_dtype(y, loc, scale)
+    y, loc, scale = y.to(dt), _as(loc, dt, y), _as(scale, dt, y)
+    d = y - loc
+    a = d.abs()
+    big = a > scale
+    d_small = torch.where(big, torch.zeros_like(d), d)  # ratio <= 1 in the small branch
+    a_big = torch.where(big, a, scale)  # ratio <= 1 in the big branch
+    log_scale = torch.log(scale)
+    small = torch.log1p((d_small / scale) ** 2)
+    large = 2.0 * (torch.log(a_big) - log_scale) + torch.log1p((scale / a_big) ** 2)
+    return LOG_PI + log_scale + torch.where(big, large, small)

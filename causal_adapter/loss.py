@@ -1,0 +1,412 @@
+"""Training losses (SPEC section 3): the one-vs-rest (OvR) classification loss over the
+whole vocabulary, its fused chunked implementation, and the gated Cauchy regression loss.
+
+Shapes: N token rows (the caller flattens batch x sequence), C causal size, V vocabulary rows.
+
+    loc_S   = loc_U @ W.T + b_cls                          [N, V]
+    scale_S = max(scale_Up @ |W|.T, scale_floor)           [N, V]
+    P_ik    = 1/2 + atan((loc_S_ik - C_k) / scale_S_ik) / pi
+    L_cls   = mean over rows with labels != ignore_index of
+              -sum_k [y_ik log P_ik + (1 - y_ik) log(1 - P_ik)],   y = one_hot(labels)
+
+`reference_ovr_loss` is this formula verbatim (it materialises [N, V]); `fused_ovr_loss`
+gives the same value and gradients without ever holding more than one [T, Vc] block.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .cauchy import cauchy_nll, ovr_log_probs
+
+RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
+
+DEFAULT_MEMORY_BUDGET_MB = 160  # working memory of one block of the fused loss (not its outputs)
+MAX_TOKEN_CHUNK = 1024  # measured: larger token chunks buy no GEMM speed, only memory
+MIN_VOCAB_CHUNK, MAX_VOCAB_CHUNK = 256, 8192
+
+
+# --------------------------------------------------------------------------- helpers
+def _flatten_rows(loc_U: Tensor, scale_Up: Tensor, labels: Tensor, ignore_index: int):
+    """[..., C] -> [n, C] keeping only rows whose label is not ignore_index (n may be 0)."""
+    C = loc_U.shape[-1]
+    loc_U, scale_Up, labels = loc_U.reshape(-1, C), scale_Up.reshape(-1, C), labels.reshape(-1)
+    valid = labels != ignore_index
+    if not bool(valid.all()):  # indexing copies rows (and scatters their grads back): skip if no-op
+        loc_U, scale_Up, labels = loc_U[valid], scale_Up[valid], labels[valid]
+    return loc_U, scale_Up, labels
+
+
+def _compute_dtype(*xs: Tensor | None) -> torch.dtype:
+    """float64 if an activation is float64, else float32 (bf16 inputs are upcast)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _as_threshold(thresholds: Tensor | float, dtype: torch.dtype, device) -> Tensor:
+    if isinstance(thresholds, Tensor):
+        return thresholds
+    return torch.tensor(float(thresholds), dtype=dtype, device=device)
+
+
+def _column_offset(b: Tensor | None, thr: Tensor, cols: slice | Tensor, dtype) -> Tensor:
+    """b_k - C_k for the given columns ([cols], or 0-dim when b is None and C is a scalar)."""
+    t = thr.to(dtype)
+    off = -(t[cols] if thr.numel() > 1 else t.reshape(()))
+    return off if b is None else b[cols].to(dtype) + off
+
+
+# --------------------------------------------------------------------------- reference
+def reference_ovr_loss(
+    loc_U: Tensor,
+    scale_Up: Tensor,
+    W: Tensor,
+    b_cls: Tensor | None,
+    thresholds: Tensor | float,
+    labels: Tensor,
+    *,
+    row_override: RowOverride | None = None,
+    scale_floor: float = 1e-6,
+    ignore_index: int = -100,
+) -> Tensor:
+    """The OvR loss exactly as written in SPEC 3, materialising [N, V] (tests only).
+
+    loc_U, scale_Up: [N, C]; W: [V, C] (any float dtype); b_cls: [V] or None;
+    thresholds: 0-dim or [V] (or a float); labels: [N] ints (ignore_index = no loss).
+    row_override: (indices [R], rows [R, C]): rows[j] replaces W[indices[j]].
+    Returns a 0-dim tensor (float32, float64 for float64 activations); 0.0 if no valid row.
+    """
+    lu, su, y = _flatten_rows(loc_U, scale_Up, labels, ignore_index)
+    dt = _compute_dtype(lu, su)
+    Wd = W.to(dt)
+    if row_override is not None:
+        idx, rows = row_override
+        Wd = Wd.index_copy(0, idx, rows.to(dt))  # grads go to rows, and are 0 for W[idx]
+    loc_S = lu.to(dt) @ Wd.T
+    if b_cls is not None:
+        loc_S = loc_S + b_cls.to(dt)
+    scale_S = torch.clamp_min(su.to(dt) @ Wd.abs().T, scale_floor)
+    thr = _as_threshold(thresholds, dt, lu.device).to(dt)
+    log_p, log_1mp = ovr_log_probs(loc_S - thr, scale_S)
+    onehot = torch.nn.functional.one_hot(y, Wd.shape[0]).bool()
+    per_row = -torch.where(onehot, log_p, log_1mp).sum(dim=1)
+    return per_row.sum() / max(1, y.numel())
+
+
+# --------------------------------------------------------------------------- fused
+@dataclass(frozen=True)
+class _Plan:
+    dtype: torch.dtype
+    floor: float
+    token_chunk: int
+    vocab_chunk: int
+    recompute: bool  # forward computes the loss only; backward redoes the chunks
+    exclude: Tensor | None  # W rows that get no gradient (replaced by row_override)
+
+
+def _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
+    """(T, Vc): a [T, Vc] block needs 6 float buffers + 1 bool; each W chunk row needs
+    `w_temps` [C] temporaries (|W|, a cast copy, trainable-W accumulators)."""
+    budget = (memory_budget_mb or DEFAULT_MEMORY_BUDGET_MB) * 2**20
+    T = token_chunk or max(1, min(n, MAX_TOKEN_CHUNK))
+
+    def cols(T):
+        per_col = T * (6 * esize + 1) + w_temps * C * esize
+        return budget // per_col // 256 * 256
+
+    if not token_chunk:
+        while T > 64 and cols(T) < 1024:  # a tight budget shrinks tokens before vocab
+            T //= 2
+    Vc = vocab_chunk or max(MIN_VOCAB_CHUNK, min(MAX_VOCAB_CHUNK, cols(T)))
+    return T, max(1, min(Vc, V))
+
+
+def _block_terms(Z: Tensor, S: Tensor, R: Tensor, B1: Tensor, B2: Tensor, Nf: Tensor, grads: bool) -> float:
+    """Sum of log(1 - P) over one [t, v] block, all columns taken as non-targets.
+
+    Z holds z = loc_S - C, S the floored scale s; R, B1, B2, Nf are scratch of the same
+    shape. If `grads`, S is overwritten with pi * d/dz and Z with -pi * d/ds of -log(1 - P):
+        d(-log(1-P))/dz = s / (u theta),  d(-log(1-P))/ds = -z / (u theta),
+        u = z^2 + s^2,  theta = pi (1 - P) = atan2(s, z)          (see cauchy.py)
+    Everything is in place (out=): at these sizes the block is memory-bound, and fresh
+    allocations would also fault their pages in every time.
+    """
+    # r = min(P, 1-P) = atan2(s, |z|)/pi, the small angle: accurate in both tails.
+    torch.abs(Z, out=R)
+    torch.atan2(S, R, out=R).mul_(1.0 / math.pi)
+    torch.lt(Z, 0, out=Nf)  # 1.0 where z < 0, i.e. P < 1/2 and 1 - P = 1 - r
+    torch.neg(R, out=B1).log1p_()  # log(1-P) where z < 0
+    torch.log(R, out=B2)  # log(1-P) where z >= 0
+    torch.lerp(B2, B1, Nf, out=B2)  # exact select for weights 0/1 (torch.where is not vectorised)
+    total = float(B2.sum())
+    if grads:
+        torch.sub(1.0, R, out=B1)
+        q = torch.lerp(R, B1, Nf, out=R)  # 1 - P = theta / pi
+        den = torch.mul(Z, Z, out=B1).addcmul_(S, S).mul_(q)  # u theta / pi
+        S.div_(den)
+        Z.div_(den)
+    return total
+
+
+def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
+    """One sweep over [n, V] in [T, Vc] blocks.
+
+    Returns (sum over rows of sum_k log-terms, grads) where the loss is -sum/n and grads is
+    (g_lu, g_su, g_W, g_b, g_thr) of the MEAN loss (None where not needed).
+    Every column is first treated as a non-target (term log(1 - P)); each row's target
+    column is then corrected with an O(n C) gather (term log P - log(1 - P)).
+    """
+    need_lu, need_su, need_W, need_b, need_thr = needs
+    grads = any(needs)
+    n, C = lu.shape
+    V = W.shape[0]
+    dt, floor = plan.dtype, plan.floor
+    T, Vc = plan.token_chunk, plan.vocab_chunk
+    thr_vec = thr.numel() > 1
+    inv = 1.0 / max(1, n)
+    lu_c, su_c = lu.to(dt), su.to(dt)
+
+    g_lu = torch.zeros_like(lu_c) if need_lu else None
+    g_su = torch.zeros_like(su_c) if need_su else None
+    g_W = torch.zeros_like(W) if need_W else None
+    colsum = torch.zeros(V, dtype=dt, device=lu.device) if (need_b or (need_thr and thr_vec)) else None
+    gz_total = torch.zeros((), dtype=dt, device=lu.device) if (need_thr and not thr_vec) else None
+    total = 0.0  # python float (fp64) accumulator of the block sums
+
+    tok = [(t0, min(n, t0 + T)) for t0 in range(0, n, T)]
+    # min_c scale_Up per token chunk: scale_S >= min_c(scale_Up_i) * sum_c |W_kc| lets whole
+    # blocks skip the floor mask (only blocks touching near-zero W rows pay for it).
+    smin = [float(su_c[a:e].min()) for a, e in tok]
+    flat = torch.empty(6, T * Vc, dtype=dt, device=lu.device) if n else None
+    mask_flat = torch.empty(T * Vc, dtype=torch.bool, device=lu.device) if n else None
+
+    for v0 in range(0, V if n else 0, Vc):
+        v1 = min(V, v0 + Vc)
+        v = v1 - v0
+        Wc = W[v0:v1].to(dt)
+        aWc = Wc.abs()  # |W| per chunk, never for the whole matrix
+        off = _column_offset(b, thr, slice(v0, v1), dt).expand(v)  # addmm's bias
+        rowmin = float(aWc.sum(1).min())
+        if need_W:
+            accL = torch.zeros(v, C, dtype=dt, device=lu.device)
+            accS = torch.zeros(v, C, dtype=dt, device=lu.device)
+        for (t0, t1), sm in zip(tok, smin):
+            l, si = lu_c[t0:t1], su_c[t0:t1]
+            Z, S, R, B1, B2, Nf = (flat[j, : (t1 - t0) * v].view(t1 - t0, v) for j in range(6))
+            torch.addmm(off, l, Wc.T, out=Z)  # z = loc_S - C
+            torch.mm(si, aWc.T, out=S)  # raw scale_S
+            Fm = None
+            if not (sm > 0 and sm * rowmin >= 2 * floor):
+                Fm = mask_flat[: Z.numel()].view_as(Z)
+                torch.ge(S, floor, out=Fm)  # where the floor is inactive (clamp_min's grad mask)
+                S.clamp_min_(floor)
+            total += _block_terms(Z, S, R, B1, B2, Nf, grads)
+            if not grads:
+                continue
+            gz, gsn = S, Z  # pi * dL/dz and -pi * dL/ds of L = -log(1 - P), in place
+            if Fm is not None:
+                gsn.mul_(Fm)
+            a = inv / math.pi
+            if need_lu:
+                g_lu[t0:t1].addmm_(gz, Wc, alpha=a)
+            if need_su:
+                g_su[t0:t1].addmm_(gsn, aWc, alpha=-a)
+            if colsum is not None:
+                colsum[v0:v1].add_(gz.sum(0), alpha=a)
+            if gz_total is not None:
+                gz_total.add_(gz.sum(), alpha=a)
+            if need_W:
+                accL.addmm_(gz.T, l, alpha=a)
+                accS.addmm_(gsn.T, si, alpha=-a)
+        if need_W:  # d|W|/dW = sign(W)
+            g_W[v0:v1] = accL.addcmul_(torch.sign(Wc), accS)
+
+    # Target column of each row: add log P - log(1 - P) (O(n C), nothing [n, V]).
+    for t0, t1 in tok:
+        l, si, yt = lu_c[t0:t1], su_c[t0:t1], y[t0:t1]
+        Wy = W[yt].to(dt)
+        aWy = Wy.abs()
+        z = (l * Wy).sum(1) + _column_offset(b, thr, yt, dt)
+        s_raw = (si * aWy).sum(1)
+        s = s_raw.clamp_min(floor)
+        log_p, log_1mp = ovr_log_probs(z, s)
+        total += float((log_p - log_1mp).sum())
+        if not grads:
+            continue
+        # d(-log P + log(1-P))/dz = -(s/u)(1/phi + 1/theta), /ds = (z/u)(1/phi + 1/theta)
+        k = (1.0 / torch.atan2(s, -z) + 1.0 / torch.atan2(s, z)) / (z * z + s * s) * inv
+        gz, gs = -s * k, z * k * (s_raw >= floor)
+        if need_lu:
+            g_lu[t0:t1].addcmul_(gz[:, None], Wy)
+        if need_su:
+            g_su[t0:t1].addcmul_(gs[:, None], aWy)
+        if colsum is not None:
+            colsum.index_add_(0, yt, gz)
+        if gz_total is not None:
+            gz_total.add_(gz.sum())
+        if need_W:
+            gw = gz[:, None] * l + torch.sign(Wy) * (gs[:, None] * si)
+            g_W.index_add_(0, yt, gw.to(W.dtype))
+
+    if not grads:
+        return total, None
+    if need_W and plan.exclude is not None:
+        g_W[plan.exclude] = 0  # those rows are replaced: their gradient goes to the override
+    g_b = colsum.to(b.dtype) if need_b else None
+    g_thr = None
+    if need_thr:  # dz/dC = -1
+        g_thr = (-(colsum if thr_vec else gz_total)).to(thr.dtype).reshape(thr.shape)
+    g_lu = g_lu.to(lu.dtype) if need_lu else None
+    g_su = g_su.to(su.dtype) if need_su else None
+    return total, (g_lu, g_su, g_W, g_b, g_thr)
+
+
+class _FusedOvR(torch.autograd.Function):
+    """Chunked OvR loss. Default: forward also computes the gradients (one sweep, four or
+    six GEMMs per block) and backward only scales them by grad_output. Recompute mode
+    (plan.recompute, or when the stored gradients were already handed out, e.g. a second
+    backward through a retained graph or gradcheck) computes the loss only in forward and
+    redoes the sweep in backward."""
+
+    @staticmethod
+    def forward(ctx, lu, su, W, b, thr, y, plan: _Plan):
+        needs = tuple(ctx.needs_input_grad[:5])
+        eager = not plan.recompute and any(needs)
+        total, grads = _ovr_pass(lu, su, W, b, thr, y, plan, needs if eager else (False,) * 5)
+        ctx.grads = grads
+        ctx.plan = plan
+        ctx.save_for_backward(lu, su, W, b, thr, y)
+        n = max(1, lu.shape[0])
+        return torch.tensor(-total / n, dtype=plan.dtype, device=lu.device)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the sweep is not itself differentiable
+            raise RuntimeError("fused_ovr_loss supports first derivatives only (no create_graph=True / "
+                               "double backward); use reference_ovr_loss for higher-order gradients")
+        grads, ctx.grads = ctx.grads, None  # hand them out once (autograd can then steal them)
+        if grads is None:
+            _, grads = _ovr_pass(*ctx.saved_tensors, ctx.plan, tuple(ctx.needs_input_grad[:5]))
+        scale = float(grad_out)
+        if scale != 1.0:
+            grads = tuple(None if g is None else g.mul_(scale) for g in grads)
+        g_lu, g_su, g_W, g_b, g_thr = grads
+        return g_lu, g_su, g_W, g_b, g_thr, None, None
+
+
+def _override_correction(lu, su, W, b, thr, y, idx, rows, floor, dt) -> Tensor:
+    """Sum over rows of [loss terms of columns idx with `rows`] - [same with base W rows].
+
+    Plain autograd on [n, R] tensors (O(n R C)): gradients reach `rows`, loc_U, scale_Up,
+    b_cls and thresholds; the base rows are detached (the fused pass zeroes W's grad there).
+    """
+    lu, su = lu.to(dt), su.to(dt)
+    off = _column_offset(b, thr, idx, dt)
+    is_target = y[:, None] == idx[None, :]
+
+    def columns_loss(Wr: Tensor) -> Tensor:
+        z = lu @ Wr.T + off
+        s = torch.clamp_min(su @ Wr.abs().T, floor)
+        log_p, log_1mp = ovr_log_probs(z, s)
+        return -torch.where(is_target, log_p, log_1mp).sum()
+
+    return columns_loss(rows.to(dt)) - columns_loss(W[idx].detach().to(dt))
+
+
+def fused_ovr_loss(
+    loc_U: Tensor,
+    scale_Up: Tensor,
+    W: Tensor,
+    b_cls: Tensor | None,
+    thresholds: Tensor | float,
+    labels: Tensor,
+    *,
+    row_override: RowOverride | None = None,
+    scale_floor: float = 1e-6,
+    ignore_index: int = -100,
+    vocab_chunk: int | None = None,
+    token_chunk: int | None = None,
+    memory_budget_mb: float | None = None,
+    recompute: bool = False,
+) -> Tensor:
+    """Same value and gradients as `reference_ovr_loss`, never materialising [N, V].
+
+    loc_U, scale_Up: [N, C] (leading dims are flattened); W: [V, C], any float dtype
+    (e.g. bf16), trained only if W.requires_grad; b_cls: [V] or None; thresholds: 0-dim or
+    [V] tensor (or a float), trained if it requires grad; labels: [N].
+    row_override=(indices [R], rows [R, C]): rows[j] replaces W[indices[j]] (unique indices);
+    gradients go to rows, never to W at those indices.
+    vocab_chunk / token_chunk: block shape (default: from memory_budget_mb, which bounds the
+    block working memory, default DEFAULT_MEMORY_BUDGET_MB). recompute=True: the forward
+    computes the loss only and the backward makes a second sweep (slower, nothing stored).
+    Computes in float32 (float64 for float64 activations). Returns a 0-dim tensor.
+    """
+    lu, su, y = _flatten_rows(loc_U, scale_Up, labels, ignore_index)
+    dt = _compute_dtype(lu, su)
+    thr = _as_threshold(thresholds, dt, lu.device)
+    n, C = lu.shape
+    V = W.shape[0]
+    want_grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (lu, su, W, b_cls, thr)
+    )
+    esize = torch.finfo(dt).bits // 8
+    w_temps = 1 + (W.dtype != dt) + 3 * bool(want_grads and W.requires_grad)
+    T, Vc = _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
+    idx = None if row_override is None else row_override[0].to(lu.device)
+    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx)
+    loss = _FusedOvR.apply(lu, su, W, b_cls, thr, y, plan)
+    if row_override is not None:
+        corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
+        loss = loss + corr / max(1, n)
+    return loss
+
+
+# --------------------------------------------------------------------------- <NUM> and regression
+@torch.no_grad()
+def num_probability(
+    loc_U: Tensor,
+    scale_Up: Tensor,
+    w_num: Tensor,
+    b_num: Tensor,
+    c_num: Tensor,
+    scale_floor: float = 1e-6,
+) -> Tensor:
+    """P of the <NUM> column per row, detached: loc_U, scale_Up [N, C]; w_num [C];
+    b_num, c_num 0-dim. Returns [N] (float32, float64 for float64 activations)."""
+    dt = _compute_dtype(loc_U, scale_Up)
+    w = w_num.to(dt)
+    z = loc_U.to(dt) @ w + torch.as_tensor(b_num, dtype=dt) - torch.as_tensor(c_num, dtype=dt)
+    s = torch.clamp_min(scale_Up.to(dt) @ w.abs(), scale_floor)
+    return torch.atan2(s, -z) / math.pi  # = 1/2 + atan(z/s)/pi, see cauchy.py
+
+
+def gated_regression_loss(
+    loc_Y: Tensor,
+    scale_Y: Tensor,
+    label_values: Tensor,
+    labels: Tensor,
+    num_token_id: int,
+    p_num: Tensor,
+    alpha: float,
+) -> Tensor:
+    """L_reg = sum_i gate_i * NLL_i / max(1, sum_i m_i)   (SPEC 3), all inputs [N].
+
+    m_i = [labels_i == num_token_id]; gate_i = m_i * (alpha + (1 - alpha) * p_num_i) with
+    p_num DETACHED (else the loss could be lowered by pushing P_num down); NLL is the
+    Cauchy NLL of label_values under (loc_Y, scale_Y). Rows with m = 0 contribute exactly 0
+    (and zero gradient) whatever their values, even inf/NaN.
+    """
+    m = labels.reshape(-1) == num_token_id
+    loc_Y, scale_Y = loc_Y.reshape(-1), scale_Y.reshape(-1)
+    dt = _compute_dtype(loc_Y, scale_Y)
+    # Masked rows get harmless stand-ins before the NLL so neither value nor grad sees garbage.
+    one = torch.ones((), dtype=dt, device=loc_Y.device)
+    y = torch.where(m, label_values.reshape(-1).to(dt), 0 * one)
+    loc = torch.where(m, loc_Y.to(dt), 0 * one)
+    scale = torch.where(m, scale_Y.to(dt), one)
+    p = torch.where(m, p_num.reshape(-1).detach().to(dt), 0 * one)
+    gate = alpha + (1.0 - alpha) * p
+    nll = torch.where(m, gate * cauchy_nll(y, loc, scale), 0 * one)
+    return nll.sum() / max(1, int(m.sum()))
