@@ -21,7 +21,7 @@ import os
 import sys
 
 # Running a file puts its folder first on sys.path, where a sibling script named like a
-# stdlib module (benchmarks/tokenize.py) would shadow it inside torch's imports: drop it.
+# stdlib module (say benchmarks/tokenize.py) would shadow it inside torch's imports: drop it.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

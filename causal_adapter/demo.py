@@ -67,7 +67,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
     train_targets = list(corpus["train"]["target"])
     config = TrainConfig(base_model=base, tiny_arch=arch, output_dir=str(out / "train"), max_steps=steps,
                          per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
-                         eval_steps=max(1, steps // 5), warmup_ratio=0.05, lr_scheduler_type="cosine")
+                         eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine")
     model = get_causal_model(base_model, config.adapter_config(), tokenizer=tokenizer)
     model.print_trainable_parameters()
 

@@ -181,6 +181,8 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     smin = [float(su_c[a:e].min()) for a, e in tok]
     flat = torch.empty(6, T * Vc, dtype=dt, device=lu.device) if n else None
     mask_flat = torch.empty(T * Vc, dtype=torch.bool, device=lu.device) if n else None
+    if need_W and n:  # trainable W: per-chunk accumulators of loc and |W| gradients, reused
+        acc_flat = torch.empty(2, Vc * C, dtype=dt, device=lu.device)
 
     for v0 in range(0, V if n else 0, Vc):
         v1 = min(V, v0 + Vc)
@@ -190,8 +192,7 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
         off = _column_offset(b, thr, slice(v0, v1), dt).expand(v)  # addmm's bias
         rowmin = float(aWc.sum(1).min())
         if need_W:
-            accL = torch.zeros(v, C, dtype=dt, device=lu.device)
-            accS = torch.zeros(v, C, dtype=dt, device=lu.device)
+            accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2))
         for (t0, t1), sm in zip(tok, smin):
             l, si = lu_c[t0:t1], su_c[t0:t1]
             Z, S, R, B1, B2, Nf = (flat[j, : (t1 - t0) * v].view(t1 - t0, v) for j in range(6))
