@@ -89,7 +89,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
 
     print("[5/5] generating a continuation of a test prompt")
     row = corpus["test"][0]
-    gen = reloaded.generate(row["prompt"], tokenizer=tokenizer, max_new_tokens=3, mode="deterministic")
+    gen = reloaded.generate(row["prompt"], tokenizer=tokenizer, max_new_tokens=2, mode="deterministic")
     print(f"      prompt ...{row['prompt'][-60:]!r}")
     print(f"      generated {gen.texts[0]!r}  (true next value {row['completion'].strip()})")
     for n in gen.numbers[0]:
