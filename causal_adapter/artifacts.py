@@ -13,6 +13,7 @@ A crash at any point leaves either the previous complete adapter or the new one.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -121,10 +122,28 @@ def resolve_adapter_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    for k, v in tensors.items():
+        if v.dtype.is_floating_point and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{what}: adapter tensor {k!r} contains NaN or inf ({int((~torch.isfinite(v)).sum())} "
+                             f"of {v.numel()} entries); a diverged model is never written or loaded")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_adapter_files(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Write the two adapter files into `directory` (no atomicity here; see atomic_write_dir)."""
+    """Write the two adapter files into `directory` (no atomicity here; see atomic_write_dir).
+    Refuses non-finite tensors; records the weights file's sha256 in the config (checked on load)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    _check_finite(tensors, "refusing to save the adapter")
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "causal_adapter": str(FORMAT_VERSION)})
+    config = {**config, "weights_sha256": _sha256(directory / WEIGHTS_NAME)}
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -148,8 +167,13 @@ def read_adapter_files(directory: str | os.PathLike) -> tuple[dict, dict[str, to
             f"{str(cfg_path)!r} has format_version={version!r}; this causal_adapter reads format "
             f"{FORMAT_VERSION} or older (written by version {config.get('library_version')!r}): upgrade causal_adapter"
         )
+    digest = config.get("weights_sha256")
+    if digest is not None and _sha256(w_path) != digest:
+        raise ValueError(f"{str(w_path)!r} is truncated or corrupted: its sha256 differs from the one recorded "
+                         f"in {str(cfg_path)!r} when it was saved")
     try:
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{str(w_path)!r} is truncated or corrupted: {e}") from None
+    _check_finite(tensors, f"{str(w_path)!r}")
     return config, tensors

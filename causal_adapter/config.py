@@ -9,6 +9,9 @@ from typing import Any
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # peft would save these matrices whole (V x H rows): never allowed as LoRA targets.
 FORBIDDEN_LORA_TARGETS = ("embed_tokens", "lm_head")
+# Bounds of the initial values held by the float32 heads (see CausalAdapterConfig.validate).
+SCALE_INIT_MAX = 1e30
+THRESHOLD_INIT_MAX = 1e18
 
 
 @dataclass
@@ -91,8 +94,13 @@ class CausalAdapterConfig:
             raise ValueError(f"causal_size must be a positive integer or None, got {self.causal_size!r}")
         if finite("gamma0") <= 0:
             raise ValueError(f"gamma0 must be > 0 (it is the initial Cauchy scale), got {self.gamma0!r}")
-        finite("b_noise_init")
-        finite("threshold_init")
+        if abs(finite("threshold_init")) > THRESHOLD_INIT_MAX:
+            raise ValueError(f"threshold_init must be at most {THRESHOLD_INIT_MAX:g} in magnitude (the loss gradient "
+                             f"squares z = loc_S - C in float32), got {self.threshold_init!r}")
+        for name in ("gamma0", "b_noise_init"):  # scale_S sums H terms |W_kc| scale_c in float32: keep headroom
+            if abs(finite(name)) > SCALE_INIT_MAX:
+                raise ValueError(f"{name} must be at most {SCALE_INIT_MAX:g} in magnitude (scale_S = |W_cls| scale_U' "
+                                 f"sums H such terms in float32), got {getattr(self, name)!r}")
         if self.threshold_mode not in ("scalar", "vector"):
             raise ValueError(f"threshold_mode must be 'scalar' or 'vector', got {self.threshold_mode!r}")
         if finite("direction_std") <= 0:

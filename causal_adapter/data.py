@@ -134,10 +134,13 @@ def _open_text(path: str):
 
 def _locate_json_error(paths: Sequence[str]) -> ValueError | None:
     """The first line of a JSON-lines file that is not a JSON object, as a ValueError naming
-    the file and the line (None when every line parses: the error was something else)."""
+    the file and the line (None when every line parses: the error was something else).
+    When no file holds a single row, that is the error (datasets reports it as a bare StopIteration)."""
+    empty = []
     for path in paths:
         if "://" in path:
             continue
+        rows = 0
         try:
             with _open_text(path) as fh:
                 first = fh.read(1)
@@ -146,9 +149,11 @@ def _locate_json_error(paths: Sequence[str]) -> ValueError | None:
                 if first == "[":  # a JSON array file, not JSON lines
                     fh.seek(0)
                     try:
-                        json.load(fh)
+                        rows = len(json.load(fh))
                     except json.JSONDecodeError as e:
                         return ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})")
+                    if not rows:
+                        empty.append(path)
                     continue
                 fh.seek(0)
                 for lineno, line in enumerate(fh, 1):
@@ -163,8 +168,13 @@ def _locate_json_error(paths: Sequence[str]) -> ValueError | None:
                             f"{path}: line {lineno}: expected a JSON object per line, got {type(obj).__name__}: "
                             f"{line.strip()[:120]!r}"
                         )
+                    rows += 1
+                if not rows:
+                    empty.append(path)
         except UnicodeDecodeError as e:
             return ValueError(f"{path}: not UTF-8 text ({e})")
+    if empty and len(empty) == len(paths):
+        return ValueError(f"{', '.join(empty)}: the file is empty (no JSON rows): nothing to load")
     return None
 
 

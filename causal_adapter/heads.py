@@ -41,8 +41,12 @@ class NumericEmbedding(nn.Module):
             self.register_buffer("direction", d)
 
     def forward(self, numeric_values: Tensor) -> Tensor:
-        """[B, S] values -> [B, S, H] offsets (exact zeros where the value is 0)."""
-        return symlog(numeric_values.to(self.direction.dtype)).unsqueeze(-1) * self.direction
+        """[B, S] values -> [B, S, H] offsets (exact zeros where the value is 0).
+
+        The log is taken in the wider of the values' and d's dtypes, so float64 values beyond the
+        float32 range (up to 1.8e308) give a finite phi (|phi| <= ln(1 + 1.8e308) ~ 710)."""
+        wide = torch.promote_types(numeric_values.dtype, self.direction.dtype)
+        return symlog(numeric_values.to(wide)).to(self.direction.dtype).unsqueeze(-1) * self.direction
 
 
 class AbductionHead(nn.Module):

@@ -180,12 +180,35 @@ class CausalModel(nn.Module):
         return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
 
     def _check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
-                      label_values: Tensor | None) -> None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+                      label_values: Tensor | None, attention_mask: Tensor | None = None,
+                      past_key_values: Any = None) -> None:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids has no positions (shape {tuple(input_ids.shape)}): an empty text encodes to no token; "
+                "drop empty texts before batching"
+            )
+        self._check_placement()
+        emb_device = self.backbone.get_input_embeddings().weight.device
+        for name, t in (("input_ids", input_ids), ("numeric_values", numeric_values), ("labels", labels),
+                        ("label_values", label_values), ("attention_mask", attention_mask)):
+            if isinstance(t, Tensor) and t.device != emb_device:
+                raise ValueError(f"{name} is on device {t.device} but the model's embedding is on {emb_device}: "
+                                 "move the inputs with .to(model.device)")
+        bad_ids = (input_ids < 0) | (input_ids >= self.vocab_size)
+        if bad_ids.any():
+            i = _first_bad(bad_ids)
+            raise ValueError(f"input_ids must be in [0, {self.vocab_size}); got {input_ids[i].item()} at index {i}")
         for name, t in (("numeric_values", numeric_values), ("labels", labels), ("label_values", label_values)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
+        if (attention_mask is not None and past_key_values is None and attention_mask.dim() == 2
+                and attention_mask.shape != input_ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                             f"{tuple(input_ids.shape)}")
         for name, t in (("numeric_values", numeric_values), ("label_values", label_values)):
             if t is not None and not torch.isfinite(t).all():
                 raise ValueError(f"{name} contains NaN or inf (first at index {_first_bad(~torch.isfinite(t))})")
@@ -203,6 +226,36 @@ class CausalModel(nn.Module):
                 raise ValueError(
                     f"labels must be -100 or in [0, {self.vocab_size}); got {labels[i].item()} at index {i}"
                 )
+            if attention_mask is not None and attention_mask.shape == labels.shape:
+                padded = (labels != -100) & (attention_mask == 0)
+                if padded.any():
+                    i = _first_bad(padded)
+                    raise ValueError(
+                        f"labels has a target ({labels[i].item()}) at index {i} where attention_mask is 0 "
+                        "(padding): set labels to -100 at padded positions (NumericCollator does)"
+                    )
+            if label_values is not None:
+                stray = (label_values != 0) & (labels != -100) & (labels != self.num_token_id)
+                if stray.any():
+                    i = _first_bad(stray)
+                    raise ValueError(
+                        f"label_values is non-zero ({label_values[i].item()}) at index {i} whose label "
+                        f"{labels[i].item()} is not <NUM> (id {self.num_token_id}): label_values must be aligned "
+                        "with labels (not shifted)"
+                    )
+
+    def _check_placement(self) -> None:
+        """The heads must sit on the device of W_cls and share one dtype (a partial .to() is refused)."""
+        W = self.W_cls
+        tensors = {"numeric_embedding": self.numeric_embedding.direction, "abduction": self.abduction.loc.weight,
+                   "action": self.action.b_cls}
+        for name, t in tensors.items():
+            if t.device != W.device:
+                raise ValueError(f"the adapter's {name} head is on device {t.device} but the backbone's lm_head "
+                                 f"(W_cls) is on {W.device}: move the whole CausalModel with .to(device)")
+        dtypes = {name: t.dtype for name, t in tensors.items()}
+        if len(set(dtypes.values())) > 1:
+            raise ValueError(f"the adapter heads have mixed dtypes {dtypes}: cast the whole CausalModel, or none")
 
     def forward(
         self,
@@ -222,7 +275,7 @@ class CausalModel(nn.Module):
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         """
-        self._check_inputs(input_ids, numeric_values, labels, label_values)
+        self._check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
         if labels is not None and label_values is None:
             label_values = numeric_values
         grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
@@ -258,8 +311,13 @@ class CausalModel(nn.Module):
         loc_Y, scale_Y = loc_Y[:, :-1].reshape(-1)[keep], scale_Y[:, :-1].reshape(-1)[keep]
         if label_values is None:
             values = torch.zeros_like(loc_Y)
+        elif label_values.dtype == torch.float64 and loc_Y.dtype != torch.float64:
+            # float64 targets may exceed the float32 range (1e300): the regression runs in float64
+            values = label_values[:, 1:].reshape(-1)[keep]
+            loc_Y, scale_Y = loc_Y.double(), scale_Y.double()
         else:
-            values = label_values[:, 1:].reshape(-1)[keep].to(loc_Y.dtype)
+            # at least float32: under bf16 autocast loc_Y is bf16, whose range ends below float32's max
+            values = label_values[:, 1:].reshape(-1)[keep].to(torch.promote_types(loc_Y.dtype, torch.float32))
         act = self.action
         ovr = fused_ovr_loss if self.config.fused_loss else reference_ovr_loss
         loss_cls = ovr(loc_U, scale_Up, self.W_cls, act.b_cls, act.thresholds, labels,
@@ -268,6 +326,7 @@ class CausalModel(nn.Module):
         p_num = num_probability(loc_U, scale_Up, act.num_weight(self.W_cls), act.b_cls[k], act.num_threshold(),
                                 scale_floor=act.scale_floor)
         loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.config.alpha)
+        loss_reg = loss_reg.to(loss_cls.dtype)
         return loss_cls + self.config.reg_weight * loss_reg, loss_cls, loss_reg
 
     # ------------------------------------------------------------------ parameters
