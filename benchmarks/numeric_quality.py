@@ -1,6 +1,6 @@
 """Numeric quality on the held-out TEST split of an offline real series (issue 7).
 
-    python benchmarks/numeric_quality.py                       # sunspots, 240 steps: ~4 min on 2 idle cores
+    python benchmarks/numeric_quality.py                       # sunspots, 240 steps: ~2-3 min on 2 idle cores
     python benchmarks/numeric_quality.py --corpus nile --steps 120
     python benchmarks/numeric_quality.py --quick               # toy size (CI smoke test)
 
@@ -33,6 +33,9 @@ Evaluation on the test split (and, reported beside it, the validation split):
 
 The base is a random-weight model (no real Qwen weights offline): nothing here is expected to
 beat persistence, and the numbers are reported as measured. Nothing is tuned on the test split.
+
+Run time of the default (240 steps) on 2 CPU cores: 130 s when the cores are idle; 20 min when
+other jobs compete for them (torch's threads slow down far more than the load suggests).
 
 Output: a markdown table (printed and written to ``--output``, default ``numeric_quality.md``),
 the same data as JSON beside it (``.json``), and ONE last line ``RESULT key=value ...`` (MAEs of
