@@ -21,9 +21,9 @@ Derivatives (u = s^2 + z^2, t = z/s):
     d log P     / dz =  s / (u phi),     d log P     / ds = -z / (u phi)
     d log(1-P)  / dz = -s / (u theta),   d log(1-P)  / ds =  z / (u theta)
 All are finite for s > 0: when phi -> 0 (t -> -inf), s / (u phi) -> 1/|z|; when
-theta -> 0 (t -> +inf), s / (u theta) -> 1/z. Here they come from autograd through atan2 /
-log / log1p, which evaluates exactly these products (no cancellation); the fused loss
-(loss.py) uses the same closed forms by hand.
+theta -> 0 (t -> +inf), s / (u theta) -> 1/z. `ovr_log_probs` implements them as its
+backward (scaled so that z^2 never overflows); the fused loss (loss.py) uses the same
+closed forms by hand.
 
 Every function computes in at least float32 (bf16/fp16 inputs are upcast; float64 stays
 float64) and accepts any broadcastable shapes.
@@ -53,34 +53,55 @@ def _as(x: Tensor | float, dtype: torch.dtype, like: Tensor | None = None) -> Te
     return torch.tensor(x, dtype=dtype, device=None if like is None else like.device)
 
 
+class _OvRLogProbs(torch.autograd.Function):
+    """(log P, log(1 - P)) with the closed-form, overflow-free backward of the module docstring.
+
+    Autograd through atan2 would form z / (s^2 + z^2), whose z^2 overflows float32 for
+    |z| > 1.8e19 (and then inf * 0 = NaN). Here everything is divided by m = max(|z|, s)
+    first: with zn = z/m, sn = s/m, un = zn^2 + sn^2 in [1, 2],
+        d log P / dz = sn / (m un phi),      d log P / ds = -zn / (m un phi),
+        d log(1-P) / dz = -sn / (m un theta), d log(1-P) / ds = zn / (m un theta),
+    evaluated in float64 (so phi ~ s/|z| keeps its precision where float32 would be
+    subnormal). The backward is made of differentiable ops, so double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, z: Tensor, s: Tensor):
+        theta = torch.atan2(s, z)  # pi * (1 - P)
+        phi = torch.atan2(s, -z)  # pi * P
+        # the branch without cancellation (module docstring); where() never sees a NaN here
+        log_p = torch.where(z > 0, torch.log1p(-theta / math.pi), torch.log(phi) - LOG_PI)
+        log_1mp = torch.where(z < 0, torch.log1p(-phi / math.pi), torch.log(theta) - LOG_PI)
+        ctx.save_for_backward(z, s)
+        return log_p, log_1mp
+
+    @staticmethod
+    def backward(ctx, g_p: Tensor, g_1mp: Tensor):
+        z, s = ctx.saved_tensors
+        wide = z.dtype if z.device.type == "mps" else torch.float64  # MPS has no float64
+        zw, sw = z.to(wide), s.to(wide)
+        m = torch.maximum(zw.abs(), sw)
+        zn, sn = zw / m, sw / m
+        mu = m * (zn * zn + sn * sn)
+        # a zero upstream gradient stays zero even where 1/phi overflows (P underflowed)
+        kp = torch.where(g_p != 0, g_p.to(wide) / (mu * torch.atan2(sw, -zw)), 0.0)
+        k1 = torch.where(g_1mp != 0, g_1mp.to(wide) / (mu * torch.atan2(sw, zw)), 0.0)
+        g_z = (kp - k1) * sn
+        g_s = (k1 - kp) * zn
+        return g_z.to(z.dtype), g_s.to(s.dtype)
+
+
 def ovr_log_probs(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """(log P, log(1 - P)) for P = 1/2 + atan(z/s)/pi, elementwise, s > 0.
 
     z: loc_S - C (any shape); s: scale_S > 0 (broadcastable to z).
     Returns two tensors of the broadcast shape in float32 (float64 if an input is float64).
-    Accurate (relative) in both tails and finite with finite gradients for |z/s| up to at
-    least 1e8 and s in [1e-6, 1e6] (see the module docstring for the derivation).
+    Accurate (relative) in both tails; finite values and gradients for every finite z
+    (float32: up to 3.4e38) and s in [1e-6, 1e6] (module docstring and `_OvRLogProbs`).
     """
     dt = _compute_dtype(z, s)
-    z, s = z.to(dt), s.to(dt)
-    theta = torch.atan2(s, z)  # pi * (1 - P)
-    phi = torch.atan2(s, -z)  # pi * P
-    pos = z > 0
-    # Each branch only ever sees arguments of its own side, so the branch torch.where
-    # discards can neither be inf nor produce 0 * inf = NaN in the backward pass.
-    half = torch.full_like(theta, math.pi / 2)
-    log_p = torch.where(
-        pos,
-        torch.log1p(-torch.where(pos, theta, half) / math.pi),
-        torch.log(torch.where(pos, half, phi)) - LOG_PI,
-    )
-    neg = z < 0
-    log_1mp = torch.where(
-        neg,
-        torch.log1p(-torch.where(neg, phi, half) / math.pi),
-        torch.log(torch.where(neg, half, theta)) - LOG_PI,
-    )
-    return log_p, log_1mp
+    z, s = torch.broadcast_tensors(z.to(dt), s.to(dt))
+    return _OvRLogProbs.apply(z, s)
 
 
 def ovr_probability(loc_S: Tensor, scale_S: Tensor, thresholds: Tensor | float) -> Tensor:

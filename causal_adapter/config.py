@@ -95,8 +95,8 @@ class CausalAdapterConfig:
         if finite("gamma0") <= 0:
             raise ValueError(f"gamma0 must be > 0 (it is the initial Cauchy scale), got {self.gamma0!r}")
         if abs(finite("threshold_init")) > THRESHOLD_INIT_MAX:
-            raise ValueError(f"threshold_init must be at most {THRESHOLD_INIT_MAX:g} in magnitude (the loss gradient "
-                             f"squares z = loc_S - C in float32), got {self.threshold_init!r}")
+            raise ValueError(f"threshold_init must be at most {THRESHOLD_INIT_MAX:g} in magnitude (such thresholds put "
+                             f"every P_k at 0 or 1, and the eager loss kernel squares z = loc_S - C in float32), got {self.threshold_init!r}")
         for name in ("gamma0", "b_noise_init"):  # scale_S sums H terms |W_kc| scale_c in float32: keep headroom
             if abs(finite(name)) > SCALE_INIT_MAX:
                 raise ValueError(f"{name} must be at most {SCALE_INIT_MAX:g} in magnitude (scale_S = |W_cls| scale_U' "

@@ -149,6 +149,7 @@ class NumberStreamer:
         self._vals: list[float] = []
         self._printed = 0
         self._prompt_seen = False
+        self._prev: tuple[int | None, float] = (None, 0.0)  # last prompt token, when skipped
         self.text = ""
 
     def put(self, token_ids: Tensor, numeric_values: Tensor | None = None) -> None:
@@ -161,16 +162,23 @@ class NumberStreamer:
         if not self._prompt_seen:
             self._prompt_seen = True
             if self.skip_prompt:
+                ids = token_ids.reshape(-1).tolist()
+                if ids:  # a number right after a prompt-final number needs the separator
+                    self._prev = (ids[-1], values[-1])
                 return
         self._ids += token_ids.reshape(-1).tolist()
         self._vals += values
-        text = self.ntok.decode(self._ids, self._vals, skip_special_tokens=True)
+        text = self._decoded()
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
             return
         self._emit(text)
 
+    def _decoded(self) -> str:
+        return _decode(self.ntok, torch.tensor(self._ids, dtype=torch.long), torch.tensor(self._vals, dtype=torch.float64),
+                       *self._prev)
+
     def end(self) -> None:
-        self._emit(self.ntok.decode(self._ids, self._vals, skip_special_tokens=True) if self._ids else self.text)
+        self._emit(self._decoded() if self._ids else self.text)
         self.on_finalized_text("", stream_end=True)
 
     def _emit(self, text: str) -> None:

@@ -122,19 +122,23 @@ class CausalModel(nn.Module):
         gen = torch.Generator().manual_seed(config.seed)  # CPU generator: same init on every device
         for p in backbone.parameters():
             p.requires_grad_(False)
-        if config.lora is not None:
-            self._inject_lora()
-        self.numeric_embedding = NumericEmbedding(
-            H, learnable=config.learnable_direction, std=config.direction_std, generator=gen, dtype=dtype, device=device
-        )
-        self.abduction = AbductionHead(H, C, gamma0=config.gamma0, generator=gen, dtype=dtype, device=device)
-        self.action = ActionHead(
-            C, V, num_token_id, W[num_token_id],
-            b_noise_init=config.b_noise_init, threshold_init=config.threshold_init,
-            threshold_mode=config.threshold_mode, learnable_threshold=config.learnable_threshold,
-            train_num_row=config.train_num_row, scale_floor=config.scale_floor,
-            generator=gen, dtype=dtype, device=device,
-        )
+        # Everything random comes from config.seed; the caller's RNG streams are left as they
+        # were (module constructors and peft's lora_A init draw from the global RNG).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if config.lora is not None:
+                self._inject_lora()
+            self.numeric_embedding = NumericEmbedding(
+                H, learnable=config.learnable_direction, std=config.direction_std, generator=gen, dtype=dtype,
+                device=device,
+            )
+            self.abduction = AbductionHead(H, C, gamma0=config.gamma0, generator=gen, dtype=dtype, device=device)
+            self.action = ActionHead(
+                C, V, num_token_id, W[num_token_id],
+                b_noise_init=config.b_noise_init, threshold_init=config.threshold_init,
+                threshold_mode=config.threshold_mode, learnable_threshold=config.learnable_threshold,
+                train_num_row=config.train_num_row, scale_floor=config.scale_floor,
+                generator=gen, dtype=dtype, device=device,
+            )
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self) -> None:
@@ -143,6 +147,7 @@ class CausalModel(nn.Module):
         s = self.config.lora
         lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules))
         try:
+            torch.manual_seed(self.config.seed)  # peft draws lora_A from the global RNG
             inject_adapter_in_model(lora_config, self.backbone)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
             raise ValueError(f"LoRA target_modules {list(s.target_modules)} do not match the backbone: {e}") from None

@@ -698,8 +698,13 @@ def train(
         if is_main:
             _write_checkpoint(path, inner, optimizer, scheduler, state, config, rngs, world, len(train_ds), history)
             if config.save_total_limit:
+                for stale in out_dir.glob(".deleting-*"):  # left by a process killed mid-delete
+                    shutil.rmtree(stale, ignore_errors=True)
                 for old in list_checkpoints(out_dir)[:-config.save_total_limit]:
-                    shutil.rmtree(old, ignore_errors=True)
+                    # rename first (atomic): a kill mid-delete leaves no half checkpoint behind
+                    trash = old.with_name(f".deleting-{old.name}")
+                    old.rename(trash)
+                    shutil.rmtree(trash, ignore_errors=True)
         accelerator.wait_for_everyone()
         return path
 

@@ -412,6 +412,27 @@ def test_stop_strings_streamer_and_callback(tok, bases):
                    streamer=TextStreamer(tok, skip_prompt=True))  # transformers' own streamer works
 
 
+def test_number_streamer_separates_a_number_generated_after_a_prompt_final_number(qwen_tokenizer):
+    tok = qwen_tokenizer
+    ntok = NumberTokenizer(tok)
+    enc = ntok("Sunspots by year: 12 15")  # the prompt ends with a number
+    buf = io.StringIO()
+    st = NumberStreamer(tok, file=buf)
+    st.put(enc["input_ids"], numeric_values=enc["numeric_values"])
+    st.put(torch.tensor([ntok.num_token_id]), numeric_values=torch.tensor([17.0]))
+    st.put(torch.tensor(tok(",").input_ids), numeric_values=torch.zeros(1))
+    st.end()
+    assert buf.getvalue() == " 17,\n"  # not "17,": the two numbers must stay two numbers
+    prompt_and_text = "Sunspots by year: 12 15" + buf.getvalue().rstrip("\n")
+    assert [n.value for n in find_numbers(prompt_and_text)] == [12.0, 15.0, 17.0]
+    st2 = NumberStreamer(tok, file=io.StringIO())  # prompt ending in text: nothing added
+    enc2 = ntok("Sunspots in 1850 were")
+    st2.put(enc2["input_ids"], numeric_values=enc2["numeric_values"])
+    st2.put(torch.tensor([ntok.num_token_id]), numeric_values=torch.tensor([17.0]))
+    st2.end()
+    assert st2.text == ntok.decode([ntok.num_token_id], [17.0])
+
+
 def test_softmax_sampling_controls():
     model = small_model()
     ids, vals, mask = small_prompts()

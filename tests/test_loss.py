@@ -2,15 +2,23 @@
 against mpmath, the <NUM> probability and the gated regression loss."""
 from __future__ import annotations
 
+import functools
 import math
+import os
+import subprocess
+import sys
 
 import mpmath
 import pytest
 import torch
 
 from causal_adapter.cauchy import cauchy_nll, ovr_probability
+from causal_adapter import loss as loss_module
 from causal_adapter.loss import (
+    COMPILE_ENV,
+    COMPILE_MIN_ELEMENTS,
     _chunk_sizes,
+    _use_compiled,
     fused_ovr_loss,
     gated_regression_loss,
     num_probability,
@@ -93,6 +101,74 @@ def test_fused_matches_reference(case, dtype, rtol, chunks):
         assert (gW[kw["row_override"][0]] == 0).all()  # never to W through overridden rows
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("chunks", [(8, 5), (None, None)], ids=["v8t5", "auto"])
+def test_compiled_kernel_matches_reference_float32(case, chunks):
+    """The torch.compile'd block kernel (polynomial atan, one log, scaled gradient) against
+    the reference; it must really run (no silent fallback to the eager kernel)."""
+    args, kw, wrt = make_case(dtype=torch.float32, **CASES[case])
+    ref_loss, ref_g = loss_and_grads(reference_ovr_loss, args, kw, wrt)
+    loss, g = loss_and_grads(fused_ovr_loss, args, kw, wrt, vocab_chunk=chunks[0], token_chunk=chunks[1],
+                             compile=True)
+    assert not loss_module._compile_error and loss_module._compiled_kernels
+    assert_rel(loss, ref_loss, 1e-5, "loss")
+    for i, (a, b) in enumerate(zip(g, ref_g)):
+        assert torch.isfinite(a).all()
+        assert_rel(a, b, 1e-5, f"grad {i}")
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_compiled_kernel_follows_the_scale_floor(grads):
+    # regression: with the floor passed as a Python float, torch 2.13 reused one compiled
+    # graph for every floor value (silently wrong loss on floored columns)
+    args, kw, wrt = make_case(dtype=torch.float32, train_W=True)
+    for floor in (1e-6, 0.5, 2.0):
+        want = loss_and_grads(fused_ovr_loss, args, kw, wrt, scale_floor=floor, compile=False)
+        got = loss_and_grads(fused_ovr_loss, args, kw, wrt, scale_floor=floor, compile=True) if grads else \
+            (fused_ovr_loss(*args, **kw, scale_floor=floor, compile=True).detach(), want[1])
+        assert_rel(got[0], want[0], 1e-5, f"loss floor={floor}")
+        for a, b in zip(got[1], want[1]):
+            assert_rel(a, b, 1e-5, f"grad floor={floor}")
+
+
+def test_compile_is_automatic_for_large_float32_problems_only(monkeypatch):
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    big = COMPILE_MIN_ELEMENTS // 151936 + 1
+    assert _use_compiled(None, torch.float32, big, 151936)
+    assert not _use_compiled(None, torch.float32, big - 2, 151936)
+    assert not _use_compiled(True, torch.float64, big, 151936)  # float64 stays exact (eager)
+    assert _use_compiled(True, torch.float32, 1, 10) and not _use_compiled(False, torch.float32, big, 151936)
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert not _use_compiled(None, torch.float32, big, 151936)
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    assert _use_compiled(None, torch.float32, 1, 10)
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning(tmp_path):
+    """A machine without a working C++ compiler: the loss still comes out right, with one
+    warning naming the fallback (real torch.compile failure, fresh cache, CXX=/bin/false)."""
+    script = """
+import warnings, torch
+from causal_adapter.loss import fused_ovr_loss, reference_ovr_loss
+g = torch.Generator().manual_seed(0)
+lu, su = torch.randn(6, 4, generator=g), torch.rand(6, 4, generator=g) + 0.5
+W, y = torch.randn(50, 4, generator=g), torch.randint(0, 50, (6,), generator=g)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    a = fused_ovr_loss(lu, su, W, None, 0.3, y, compile=True)
+    b = fused_ovr_loss(lu, su, W, None, 0.3, y, compile=True)
+msgs = [str(x.message) for x in w if str(x.message).startswith("fused_ovr_loss")]
+assert len(msgs) == 1 and "using the eager kernel" in msgs[0], msgs
+print(msgs[0])
+r = reference_ovr_loss(lu, su, W, None, 0.3, y)
+assert torch.allclose(a, r, rtol=1e-5) and torch.equal(a, b), (a, b, r)
+print("ok")
+"""
+    env = dict(os.environ, CXX="/bin/false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_fused_moderate_size_float32():
     # model-like magnitudes (SPEC init: thresholds 100, scale_U ~ 10, small W), V not a
     # multiple of the automatic chunk, trainable W so all six GEMMs run.
@@ -107,10 +183,11 @@ def test_fused_moderate_size_float32():
     labels[::7] = -100
     args, wrt = (loc_U, scale_Up, W, b, thr, labels), [loc_U, scale_Up, W, b]
     ref_loss, ref_g = loss_and_grads(reference_ovr_loss, args, {}, wrt)
-    loss, gr = loss_and_grads(fused_ovr_loss, args, {}, wrt, memory_budget_mb=8)
-    assert_rel(loss, ref_loss, 1e-5, "loss")
-    for a, b_ in zip(gr, ref_g):
-        assert_rel(a, b_, 1e-5, "grad")
+    for compile in (False, True):
+        loss, gr = loss_and_grads(fused_ovr_loss, args, {}, wrt, memory_budget_mb=8, compile=compile)
+        assert_rel(loss, ref_loss, 1e-5, f"loss compile={compile}")
+        for a, b_ in zip(gr, ref_g):
+            assert_rel(a, b_, 1e-5, f"grad compile={compile}")
 
 
 def test_gradcheck_fused_float64():
@@ -254,12 +331,16 @@ def mp_loss_and_grads(args):
     return float(total / n), as_t(dz), as_t(dsu)
 
 
+compiled_ovr_loss = functools.partial(fused_ovr_loss, compile=True)
+
+
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-@pytest.mark.parametrize("fn", [reference_ovr_loss, fused_ovr_loss])
+@pytest.mark.parametrize("fn", [reference_ovr_loss, fused_ovr_loss, compiled_ovr_loss],
+                         ids=["reference", "fused", "compiled"])
 def test_extreme_inputs_against_mpmath(fn, dtype, rtol):
     args = extreme_case(dtype)
     mp_loss, mp_db, mp_dsu = mp_loss_and_grads(args)
-    kw = dict(vocab_chunk=4, token_chunk=2) if fn is fused_ovr_loss else {}
+    kw = dict(vocab_chunk=4, token_chunk=2) if fn is not reference_ovr_loss else {}
     loss = fn(*args, scale_floor=FLOOR, **kw)
     grads = torch.autograd.grad(loss, (args[0], args[1], args[2], args[3]))
     assert torch.isfinite(loss)
@@ -276,7 +357,7 @@ def test_extreme_inputs_bf16_finite():
     args = extreme_case(torch.float32)
     lu, su, W, b, thr, labels = args
     W16 = W.detach().bfloat16().requires_grad_()
-    for fn in (reference_ovr_loss, fused_ovr_loss):
+    for fn in (reference_ovr_loss, fused_ovr_loss, compiled_ovr_loss):
         loss = fn(lu, su, W16, b, thr, labels)
         grads = torch.autograd.grad(loss, (lu, su, W16, b))
         assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)

@@ -273,6 +273,24 @@ def test_lora_mode_trains_lora_only_in_backbone():
     assert all(p.grad is None for p in frozen)
 
 
+def test_lora_init_follows_config_seed_not_the_global_rng():
+    settings = LoraSettings(r=4, target_modules=["q_proj", "v_proj"])
+
+    def lora_A(global_seed, seed):
+        base = small_vocab_qwen("qwen3")
+        torch.manual_seed(global_seed)
+        model = wrap(base, lora=settings, seed=seed)
+        after = torch.rand(1)  # the caller's stream continues as if nothing was drawn
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(1))
+        return {n: p.detach().clone() for n, p in model.backbone.named_parameters() if "lora_A" in n}
+
+    a, b, c = lora_A(1, seed=7), lora_A(2, seed=7), lora_A(1, seed=8)
+    assert a and a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # same config.seed, different global RNG
+    assert not any(torch.equal(a[k], c[k]) for k in a)
+
+
 def test_learnable_direction_backpropagates_through_backbone():
     model = wrap(small_vocab_qwen(), learnable_direction=True)
     assert model.backbone_needs_grad()

@@ -651,15 +651,25 @@ def test_model_loss_finite_with_target_1e30_far_from_loc_Y(autocast):
     assert symlog(torch.tensor(1e30)).item() == pytest.approx(math.log1p(1e30))
 
 
-@pytest.mark.xfail(strict=True, reason="cauchy.ovr_log_probs differentiates atan2 through autograd, whose backward "
-                   "forms grad * z / (s^2 + z^2): for |z| > 1.8e19 in float32 z^2 overflows and inf * 0 gives NaN "
-                   "(needs a closed-form backward in cauchy.py; CausalAdapterConfig keeps |threshold_init| <= 1e18)")
 def test_ovr_log_probs_gradient_finite_for_huge_z():
+    """z^2 overflows float32 beyond 1.8e19: the closed-form backward must not form it."""
+    import mpmath
+
     from causal_adapter.cauchy import ovr_log_probs
 
-    z = torch.tensor([-1e20, 1e20, -3e38], requires_grad=True)
-    s = torch.tensor([10.0, 10.0, 1.0], requires_grad=True)
+    zs, ss = [-1e20, 1e20, -3e38, 3e38, -1e20], [10.0, 10.0, 1.0, 1e-6, 1e25]
+    z = torch.tensor(zs, requires_grad=True)
+    s = torch.tensor(ss, requires_grad=True)
     log_p, log_1mp = ovr_log_probs(z, s)
     assert torch.isfinite(log_p).all() and torch.isfinite(log_1mp).all()
-    gz, gs = torch.autograd.grad((log_p + log_1mp).sum(), (z, s))
+    gz, gs = torch.autograd.grad((log_p + 2 * log_1mp).sum(), (z, s))
     assert torch.isfinite(gz).all() and torch.isfinite(gs).all()
+    mpmath.mp.dps = 60
+    for k, (zk, sk) in enumerate(zip(z.tolist(), s.tolist())):  # the float32 inputs, exactly
+        def f(zz, ss):
+            p = mpmath.mpf(1) / 2 + mpmath.atan(zz / ss) / mpmath.pi
+            return mpmath.log(p) + 2 * mpmath.log(1 - p)
+        want_z = mpmath.diff(lambda v: f(v, mpmath.mpf(sk)), mpmath.mpf(zk))
+        want_s = mpmath.diff(lambda v: f(mpmath.mpf(zk), v), mpmath.mpf(sk))
+        assert gz[k].item() == pytest.approx(float(want_z), rel=1e-5), (zk, sk)
+        assert gs[k].item() == pytest.approx(float(want_s), rel=1e-5), (zk, sk)

@@ -104,7 +104,11 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
     argv = ["--output-dir", str(out), "--tiny-hidden-size", "32", "--tiny-layers", "1", "--max-steps", "12",
             "--learning-rate", "2e-2", "--eval-on-start", "--eval-steps", "6", "--save-steps", "4",
             "--save-total-limit", "2", "--logging-steps", "3", "--max-eval-samples", "16", "--no-progress"]
+    stale = out / ".deleting-checkpoint-2"  # left by a run killed while deleting an old checkpoint
+    stale.mkdir(parents=True)
+    (stale / "optimizer.pt").write_bytes(b"partial")
     assert main(argv) == 0
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".deleting-")]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [0, 6, 12]
