@@ -4,7 +4,7 @@ Variants, forward + backward, frozen and trainable W (b_cls always trains):
   naive     reference_ovr_loss (materialises [N, V]; skipped when it cannot fit)
   fused     fused_ovr_loss(compile=False): eager elementwise part
   compiled  fused_ovr_loss(compile=True): the elementwise part as one torch.compile'd kernel
-            (the library default for float32 problems of N x V >= 2^24)
+            (the default on CUDA for float32 problems of N x V >= 2^24; opt-in on CPU)
   ce        the softmax baseline F.cross_entropy(h @ W.T, labels)
 Each measurement runs in its own subprocess (torch.set_num_threads(2)); rounds interleave
 the variants so background load hits them alike, and the best time over rounds is kept.

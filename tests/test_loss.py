@@ -131,17 +131,18 @@ def test_compiled_kernel_follows_the_scale_floor(grads):
             assert_rel(a, b, 1e-5, f"grad floor={floor}")
 
 
-def test_compile_is_automatic_for_large_float32_problems_only(monkeypatch):
+def test_compile_is_automatic_for_large_float32_problems_on_cuda_only(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     big = COMPILE_MIN_ELEMENTS // 151936 + 1
-    assert _use_compiled(None, torch.float32, big, 151936)
-    assert not _use_compiled(None, torch.float32, big - 2, 151936)
-    assert not _use_compiled(True, torch.float64, big, 151936)  # float64 stays exact (eager)
-    assert _use_compiled(True, torch.float32, 1, 10) and not _use_compiled(False, torch.float32, big, 151936)
+    assert _use_compiled(None, torch.float32, big, 151936, "cuda")
+    assert not _use_compiled(None, torch.float32, big - 2, 151936, "cuda")
+    assert not _use_compiled(None, torch.float32, big, 151936, "cpu")  # opt-in on CPU (README)
+    assert not _use_compiled(True, torch.float64, big, 151936, "cpu")  # float64 stays exact (eager)
+    assert _use_compiled(True, torch.float32, 1, 10, "cpu") and not _use_compiled(False, torch.float32, big, 151936, "cuda")
     monkeypatch.setenv(COMPILE_ENV, "0")
-    assert not _use_compiled(None, torch.float32, big, 151936)
+    assert not _use_compiled(None, torch.float32, big, 151936, "cuda")
     monkeypatch.setenv(COMPILE_ENV, "1")
-    assert _use_compiled(None, torch.float32, 1, 10)
+    assert _use_compiled(None, torch.float32, 1, 10, "cpu")
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(tmp_path):

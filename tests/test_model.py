@@ -302,6 +302,38 @@ def test_learnable_direction_backpropagates_through_backbone():
     assert model.numeric_embedding.direction.grad.abs().sum() > 0
 
 
+def test_model_loss_with_the_compiled_kernel_equals_eager(monkeypatch):
+    """CAUSAL_ADAPTER_COMPILE_LOSS=1 (what a GPU gets by default for batches with N x V >= 2^24)
+    routes the model's loss through the torch.compile'd block kernel; loss and head gradients
+    equal the eager kernel's."""
+    from causal_adapter import loss as loss_module
+
+    monkeypatch.setenv(loss_module.COMPILE_ENV, "1")
+    model = wrap(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, vocab_size=QWEN_VOCAB_SIZE, seed=3),
+                 num_token_id=151669)
+    ids = rand_ids(151000, (2, 64), seed=4)
+    assert ids.numel() * QWEN_VOCAB_SIZE >= loss_module.COMPILE_MIN_ELEMENTS
+
+    def run():
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()}
+
+    calls = []
+    monkeypatch.setattr(loss_module, "_run_compiled_kernel",
+                        lambda *a, _f=loss_module._run_compiled_kernel: calls.append(1) or _f(*a))
+    compiled_loss, compiled_grads = run()
+    assert calls and not loss_module._compile_error
+    monkeypatch.setenv(loss_module.COMPILE_ENV, "0")
+    n_calls = len(calls)
+    eager_loss, eager_grads = run()
+    assert len(calls) == n_calls  # the environment variable switches it off
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=0)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name)
+
+
 def test_bf16_backbone_with_fp32_heads():
     base = small_vocab_qwen(dtype=torch.bfloat16)
     model = wrap(base)
