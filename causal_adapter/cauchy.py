@@ -77,18 +77,22 @@ class _OvRLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_p: Tensor, g_1mp: Tensor):
-        z, s = ctx.saved_tensors
-        wide = z.dtype if z.device.type == "mps" else torch.float64  # MPS has no float64
-        zw, sw = z.to(wide), s.to(wide)
-        m = torch.maximum(zw.abs(), sw)
-        zn, sn = zw / m, sw / m
-        mu = m * (zn * zn + sn * sn)
-        # a zero upstream gradient stays zero even where 1/phi overflows (P underflowed)
-        kp = torch.where(g_p != 0, g_p.to(wide) / (mu * torch.atan2(sw, -zw)), 0.0)
-        k1 = torch.where(g_1mp != 0, g_1mp.to(wide) / (mu * torch.atan2(sw, zw)), 0.0)
-        g_z = (kp - k1) * sn
-        g_s = (k1 - kp) * zn
-        return g_z.to(z.dtype), g_s.to(s.dtype)
+        return ovr_log_probs_grads(*ctx.saved_tensors, g_p, g_1mp)
+
+
+def ovr_log_probs_grads(z: Tensor, s: Tensor, g_p: Tensor | float, g_1mp: Tensor | float) -> tuple[Tensor, Tensor]:
+    """(dL/dz, dL/ds) for L = sum(g_p * log P + g_1mp * log(1 - P)), elementwise, s > 0:
+    the closed form of `_OvRLogProbs` (no z^2 overflow), in z's and s's dtypes."""
+    wide = z.dtype if z.device.type == "mps" else torch.float64  # MPS has no float64
+    zw, sw = z.to(wide), s.to(wide)
+    g_p, g_1mp = torch.as_tensor(g_p, dtype=wide, device=z.device), torch.as_tensor(g_1mp, dtype=wide, device=z.device)
+    m = torch.maximum(zw.abs(), sw)
+    zn, sn = zw / m, sw / m
+    mu = m * (zn * zn + sn * sn)
+    # a zero upstream gradient stays zero even where 1/phi overflows (P underflowed)
+    kp = torch.where(g_p != 0, g_p / (mu * torch.atan2(sw, -zw)), 0.0)
+    k1 = torch.where(g_1mp != 0, g_1mp / (mu * torch.atan2(sw, zw)), 0.0)
+    return ((kp - k1) * sn).to(z.dtype), ((k1 - kp) * zn).to(s.dtype)
 
 
 def ovr_log_probs(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

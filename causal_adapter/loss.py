@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cauchy import cauchy_nll, ovr_log_probs
+from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 
@@ -290,7 +290,8 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
         Wc = W[v0:v1].to(dt)
         aWc = Wc.abs()  # |W| per chunk, never for the whole matrix
         off = _column_offset(b, thr, slice(v0, v1), dt).expand(v)  # addmm's bias
-        rowmin = float(aWc.sum(1).min())
+        # (the compiled kernel applies the floor mask itself: skip this reduction there)
+        rowmin = 0.0 if plan.compiled else float(aWc.sum(1).min())
         if need_W:
             accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2))
         for (t0, t1), sm in zip(tok, smin):
@@ -339,9 +340,8 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
         total += float((log_p - log_1mp).sum())
         if not grads:
             continue
-        # d(-log P + log(1-P))/dz = -(s/u)(1/phi + 1/theta), /ds = (z/u)(1/phi + 1/theta)
-        k = (1.0 / torch.atan2(s, -z) + 1.0 / torch.atan2(s, z)) / (z * z + s * s) * inv
-        gz, gs = -s * k, z * k * (s_raw >= floor)
+        gz, gs = ovr_log_probs_grads(z, s, -inv, inv)  # of (-log P + log(1 - P)) / n
+        gs = gs * (s_raw >= floor)
         if need_lu:
             g_lu[t0:t1].addcmul_(gz[:, None], Wy)
         if need_su:
