@@ -59,6 +59,21 @@ class CausalAdapterConfig:
     scale_floor: lower bound of scale_S (a zero row of W_cls must not give scale 0).
     fused_loss: use the chunked fused OvR loss (False = the reference formula, for debugging).
     seed: seed of every random initialisation in the adapter (d, w_reg, Xavier when C != H).
+    direction_norm: norm of d (None = the median row norm of the input embedding, so that phi(v)
+        is on the scale of a token embedding and the backbone's RMSNorm does not flatten it;
+        1.0 = the seeds' unit vector).
+    value_loc, value_scale: value units. The regression predicts Y' and the value is
+        Y = value_loc + value_scale * Y' (an exact Cauchy map of loc and scale); `train()` fits
+        them on the training targets (median, IQR / 1.349) when None. None = raw units (0, 1).
+    standardize_inputs: phi takes (v - value_loc) / value_scale at <NUM> positions (text
+        positions stay untouched), once the value units are set.
+    regression_scale: "independent" (scale_Y' = |b_noise_Y|, the value's own exogenous noise: the
+        regression NLL sets the width alone) or "shared" (the seeds' scale_Y' = |w_reg| . scale_U',
+        which the OvR loss over ~V negative rows drives with scale_U' and which a least-squares
+        warm start of w_reg makes O(1e3) units wide at gamma0 = 10).
+    b_noise_Y_init: initial |b_noise_Y| (standardised value units).
+    value_decimals: decimals of a generated value's text (None = 6 significant digits); `train()`
+        sets it to the most decimals seen in the training targets.
     """
 
     causal_size: int | None = None
@@ -77,6 +92,13 @@ class CausalAdapterConfig:
     scale_floor: float = 1e-6
     fused_loss: bool = True
     seed: int = 0
+    direction_norm: float | None = None
+    value_loc: float | None = None
+    value_scale: float | None = None
+    standardize_inputs: bool = True
+    regression_scale: str = "independent"
+    b_noise_Y_init: float = 1.0
+    value_decimals: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -113,6 +135,22 @@ class CausalAdapterConfig:
             raise ValueError(f"scale_floor must be in (0, 1), got {self.scale_floor!r}")
         if self.num_token_id is not None and (not isinstance(self.num_token_id, int) or self.num_token_id < 0):
             raise ValueError(f"num_token_id must be a non-negative integer or None, got {self.num_token_id!r}")
+        for name in ("direction_norm", "value_scale"):
+            if getattr(self, name) is not None and not finite(name) > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)!r}")
+        if self.value_loc is not None:
+            finite("value_loc")
+        if (self.value_loc is None) != (self.value_scale is None):
+            raise ValueError(f"set value_loc and value_scale together (got value_loc={self.value_loc!r}, "
+                             f"value_scale={self.value_scale!r})")
+        if self.regression_scale not in ("independent", "shared"):
+            raise ValueError(f"regression_scale must be 'independent' or 'shared', got {self.regression_scale!r}")
+        if not 0 <= finite("b_noise_Y_init") <= SCALE_INIT_MAX:
+            raise ValueError(f"b_noise_Y_init must be in [0, {SCALE_INIT_MAX:g}], got {self.b_noise_Y_init!r}")
+        if self.value_decimals is not None and (isinstance(self.value_decimals, bool)
+                                                or not isinstance(self.value_decimals, int)
+                                                or not 0 <= self.value_decimals <= 12):
+            raise ValueError(f"value_decimals must be an integer in [0, 12] or None, got {self.value_decimals!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.lora is not None:

@@ -72,8 +72,9 @@ class GenerationOutput:
     finished: [B] bool, True when the row stopped on eos or a stop string.
     token_probs: [B, T] OvR probability P_k of each chosen token (0 after the row finished).
     numbers: per row, one dict per generated <NUM>: position (index in new_tokens), index (in
-        sequences), value (what was emitted and fed back), text (as rendered), loc / scale
-        (loc_Y, scale_Y of that step), interval_50 / interval_90 (central Cauchy intervals).
+        sequences), value (what was emitted and fed back: rounded to `config.value_decimals`
+        when the adapter has them), exact (the value before rounding), text (as rendered), loc /
+        scale (loc_Y, scale_Y of that step), interval_50 / interval_90 (central Cauchy intervals).
     texts: decoded generated text per row (numbers rendered), when a tokenizer was available.
     eps: [B, T, C] the uniforms of causal mode (with return_eps=True); with
         shared_individual=True every step of a row holds the same eps.
@@ -537,6 +538,8 @@ def generate(
     token_probs = torch.zeros(B, T, dtype=hdtype, device=device)
     loc_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
     scale_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
+    exact_all = torch.zeros(B, T, dtype=vdtype, device=device)  # generated values before rounding
+    decimals = model.config.value_decimals
     eps_all = torch.zeros(B, T, C, dtype=hdtype, device=device) if return_eps else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
@@ -592,6 +595,9 @@ def generate(
                     prob = heads.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
             tok = torch.where(finished, pad_id, tok)
             val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
+            exact_all[:, t] = val
+            if decimals is not None:  # shown and fed back as the data writes values; the exact one is kept
+                val = torch.round(val, decimals=decimals)
             live = ~finished
             sequences[:, S + t] = tok
             values[:, S + t] = val
@@ -624,7 +630,8 @@ def generate(
     gen_mask = torch.arange(steps, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     full_mask = torch.cat([attention_mask, gen_mask.long()], 1)
     new_tokens, new_values = sequences[:, S:], values[:, S:]
-    numbers = _numbers(new_tokens, new_values, loc_Y_all[:, :steps], scale_Y_all[:, :steps], gen_mask, num_id, S)
+    numbers = _numbers(new_tokens, new_values, loc_Y_all[:, :steps], scale_Y_all[:, :steps], gen_mask, num_id, S,
+                       exact_all[:, :steps])
     texts = None
     if ntok is not None:
         texts = [_decode(ntok, new_tokens[b, :int(lengths[b])], new_values[b, :int(lengths[b])],
@@ -664,7 +671,7 @@ _Q50 = (0.25, 0.75)
 _Q90 = (0.05, 0.95)
 
 
-def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S) -> list[list[dict[str, Any]]]:
+def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S, exact) -> list[list[dict[str, Any]]]:
     is_num = (new_tokens == num_id) & gen_mask
     out: list[list[dict[str, Any]]] = [[] for _ in range(new_tokens.shape[0])]
     if not bool(is_num.any()):
@@ -677,5 +684,6 @@ def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S) -> lis
         out[b].append({
             "position": t, "index": S + t, "value": v, "text": _format(v) if math.isfinite(v) else str(v),
             "loc": loc, "scale": scale, "interval_50": (ends[0], ends[1]), "interval_90": (ends[2], ends[3]),
+            "exact": float(exact[b, t]),
         })
     return out

@@ -8,6 +8,7 @@ One `forward` holds embedding, backbone, heads and loss (what DDP needs).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,7 @@ class CausalModel(nn.Module):
                 self._inject_lora()
             self.numeric_embedding = NumericEmbedding(
                 H, learnable=config.learnable_direction, std=config.direction_std, generator=gen, dtype=dtype,
-                device=device,
+                device=device, norm=config.direction_norm or _median_row_norm(backbone.get_input_embeddings().weight),
             )
             self.abduction = AbductionHead(H, C, gamma0=config.gamma0, generator=gen, dtype=dtype, device=device)
             self.action = ActionHead(
@@ -137,8 +138,22 @@ class CausalModel(nn.Module):
                 b_noise_init=config.b_noise_init, threshold_init=config.threshold_init,
                 threshold_mode=config.threshold_mode, learnable_threshold=config.learnable_threshold,
                 train_num_row=config.train_num_row, scale_floor=config.scale_floor,
-                generator=gen, dtype=dtype, device=device,
+                generator=gen, dtype=dtype, device=device, regression_scale=config.regression_scale,
+                b_noise_Y_init=config.b_noise_Y_init,
             )
+        if config.value_loc is not None:
+            self.set_value_units(config.value_loc, config.value_scale)
+
+    def set_value_units(self, value_loc: float, value_scale: float, value_decimals: int | None = None) -> None:
+        """Value units of the regression (and of phi's input when `config.standardize_inputs`):
+        Y = value_loc + value_scale * Y'. Stored in the config, hence in the saved adapter."""
+        if not (math.isfinite(value_loc) and math.isfinite(value_scale) and value_scale > 0):
+            raise ValueError(f"value units need a finite value_loc and a finite value_scale > 0, got "
+                             f"({value_loc!r}, {value_scale!r})")
+        self.config.value_loc, self.config.value_scale = float(value_loc), float(value_scale)
+        if value_decimals is not None:
+            self.config.value_decimals = int(value_decimals)
+        self.action.set_value_units(value_loc, value_scale)
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self) -> None:
@@ -178,10 +193,16 @@ class CausalModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def embed(self, input_ids: Tensor, numeric_values: Tensor | None) -> Tensor:
-        """e = embed(x) + phi(v): [B, S] -> [B, S, H] in the backbone's dtype."""
+        """e = embed(x) + phi(v): [B, S] -> [B, S, H] in the backbone's dtype. With value units
+        set and `standardize_inputs`, phi takes (v - value_loc) / value_scale at <NUM> positions
+        (text positions keep v = 0, phi = 0: untouched)."""
         embeds = self.backbone.get_input_embeddings()(input_ids)
         if numeric_values is None:
             return embeds
+        if self.config.standardize_inputs and self.config.value_loc is not None:
+            wide = torch.promote_types(numeric_values.dtype, torch.float32)
+            std = (numeric_values.to(wide) - self.config.value_loc) / self.config.value_scale
+            numeric_values = torch.where(input_ids == self.num_token_id, std, torch.zeros_like(std))
         return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
 
     def _check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
@@ -425,7 +446,11 @@ class CausalModel(nn.Module):
                 f"adapter {str(adapter_dir)!r} uses num_token_id={num_id}, but this tokenizer's first reserved row "
                 f"is len(tokenizer)={len(tokenizer)}: the adapter was made for another tokenizer"
             )
-        config = CausalAdapterConfig.from_dict({**meta["adapter_config"], "num_token_id": num_id})
+        saved = dict(meta["adapter_config"])
+        # adapters written before value units existed: raw units, the seeds' shared scale, unit d
+        saved.setdefault("regression_scale", "shared")
+        saved.setdefault("direction_norm", 1.0)
+        config = CausalAdapterConfig.from_dict({**saved, "num_token_id": num_id})
         model = get_causal_model(base_model, config)
         model.load_adapter_state_dict(tensors)
         return model
@@ -436,6 +461,14 @@ class CausalModel(nn.Module):
         from .generation import generate
 
         return generate(self, *args, **kwargs)
+
+
+def _median_row_norm(weight: Tensor) -> float:
+    """Median L2 norm of the embedding rows (reserved all-zero rows do not pull it to 0)."""
+    w = weight.detach()
+    norms = torch.cat([w[i:i + 16384].float().norm(dim=1) for i in range(0, w.shape[0], 16384)])  # no V x H copy
+    norms = norms[norms > 0]
+    return float(norms.median()) if norms.numel() else 1.0
 
 
 def _first_bad(mask: Tensor) -> tuple[int, ...]:

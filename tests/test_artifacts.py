@@ -64,7 +64,7 @@ def test_saved_file_holds_only_adapter_tensors(tmp_path):
     V, H = 151_936, 64
     heads = {"numeric_embedding.direction", "abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight",
              "abduction.scale.bias", "action.b_noise", "action.b_cls", "action.thresholds", "action.num_row",
-             "action.w_reg", "action.b_reg"}
+             "action.w_reg", "action.b_reg", "action.b_noise_Y"}
     assert heads <= set(tensors)
     others = set(tensors) - heads
     assert others and all(k.startswith("lora.") and ("lora_A" in k or "lora_B" in k) for k in others)

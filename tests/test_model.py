@@ -85,7 +85,12 @@ def test_numbers_only_change_num_positions_embeddings():
     e0 = base.get_input_embeddings()(ids)
     assert torch.equal(e[0, [0, 1, 3, 4, 5]], e0[0, [0, 1, 3, 4, 5]])
     d = model.numeric_embedding.direction
-    assert d.norm().item() == pytest.approx(1.0, abs=1e-6)
+    # |d| defaults to the median norm of the embedding rows; direction_norm=1.0 gives the seeds' unit vector
+    row_norms = base.get_input_embeddings().weight.detach().norm(dim=1)
+    assert d.norm().item() == pytest.approx(row_norms.median().item(), rel=1e-5)
+    unit = wrap(small_vocab_qwen(), direction_norm=1.0)
+    assert unit.numeric_embedding.direction.norm().item() == pytest.approx(1.0, abs=1e-6)
+    torch.testing.assert_close(unit.numeric_embedding.direction, d / d.norm())
     torch.testing.assert_close(e[0, 2] - e0[0, 2], math.log(100.9) * d, rtol=1e-5, atol=1e-6)
     vals[0, 2] = -99.9
     torch.testing.assert_close(model.embed(ids, vals)[0, 2] - e0[0, 2], -math.log(100.9) * d, rtol=1e-5, atol=1e-6)
@@ -104,7 +109,19 @@ def test_forward_closed_forms_at_init():
     torch.testing.assert_close(out.scale_S, expected_scale_S.expand_as(out.scale_S), rtol=1e-12, atol=0)
     expected_loc_Y = out.hidden_states @ model.action.w_reg
     torch.testing.assert_close(out.loc_Y, expected_loc_Y, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out.scale_Y, torch.full_like(out.scale_Y, 7.3 * model.action.w_reg.abs().sum().item()))
+    # default regression scale: |b_noise_Y| (independent), raw units until set
+    expected_scale_Y = 1.0
+    torch.testing.assert_close(out.scale_Y, torch.full_like(out.scale_Y, expected_scale_Y))
+    # value units map loc and scale exactly: Y = value_loc + value_scale * Y'
+    model.set_value_units(40.0, 25.0)
+    with torch.no_grad():
+        mapped = model(ids)
+    torch.testing.assert_close(mapped.loc_Y, 40.0 + 25.0 * expected_loc_Y, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(mapped.scale_Y, 25.0 * out.scale_Y, rtol=1e-12, atol=0)
+    shared = wrap(small_vocab_qwen(dtype=torch.float64), gamma0=7.0, b_noise_init=-0.3, regression_scale="shared")
+    with torch.no_grad():
+        shared_scale_Y = shared(ids).scale_Y
+    torch.testing.assert_close(shared_scale_Y, torch.full_like(shared_scale_Y, 7.3 * shared.action.w_reg.abs().sum().item()))
     # OvR probability formula, independently
     P = 0.5 + torch.atan((out.loc_S - 50.0) / out.scale_S) / math.pi
     from causal_adapter.cauchy import ovr_probability
@@ -247,7 +264,8 @@ def test_frozen_backbone_gets_no_gradient_and_runs_without_graph():
     assert all(p.grad is None for p in base.parameters())
     names = {n for n, _ in model.trainable_parameters()}
     assert names == {"abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
-                     "action.b_noise", "action.b_cls", "action.num_row", "action.w_reg", "action.b_reg"}
+                     "action.b_noise", "action.b_cls", "action.num_row", "action.w_reg", "action.b_reg",
+                     "action.b_noise_Y"}
     assert model.action.num_row.grad.abs().sum() > 0
 
 
@@ -354,7 +372,7 @@ def test_print_trainable_parameters(capsys):
     line = capsys.readouterr().out.strip()
     trainable, total = model.get_nb_trainable_parameters()
     H, V = 32, 320
-    assert trainable == 2 * (H * H + H) + H + V + H + H + 1
+    assert trainable == 2 * (H * H + H) + H + V + H + H + 1 + 1  # ... w_reg, b_reg, b_noise_Y
     assert total == sum(p.numel() for p in base.parameters()) + trainable
     assert line == f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
 
