@@ -19,6 +19,10 @@ default (`Family.lora_targets`): the linear-attention projections of the hybrid 
 MoE experts are fused 3-D parameters, not `nn.Linear`: peft reaches them through
 `target_parameters` (`EXPERT_LORA_PARAMETERS`), opt-in, because peft gives every expert its own
 rank-r factors and rebuilds the full delta of every expert weight at each forward (see README).
+peft 0.21 also renames, for the model types it converts from transformers v4 (qwen3_moe,
+qwen3_next), `gate_proj` / `up_proj` / `down_proj` into those expert parameters: such names are
+left out of the defaults and refused when given (`resolve_lora_settings`), so a Qwen3-Next
+shared expert gets no LoRA.
 """
 from __future__ import annotations
 
@@ -103,24 +107,59 @@ def decoder_prefix(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__}.get_decoder() is not a submodule of the model")
 
 
+def peft_expert_renames(model: nn.Module, target_modules: list[str]) -> list[str]:
+    """The names in `target_modules` that peft itself turns into `target_parameters` of the fused MoE
+    experts for this model type (its transformers v4 -> v5 conversion: on qwen3_moe / qwen3_next,
+    `gate_proj` / `up_proj` / `down_proj` mean the experts, and a dense or shared-expert MLP of that
+    name cannot be targeted). Asked of peft's own conversion, on a throw-away LoraConfig."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft without the conversion renames nothing
+        return []
+    renamed = []
+    for name in target_modules:
+        probe = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(probe, model=model, conversions=None)
+        except ValueError:  # half of a fused pair (gate_proj without up_proj): converted too
+            renamed.append(name)
+            continue
+        if name not in set(probe.target_modules or ()):
+            renamed.append(name)
+    return renamed
+
+
 def default_lora_targets(model: nn.Module) -> list[str]:
-    """The family's default LoRA `target_modules` that exist in this model (attention, dense/shared-expert
-    MLP, linear-attention projections; never embeddings or lm_head)."""
+    """The family's default LoRA `target_modules` that exist in this model and that peft applies as
+    named (attention, dense/shared-expert MLP, linear-attention projections; never embeddings or lm_head)."""
     present = {n.rsplit(".", 1)[-1] for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
-    return [t for t in get_family(model).lora_targets if t in present]
+    targets = [t for t in get_family(model).lora_targets if t in present]
+    renamed = set(peft_expert_renames(model, targets))
+    return [t for t in targets if t not in renamed]
 
 
-def resolve_lora_defaults(model: nn.Module, config):
+def resolve_lora_settings(model: nn.Module, config):
     """`config` with the default `lora.target_modules` (config.DEFAULT_LORA_TARGETS) replaced by the
-    family's defaults present in `model` (a copy; `config` itself is returned when nothing changes)."""
+    family's defaults for `model` (a copy; `config` itself when nothing changes). Refuses names that
+    peft would silently turn into MoE expert targets."""
     from .config import DEFAULT_LORA_TARGETS
 
-    if config.lora is None or list(config.lora.target_modules) != list(DEFAULT_LORA_TARGETS):
+    if config.lora is None:
         return config
-    targets = default_lora_targets(model)
-    if targets == list(config.lora.target_modules):
-        return config
-    return replace(config, lora=replace(config.lora, target_modules=targets))
+    if list(config.lora.target_modules) == list(DEFAULT_LORA_TARGETS):
+        targets = default_lora_targets(model)
+        if targets != list(config.lora.target_modules):
+            config = replace(config, lora=replace(config.lora, target_modules=targets))
+    renamed = peft_expert_renames(model, list(config.lora.target_modules))
+    if renamed:
+        raise ValueError(
+            f"LoRA target_modules {renamed} on {family_name(model)}: peft maps these names to the fused MoE experts "
+            f"of this model type, not to a dense or shared-expert MLP; to train the experts pass "
+            f"target_parameters={list(EXPERT_LORA_PARAMETERS)} instead (a shared-expert MLP cannot be targeted "
+            "by name here)"
+        )
+    return config
 
 
 def lora_module_pattern(model: nn.Module, target_modules: list[str]) -> str:

@@ -21,7 +21,7 @@ from . import __version__
 from .artifacts import FORMAT_VERSION, atomic_write_dir, read_adapter_files, write_adapter_files
 from .config import CausalAdapterConfig
 from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
-                       resolve_lora_defaults, text_config)
+                       resolve_lora_settings, text_config)
 from .heads import AbductionHead, ActionHead, NumericEmbedding
 from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
 
@@ -457,6 +457,6 @@ def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None =
     """
     config = config or CausalAdapterConfig()
     check_supported(qwen_model)
-    config = resolve_lora_defaults(qwen_model, config)
+    config = resolve_lora_settings(qwen_model, config)
     num_id = resolve_num_token_id(qwen_model, config, tokenizer)
     return CausalModel(qwen_model, config, num_id)
