@@ -245,6 +245,25 @@ def test_save_load_same_family_and_refuse_another(arch, vision, tmp_path):
         CausalModel.from_pretrained(tiny(other, dtype=torch.float32), tmp_path / "a")
 
 
+def test_text_adapter_on_the_vision_language_checkpoint_of_the_same_language_model(tmp_path):
+    text = tiny("qwen3_5", dtype=torch.float32)
+    vl = tiny("qwen3_5", vision=True, dtype=torch.float32, seed=7)
+    vl.get_decoder().load_state_dict(text.get_decoder().state_dict())
+    vl.lm_head.load_state_dict(text.lm_head.state_dict())
+    model = wrap(text, gamma0=2.0)
+    perturb(model)
+    model.save_pretrained(tmp_path / "frozen")
+    loaded = CausalModel.from_pretrained(vl, tmp_path / "frozen")  # same family, H and V: accepted
+    ids, mask = left_padded()
+    with torch.no_grad():
+        a, b = model(ids, attention_mask=mask, return_scores=True), loaded(ids, attention_mask=mask, return_scores=True)
+    torch.testing.assert_close(a.loc_S, b.loc_S, rtol=0, atol=1e-6)
+    torch.testing.assert_close(a.loc_Y, b.loc_Y, rtol=0, atol=1e-6)
+    wrap(tiny("qwen3_5", dtype=torch.float32), lora=LoraSettings(r=2)).save_pretrained(tmp_path / "lora")
+    with pytest.raises(ValueError, match=r"missing \['lora.model.language_model.layers"):  # LoRA paths differ
+        CausalModel.from_pretrained(tiny("qwen3_5", vision=True, dtype=torch.float32), tmp_path / "lora")
+
+
 def test_unsupported_qwen_model_names_the_families():
     from transformers import Qwen2Model
 
