@@ -9,6 +9,7 @@ from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_c
 from causal_adapter.assets import QWEN3_5_VOCAB_SIZE, build_tiny_qwen
 from causal_adapter.config import DEFAULT_LORA_TARGETS
 from causal_adapter.families import EXPERT_LORA_PARAMETERS, FAMILIES, family_name
+from test_artifacts import optimise
 from test_generation import NUM_SMALL, perturb, reference_generate, small_prompts
 
 # (arch, vision): every family, and the two vision-language checkpoints
@@ -174,11 +175,7 @@ def train_steps(model, steps=2, seed=0):
     ids[:, 2] = NUM_SMALL
     vals = torch.zeros(2, 6)
     vals[:, 2] = torch.tensor([3.5, -1.0])
-    opt = torch.optim.AdamW([p for _, p in model.trainable_parameters()], lr=1e-2)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(ids, vals, labels=ids).loss.backward()
-        opt.step()
+    optimise(model, ids, vals, steps)
     return ids, vals
 
 
