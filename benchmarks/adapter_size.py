@@ -96,7 +96,8 @@ def families_table() -> None:
         bf16 = 2 * n_base
         cells = "".join(f"{b / 2**20:>{w}.1f}{b / bf16:>8.3%}" for b, w in zip(sizes, (11, 12, 13)))
         print(f"{family:<12}{label:<24}{n_base / 1e9:>9.2f}{bf16 / 2**30:>9.1f}{cells}")
-        result.update({f"{family}_frozen_mb": round(sizes[0] / 2**20, 2), f"{family}_lora_mb": round(sizes[1] / 2**20, 2)})
+        result[f"{family}_frozen_mb"] = round(sizes[0] / 2**20, 2)
+        result[f"{family}_lora_mb"] = round(sizes[1] / 2**20, 2)
         if moe:
             result[f"{family}_lora_experts_mb"] = round(sizes[2] / 2**20, 1)
     print("(tensor bytes in float32; the safetensors file adds a header of a few KiB. LoRA targets: "
@@ -117,7 +118,8 @@ def expert_lora_step_cost(steps: int = 5) -> dict:
     for name, extra in (("default", []), ("experts", list(EXPERT_LORA_PARAMETERS))):
         base = build_tiny_qwen("qwen3_moe", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                                intermediate_size=256, vocab_size=1024, num_experts=32, num_experts_per_tok=4)
-        model = get_causal_model(base, CausalAdapterConfig(num_token_id=1020, lora=LoraSettings(r=8, target_parameters=extra)))
+        lora = LoraSettings(r=8, target_parameters=extra)
+        model = get_causal_model(base, CausalAdapterConfig(num_token_id=1020, lora=lora))
         trainable = sum(p.numel() for _, p in model.trainable_parameters())
         times = []
         for _ in range(steps + 1):

@@ -120,8 +120,8 @@ def build_tiny_qwen(
         model = getattr(transformers, model_name)(config)
     finally:
         torch.random.set_rng_state(cpu_rng)  # building the default base must not move the user's RNG
-    if dtype == torch.float64 and hasattr(model, "set_experts_implementation") and ("moe" in arch or arch == "qwen3_next"):
-        model.set_experts_implementation("eager")
+    if dtype == torch.float64 and ("moe" in arch or arch == "qwen3_next"):
+        model.set_experts_implementation("eager")  # torch._grouped_mm: float32 / bf16 / fp16 only
     model.name_or_path = f"causal-adapter/tiny-{arch}{'-vl' if vision else ''}-h{hidden_size}-l{num_layers}-seed{seed}"
     return model.to(dtype).eval()
 

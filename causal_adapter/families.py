@@ -171,7 +171,8 @@ def lora_module_pattern(model: nn.Module, target_modules: list[str]) -> str:
 
 
 def check_text_only(model: nn.Module, input_ids: Tensor) -> None:
-    """A vision-language backbone is fed text only: image / video placeholder tokens are refused."""
+    """A vision-language backbone is fed text only: image / video placeholder tokens in
+    input_ids [B, S] are refused (a *ForCausalLM passes untouched)."""
     config = getattr(model, "config", None)
     if config is None or text_config(model) is config:
         return
@@ -186,7 +187,7 @@ def check_text_only(model: nn.Module, input_ids: Tensor) -> None:
 
 
 def check_no_vision_inputs(inputs) -> None:
-    """Refuse processor outputs that carry images or videos (see `check_text_only`)."""
+    """Refuse a dict of inputs (e.g. a processor's output) that carries images or videos (see `check_text_only`)."""
     found = [k for k in _VISION_INPUTS if k in inputs]
     if found:
         raise ValueError(f"the inputs hold {found}: causal_adapter takes text only (input_ids, numeric_values, "

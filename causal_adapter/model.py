@@ -415,8 +415,8 @@ class CausalModel(nn.Module):
         meta, tensors = read_adapter_files(adapter_dir)
         bc = base_model.config
         rows = base_model.get_output_embeddings().weight.shape[0]
-        for key, base_value in (("model_type", family_name(base_model)), ("hidden_size", text_config(base_model).hidden_size),
-                                ("vocab_size", rows)):
+        H = text_config(base_model).hidden_size
+        for key, base_value in (("model_type", family_name(base_model)), ("hidden_size", H), ("vocab_size", rows)):
             if meta.get(key) != base_value:
                 raise ValueError(
                     f"adapter {str(adapter_dir)!r} was made for {key}={meta.get(key)!r}, but the base model has "
