@@ -469,6 +469,8 @@ class CausalModel(nn.Module):
 def _median_row_norm(weight: Tensor) -> float:
     """Median L2 norm of the embedding rows (reserved all-zero rows do not pull it to 0)."""
     w = weight.detach()
+    if w.is_meta:  # shapes only (size computations): any norm will do
+        return 1.0
     norms = torch.cat([w[i:i + 16384].float().norm(dim=1) for i in range(0, w.shape[0], 16384)])  # no V x H copy
     norms = norms[norms > 0]
     return float(norms.median()) if norms.numel() else 1.0

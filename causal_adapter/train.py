@@ -26,7 +26,8 @@ What a run does
   resumed ends with the same adapter as an uninterrupted one (bit-identical on CPU).
 * Evaluation on the validation split every ``eval_steps`` and at the end (`metrics`), sharded
   over processes and gathered; ``metrics.jsonl`` log, accelerate trackers (``report_to``),
-  tqdm on the main process, and a PNG of the curves and of predicted vs true values
+  tqdm on the main process, and a PNG of the curves and of the validation values with
+  their predicted 50% / 90% bands
   (matplotlib optional).
 * Distributed: one ``forward`` holds embedding, backbone, heads and loss (what DDP needs);
   ``find_unused_parameters=True`` by default so a parameter that gets no gradient on a step
@@ -921,8 +922,8 @@ def _load_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState,
 
 # ============================================================================ plot
 def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike) -> Path | None:
-    """PNG with the training curves (train/eval losses, eval metrics) and predicted vs true values
-    with their 50% / 90% Cauchy intervals. Returns None (quietly) without matplotlib."""
+    """PNG with the training curves (train/eval losses, eval metrics) and the validation values
+    (data order) with loc_Y and its 50% / 90% Cauchy interval bands. Returns None (quietly) without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -954,25 +955,24 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
     ax2.set_title("validation metrics")
     ax2.legend(fontsize=8)
     if predictions and predictions["y_true"]:
+        # in data order (time order for the built-in series): the truth, loc_Y and its interval bands
         y = torch.tensor(predictions["y_true"], dtype=torch.float64)
         loc = torch.tensor(predictions["loc"], dtype=torch.float64)
         scale = torch.tensor(predictions["scale"], dtype=torch.float64)
-        order = torch.argsort(y)
-        y, loc, scale = y[order], loc[order], scale[order]
-        for q, alpha in ((0.9, 0.25), (0.5, 0.6)):
+        x = torch.arange(len(y)).numpy()
+        for q, alpha in ((0.9, 0.18), (0.5, 0.35)):
             lo = cauchy_icdf(torch.tensor((1 - q) / 2, dtype=torch.float64), loc, scale)
             hi = cauchy_icdf(torch.tensor((1 + q) / 2, dtype=torch.float64), loc, scale)
-            ax3.vlines(y.numpy(), lo.numpy(), hi.numpy(), alpha=alpha, lw=3 if q == 0.5 else 1.5,
-                       label=f"{round(100 * q)}% interval")
-        ax3.plot(y.numpy(), loc.numpy(), "k.", label="loc_Y")
-        lim = [float(y.min()), float(y.max())]
-        ax3.plot(lim, lim, "r-", lw=0.8, label="y = x")
-        pad = (lim[1] - lim[0]) * 0.5 + 1.0
-        ax3.set_ylim(lim[0] - pad, lim[1] + pad)
-        ax3.set_xlabel("true value")
-        ax3.set_ylabel("predicted")
+            ax3.fill_between(x, lo.numpy(), hi.numpy(), color="tab:blue", alpha=alpha, lw=0,
+                             label=f"{round(100 * q)}% interval")
+        ax3.plot(x, loc.numpy(), "-", color="tab:blue", lw=1.2, label="loc_Y (prediction)")
+        ax3.plot(x, y.numpy(), "ko", ms=3, label="true value")
+        span = float(y.max() - y.min()) or 1.0
+        ax3.set_ylim(float(y.min()) - 0.6 * span, float(y.max()) + 0.6 * span)
+        ax3.set_xlabel("validation example (data order)")
+        ax3.set_ylabel("value")
         ax3.legend(fontsize=8)
-    ax3.set_title("validation: predicted vs true at <NUM>")
+    ax3.set_title("validation: value at <NUM> with its intervals")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
