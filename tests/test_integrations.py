@@ -332,3 +332,62 @@ def test_hub_ids_fail_fast_and_clearly_offline(tmp_path, monkeypatch):
     # a path that does not exist and is no repo id keeps the local-directory error
     with pytest.raises(FileNotFoundError, match="does not exist"):
         CausalModel.from_pretrained(tiny_base(), tmp_path / "missing")
+
+
+# ============================================================================ generate
+def test_generate_accepts_generation_config_and_length_penalty_arguments():
+    from transformers import GenerationConfig
+
+    model = trained(tiny_model()).eval()
+    ids = ids_batch()[:1]
+    ref = model.generate(input_ids=ids, max_new_tokens=5, eos_token_id=[])
+    first = int(ref.new_tokens[0, 0])
+    via_config = model.generate(input_ids=ids, generation_config=GenerationConfig(max_new_tokens=5, eos_token_id=[]))
+    assert torch.equal(via_config.sequences, ref.sequences)
+    # sampling fields of a GenerationConfig do not apply to the deterministic mode (the mode chooses)
+    sampled_cfg = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.7, top_p=0.8, num_beams=1)
+    assert torch.equal(model.generate(input_ids=ids, generation_config=sampled_cfg, eos_token_id=[]).sequences,
+                       ref.sequences)
+    assert torch.equal(model.generate(input_ids=ids, max_length=ids.shape[1] + 5, eos_token_id=[]).sequences,
+                       ref.sequences)
+    # eos lists and min_new_tokens: the first token as eos stops at once, unless min_new_tokens forbids it
+    stop = model.generate(input_ids=ids, max_new_tokens=5, eos_token_id=[first, 7])
+    assert stop.lengths.tolist() == [1] and stop.finished.all()
+    for mode in ("deterministic", "causal", "softmax"):
+        kw = {"seed": 0} if mode == "causal" else {}
+        out = model.generate(input_ids=ids, mode=mode, max_new_tokens=5, eos_token_id=[first, 7], min_new_tokens=3, **kw)
+        assert out.lengths[0] >= 3 and not set(out.new_tokens[0, :2].tolist()) & {first, 7}, mode
+    # repetition_penalty (softmax): no word of the prompt or of the new text comes back; <NUM> is exempt
+    # (every number shares that token)
+    rep = model.generate(input_ids=ids, mode="softmax", max_new_tokens=6, eos_token_id=[], repetition_penalty=1e6)
+    new = [t for t in rep.new_tokens[0].tolist() if t != NUM]
+    assert len(set(new)) == len(new) and not set(new) & set(ids[0].tolist())
+    # what a mode cannot honour is refused with the list of what it accepts
+    with pytest.raises(ValueError, match=r"repetition_penalty applies to mode='softmax'.*accepts \[.*max_length"):
+        model.generate(input_ids=ids, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"does not support \['num_beams'\].*accepts \[.*min_new_tokens"):
+        model.generate(input_ids=ids, num_beams=4)
+    with pytest.raises(ValueError, match=r"generation_config sets \['num_beams'\]"):
+        model.generate(input_ids=ids, generation_config=GenerationConfig(num_beams=4))
+    model.generate(input_ids=ids, max_new_tokens=2, num_beams=1, use_cache=True)  # neutral values pass
+    with pytest.raises(ValueError, match="max_length=3 leaves no room"):
+        model.generate(input_ids=ids, max_length=3)
+
+
+def test_text_streamer_gets_the_numbers(qwen_tokenizer, capsys):
+    from transformers import TextIteratorStreamer, TextStreamer
+
+    from causal_adapter.assets import build_tiny_qwen
+
+    tok = qwen_tokenizer
+    model = get_causal_model(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), tokenizer=tok).eval()
+    with torch.no_grad():
+        model.action.b_cls[model.num_token_id] = 1e4  # <NUM> wins every step: numbers only
+    out = model.generate("Values: 3 and 4.5 then", tokenizer=tok, max_new_tokens=3, eos_token_id=[],
+                         streamer=TextStreamer(tok, skip_prompt=True))
+    printed = capsys.readouterr().out
+    assert out.new_tokens[0].tolist() == [model.num_token_id] * 3
+    assert printed == out.texts[0] + "\n" and any(c.isdigit() for c in printed)
+    it = TextIteratorStreamer(tok, skip_prompt=True)
+    model.generate("Values: 3 and 4.5 then", tokenizer=tok, max_new_tokens=3, eos_token_id=[], streamer=it)
+    assert "".join(it) == out.texts[0]
