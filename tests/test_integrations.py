@@ -391,3 +391,31 @@ def test_text_streamer_gets_the_numbers(qwen_tokenizer, capsys):
     it = TextIteratorStreamer(tok, skip_prompt=True)
     model.generate("Values: 3 and 4.5 then", tokenizer=tok, max_new_tokens=3, eos_token_id=[], streamer=it)
     assert "".join(it) == out.texts[0]
+
+
+# ============================================================================ train() on a stream
+def test_train_on_a_streaming_dataset_with_exact_resume(tmp_path):
+    import datasets
+
+    from causal_adapter.train import TrainConfig, train
+
+    rows = toy_rows(40)
+
+    def stream():
+        return datasets.IterableDataset.from_generator(lambda: iter(rows))
+
+    def cfg(out, **kw):
+        return TrainConfig(output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+                           logging_steps=1, plot=False, progress=False, cpu=True, seed=0, **kw)
+
+    full = train(tiny_model(), cfg(tmp_path / "full"), train_dataset=stream())
+    assert full.global_step == 4 and full.train_loss == full.train_loss
+    part = train(tiny_model(), cfg(tmp_path / "part", save_steps=2), train_dataset=stream())
+    resumed = train(tiny_model(), cfg(tmp_path / "part", save_steps=2,
+                                      resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2")),
+                    train_dataset=stream())
+    assert resumed.resumed_from is not None and part.global_step == 4
+    assert_same(adapter_tensors(resumed.model), adapter_tensors(full.model))
+    with pytest.raises(ValueError, match="streaming train_dataset.*set max_steps > 0"):
+        train(tiny_model(), TrainConfig(output_dir=str(tmp_path / "x"), cpu=True, plot=False, progress=False),
+              train_dataset=stream())
