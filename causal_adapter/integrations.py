@@ -339,3 +339,52 @@ def register_accelerate_hooks(accelerator) -> tuple:
             del models[j]
 
     return accelerator.register_save_state_pre_hook(save_hook), accelerator.register_load_state_pre_hook(load_hook)
+
+
+# ============================================================================ FSDP2 (torch fully_shard)
+def fully_shard_causal_model(model, **fsdp_kwargs):
+    """Shard a CausalModel with torch's FSDP2 `fully_shard` (works on CPU with gloo): each decoder
+    layer is its own unit, the root unit holds the embeddings / tied lm_head and the heads. 0-d
+    parameters (b_reg), which fully_shard refuses, stay replicated; their gradients are averaged
+    over the processes by a post-accumulate-grad hook, so a plain optimizer step keeps replicas equal.
+    Call on every process after `torch.distributed.init_process_group`; returns the model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.decoder.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    fully_shard(model, ignored_params=scalars, **fsdp_kwargs)
+    world = dist.get_world_size()
+
+    def average(p):
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+    for p in scalars:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average)
+    return model
+
+
+def full_adapter_state_dict(model) -> dict:
+    """`adapter_state_dict()` with FSDP2-sharded tensors gathered whole (a collective: call it on
+    every process)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.adapter_state_dict().items()}
+
+
+def save_fsdp_adapter(model, directory: str | os.PathLike) -> Path:
+    """Adapter-only checkpoint of an FSDP2-sharded CausalModel: the adapter tensors are gathered on
+    every process (collective), the main process writes our two files atomically."""
+    import torch.distributed as dist
+
+    from .artifacts import atomic_write_dir, write_adapter_files
+
+    tensors = full_adapter_state_dict(model)
+    if dist.get_rank() == 0:
+        meta = model.adapter_metadata()
+        atomic_write_dir(directory, lambda tmp: write_adapter_files(tmp, meta, tensors))
+    dist.barrier()
+    return Path(directory)

@@ -419,3 +419,75 @@ def test_train_on_a_streaming_dataset_with_exact_resume(tmp_path):
     with pytest.raises(ValueError, match="streaming train_dataset.*set max_steps > 0"):
         train(tiny_model(), TrainConfig(output_dir=str(tmp_path / "x"), cpu=True, plot=False, progress=False),
               train_dataset=stream())
+
+
+# ============================================================================ FSDP2 on CPU (2 gloo processes)
+FSDP_SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+from causal_adapter import CausalAdapterConfig, get_causal_model
+from causal_adapter.assets import build_tiny_qwen
+from causal_adapter.data import NumericCollator
+from causal_adapter.integrations import fully_shard_causal_model, full_adapter_state_dict, save_fsdp_adapter
+out = sys.argv[1]
+base = build_tiny_qwen("qwen2", vocab_size=320, hidden_size=32, num_layers=2)
+model = fully_shard_causal_model(get_causal_model(base, CausalAdapterConfig(num_token_id=300)))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+g = torch.Generator().manual_seed(0)
+rows = []
+for _ in range(8):
+    ids = torch.randint(0, 280, (10,), generator=g)
+    vals = torch.zeros(10)
+    ids[5] = 300
+    vals[5] = float(ids[0] % 7) + 0.5
+    rows.append({"input_ids": ids.tolist(), "numeric_values": vals.tolist(), "labels": ids.tolist()})
+batch = NumericCollator(0)(rows[rank * 4:(rank + 1) * 4])
+losses = []
+for step in range(8):
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    l = loss.detach().clone()
+    dist.all_reduce(l)
+    losses.append(l.item() / world)
+full = full_adapter_state_dict(model)
+save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/full_rank{rank}.safetensors")
+save_fsdp_adapter(model, f"{out}/adapter")
+sharded = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
+if rank == 0:
+    json.dump({"losses": losses, "world": world, "sharded": sharded}, open(f"{out}/result.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "fsdp_run.py"
+    script.write_text(FSDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(port), str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launcher and both workers (their own session)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world"] == 2 and "action.b_cls" in res["sharded"] and "abduction.loc.weight" in res["sharded"]
+    assert res["losses"][-1] < res["losses"][0] - 0.01, res["losses"]
+    a, b = (load_file(str(tmp_path / f"full_rank{r}.safetensors")) for r in (0, 1))
+    assert_same(a, b)  # the replicas agree
+    loaded = CausalModel.from_pretrained(tiny_base(), tmp_path / "adapter")
+    assert_same(adapter_tensors(loaded), a)
+    assert_adapter_only(tmp_path / "adapter", loaded)
