@@ -90,11 +90,11 @@ def trainer_args(out, **kw):
     return TrainingArguments(**base)
 
 
-def make_trainer(model, out, **kw):
+def make_trainer(model, out, eval_dataset=None, **kw):
     from causal_adapter.hf_trainer import CausalTrainer
 
     return CausalTrainer(model=model, args=trainer_args(out, **kw), train_dataset=toy_dataset(),
-                         data_collator=NumericCollator(0))
+                         eval_dataset=eval_dataset, data_collator=NumericCollator(0))
 
 
 @pytest.mark.parametrize("tie, lora", [(True, None), (False, LORA)], ids=["tied-frozen", "untied-lora"])
@@ -127,15 +127,26 @@ def test_trainer_adapter_only_checkpoints_resume_and_final_load(tmp_path, tie, l
     assert result.global_step == 4
 
 
-def test_plain_trainer_is_what_the_subclass_fixes(tmp_path):
-    """Plain transformers.Trainer on a tied base crashes at the first save (shared tensors) — the row
-    of the issue; CausalTrainer is the route (see test above)."""
-    from transformers import Trainer
-
-    trainer = Trainer(model=tiny_model(tie=True), args=trainer_args(tmp_path / "plain", max_steps=2),
-                      train_dataset=toy_dataset(), data_collator=NumericCollator(0))
-    with pytest.raises(RuntimeError, match="share memory"):
-        trainer.train()
+def test_trainer_save_model_keeps_checkpoints_and_best_model_reloads(tmp_path):
+    model = tiny_model()
+    trainer = make_trainer(model, tmp_path / "run", eval_dataset=toy_dataset(8, seed=1), eval_strategy="steps",
+                           eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+                           greater_is_better=False, prediction_loss_only=True)
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == f"checkpoint-{min(evals, key=evals.get)}"
+    # load_best_model_at_end put the best checkpoint's adapter into the model (here checkpoint-2: the
+    # toy eval loss rises after it, so the model was really reloaded)
+    assert_same(adapter_tensors(model), adapter_tensors(CausalModel.from_pretrained(tiny_base(), best)))
+    last = adapter_tensors(CausalModel.from_pretrained(tiny_base(), tmp_path / "run" / "checkpoint-4"))
+    assert best.name == "checkpoint-4" or not torch.equal(adapter_tensors(model)["action.b_cls"], last["action.b_cls"])
+    trainer.save_model()  # into output_dir, which holds the checkpoints: they stay
+    out = tmp_path / "run"
+    assert (out / "checkpoint-2" / WEIGHTS_NAME).is_file() and (out / "checkpoint-4" / WEIGHTS_NAME).is_file()
+    assert (out / CONFIG_NAME).is_file() and (out / "README.md").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".causal_adapter.tmp")]
+    assert_same(adapter_tensors(CausalModel.from_pretrained(tiny_base(), out)), adapter_tensors(model))
 
 
 # ============================================================================ accelerate
