@@ -277,6 +277,10 @@ def save_adapter_into(model, directory: str | os.PathLike, **save_kwargs) -> Pat
     try:
         model.save_pretrained(tmp / "a", **save_kwargs)
         names = sorted(p.name for p in (tmp / "a").iterdir())
+        if PEFT_CONFIG_NAME not in names:  # a peft view of an earlier LoRA save must not outlive it
+            for stale in (PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME):
+                if (directory / CONFIG_NAME).is_file():
+                    (directory / stale).unlink(missing_ok=True)
         for name in sorted(names, key=lambda n: n == CONFIG_NAME):
             os.replace(tmp / "a" / name, directory / name)
     finally:

@@ -502,3 +502,19 @@ def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
     loaded = CausalModel.from_pretrained(tiny_base(), tmp_path / "adapter")
     assert_same(adapter_tensors(loaded), a)
     assert_adapter_only(tmp_path / "adapter", loaded)
+
+
+def test_saving_into_a_shared_directory_replaces_only_our_files(tmp_path):
+    from causal_adapter.integrations import save_adapter_into
+
+    d = tmp_path / "out"
+    (d / "checkpoint-1").mkdir(parents=True)
+    (d / "notes.txt").write_text("mine")
+    lora = trained(tiny_model(lora=LORA))
+    save_adapter_into(lora, d)
+    assert (d / "adapter_config.json").is_file() and (d / "notes.txt").read_text() == "mine"
+    frozen = trained(tiny_model())
+    save_adapter_into(frozen, d)  # no LoRA now: the stale peft view goes, the rest stays
+    assert not (d / "adapter_config.json").exists() and not (d / "adapter_model.safetensors").exists()
+    assert (d / "checkpoint-1").is_dir() and (d / "notes.txt").read_text() == "mine"
+    assert_same(adapter_tensors(CausalModel.from_pretrained(tiny_base(), d)), adapter_tensors(frozen))
