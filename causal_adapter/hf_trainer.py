@@ -20,7 +20,7 @@ class CausalTrainer(Trainer):
     """
 
     def __init__(self, model=None, *args, **kwargs):
-        if unwrap_causal_model(model) is None:
+        if unwrap_causal_model(model) is None and not (model is None and kwargs.get("model_init") is not None):
             raise TypeError(f"CausalTrainer trains a causal_adapter CausalModel, got {type(model).__name__}; "
                             "use transformers.Trainer for other models")
         super().__init__(model, *args, **kwargs)
