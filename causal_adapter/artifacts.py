@@ -1,8 +1,13 @@
 """Adapter-only artifacts (SPEC section 5): atomic directory writes and the two files.
 
-An adapter directory holds exactly
-    adapter_config.json        the CausalAdapterConfig + base-model facts + library version
-    adapter_model.safetensors  the adapter's tensors only (heads, d, b_cls, <NUM> row, LoRA)
+An adapter directory holds
+    causal_adapter_config.json        the CausalAdapterConfig + base-model facts + library version
+    causal_adapter_model.safetensors  the adapter's tensors only (heads, d, b_cls, <NUM> row, LoRA)
+and, written by `CausalModel.save_pretrained` (not by training checkpoints): README.md (a model
+card) and, for a LoRA backbone, a genuine peft LoRA adapter (peft's adapter_config.json +
+adapter_model.safetensors: the LoRA tensors only, loadable by `peft.PeftModel.from_pretrained`).
+Directories written before 0.2 named our own files adapter_config.json / adapter_model.safetensors
+(peft's names, not peft's schema); they are still read (LEGACY_*).
 
 Atomicity: everything is written into a fresh temporary directory next to the target and
 fsynced; the temporary directory then takes the target's place in one step (Linux
@@ -25,8 +30,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "causal_adapter_config.json"
+WEIGHTS_NAME = "causal_adapter_model.safetensors"
+# our files before 0.2: peft's file names with our schema (read, never written)
+LEGACY_CONFIG_NAME = "adapter_config.json"
+LEGACY_WEIGHTS_NAME = "adapter_model.safetensors"
 FORMAT_VERSION = 1  # bumped on an incompatible change of the adapter layout
 _ASIDE_SUFFIX = ".previous"
 
@@ -147,10 +155,28 @@ def write_adapter_files(directory: Path, config: dict, tensors: dict[str, torch.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _adapter_file_paths(directory: Path) -> tuple[Path, Path]:
+    """Our config and weights files in `directory`; the pre-0.2 names when only they are there and
+    hold our schema. A peft adapter (peft's schema under peft's name, no file of ours) is named as such."""
+    cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    legacy = directory / LEGACY_CONFIG_NAME
+    if cfg_path.is_file() or not legacy.is_file():
+        return cfg_path, w_path
+    try:
+        meta = json.loads(legacy.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return legacy, directory / LEGACY_WEIGHTS_NAME  # ours or nothing: the reader names the JSON error
+    if isinstance(meta, dict) and "peft_type" in meta and meta.get("library") != "causal_adapter":
+        raise FileNotFoundError(
+            f"{str(cfg_path)!r} is missing: {str(directory)!r} holds a peft {meta.get('peft_type')} adapter, not a "
+            "causal_adapter one (load it with peft.PeftModel.from_pretrained(base_model, directory))")
+    return legacy, directory / LEGACY_WEIGHTS_NAME
+
+
 def read_adapter_files(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read and sanity-check an adapter directory; errors name the file and the problem."""
     directory = resolve_adapter_dir(directory)
-    cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    cfg_path, w_path = _adapter_file_paths(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"adapter directory {str(directory)!r} does not exist")
     if not cfg_path.is_file():

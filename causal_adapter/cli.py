@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False, help="fine-tune an adapter (flags: causal-adapter train --help)")
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the constant and persistence baselines")
-    p.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("adapter", help="adapter directory (causal_adapter_config.json + causal_adapter_model.safetensors)")
     add_base_arguments(p)
     p.add_argument("--corpus", default="sunspots", help="built-in corpus (ignored with --data-file)")
     p.add_argument("--split", default="test", choices=["train", "validation", "test"])

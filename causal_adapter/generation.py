@@ -140,7 +140,8 @@ class NumberStreamer:
     Protocol (also what `generate` expects from any ``streamer``): ``put(token_ids)`` first with
     the prompt [1, S], then once per step with the new token [1]; ``end()`` at the end. `generate`
     passes ``numeric_values=`` as well to a ``put`` that accepts it. A plain
-    ``transformers.TextStreamer`` works too, but shows no number (<NUM> is not in its vocabulary).
+    ``transformers.TextStreamer`` / ``TextIteratorStreamer`` given to `generate` is driven through a
+    NumberStreamer (its tokenizer has no <NUM>): it receives the text with the numbers rendered.
     """
 
     def __init__(self, tokenizer, num_token_id: int | None = None, skip_prompt: bool = True, file=None):
@@ -450,7 +451,7 @@ def generate(
     attention_mask: Tensor | None = None,
     tokenizer=None,
     mode: str = "deterministic",
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     stop_strings: str | Sequence[str] | None = None,
@@ -467,6 +468,11 @@ def generate(
     callback: Callable[[int, Tensor, Tensor], Any] | None = None,
     ovr_pruning: bool = True,
     cache_abs_weight: bool = False,
+    generation_config=None,
+    max_length: int | None = None,
+    min_new_tokens: int | None = None,
+    repetition_penalty: float | None = None,
+    **kwargs,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt with the causal model (KV cached).
 
@@ -485,11 +491,23 @@ def generate(
     return_eps: causal mode: return the eps used ([B, T, C]).
     streamer: TextStreamer-like (put / end); callback(step, token_ids [B], values [B]).
     ovr_pruning, cache_abs_weight: speed options of the deterministic mode (exact either way).
+    generation_config: a transformers GenerationConfig; its set fields that apply to `mode` are used
+        (explicit arguments win; sampling fields are ignored outside softmax mode; others are refused).
+    max_new_tokens (default 32) / max_length (prompt + new, as transformers; max_new_tokens wins),
+    min_new_tokens (eos ids cannot be chosen before), repetition_penalty (softmax mode; transformers'
+    processor, <NUM> exempt: repeated numbers are different values). Any other transformers argument
+    is refused with the list of what each mode accepts (`accepted_generate_kwargs`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    hf = _hf_generate_args(mode, generation_config, kwargs, dict(
+        max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty))
+    max_new_tokens, max_length, min_new_tokens = hf["max_new_tokens"], hf["max_length"], hf["min_new_tokens"] or 0
+    eos_token_id, pad_token_id, stop_strings = hf["eos_token_id"], hf["pad_token_id"], hf["stop_strings"]
+    do_sample, temperature, top_k, top_p = hf["do_sample"], hf["temperature"], hf["top_k"], hf["top_p"]
+    repetition_penalty = hf["repetition_penalty"]
     sampling_args = any(x is not None for x in (temperature, top_k, top_p)) or logits_processor is not None
     if mode != "softmax" and (do_sample or sampling_args):
         raise ValueError(f"do_sample / temperature / top_k / top_p / logits_processor apply to mode='softmax', "
@@ -513,7 +531,7 @@ def generate(
     heads = _Heads(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
     hdtype = heads.dtype
     B, S = input_ids.shape
-    T = max_new_tokens
+    T = _new_token_budget(max_new_tokens, max_length, S)
     C = model.abduction.loc.weight.shape[0]
     num_id = model.num_token_id
 
@@ -533,6 +551,10 @@ def generate(
         from transformers import LogitsProcessorList
 
         warpers = LogitsProcessorList(list(logits_processor))
+    if mode == "softmax" and repetition_penalty is not None and repetition_penalty != 1.0:
+        from transformers import LogitsProcessorList
+
+        warpers = LogitsProcessorList([_NumExemptRepetitionPenalty(repetition_penalty, num_id)] + list(warpers or []))
 
     sequences = torch.cat([input_ids, torch.full((B, T), pad_id, dtype=torch.long, device=device)], 1)
     vdtype = torch.promote_types(numeric_values.dtype, hdtype)
@@ -547,6 +569,7 @@ def generate(
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
 
+    streamer = _number_text_streamer(streamer, num_id)
     if streamer is not None:
         _put(streamer, input_ids, numeric_values)
 
@@ -574,6 +597,8 @@ def generate(
                 eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
                 u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
                 decision, y = model.action.decision_scores(u, heads.W)
+                if t < min_new_tokens and eos:
+                    decision[:, eos_t] = -math.inf
                 tok = decision.argmax(-1)
                 val = y
                 prob = heads.row_probability(tok, _rows_loc(heads, loc_U, tok), scale_Up)
@@ -581,6 +606,8 @@ def generate(
                     eps_all[:, t] = eps
             else:
                 loc_S = heads.loc_scores(loc_U)
+                if t < min_new_tokens and eos:
+                    loc_S[:, eos_t] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
                 val = loc_Y
                 if mode == "deterministic":
                     tok, prob = heads.ovr_argmax(loc_S, scale_Up)
@@ -642,6 +669,111 @@ def generate(
         new_values=new_values, lengths=lengths, finished=finished, token_probs=token_probs[:, :steps],
         numbers=numbers, texts=texts, eps=None if eps_all is None else eps_all[:, :steps], mode=mode,
     )
+
+
+# ----------------------------------------------------------------------------- transformers' generate arguments
+_ALL_MODES_ARGS = ("max_new_tokens", "max_length", "min_new_tokens", "eos_token_id", "pad_token_id", "stop_strings",
+                   "generation_config", "streamer", "callback", "tokenizer", "seed", "generator")
+_MODE_ARGS = {
+    "softmax": ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "logits_processor"),
+    "deterministic": ("ovr_pruning", "cache_abs_weight"),
+    "causal": ("shared_individual", "return_eps"),
+}
+# transformers arguments with the value that changes nothing here (accepted at that value)
+_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True, "num_beam_groups": 1,
+            "return_dict_in_generate": True}
+# GenerationConfig fields that never change what is generated
+_IGNORED_CONFIG = {"bos_token_id", "decoder_start_token_id", "transformers_version", "_from_model_config",
+                   "output_scores", "output_logits", "output_attentions", "output_hidden_states", "cache_implementation"}
+_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def accepted_generate_kwargs(mode: str) -> tuple[str, ...]:
+    """The transformers-style arguments `generate` accepts in `mode` (besides the inputs)."""
+    return _ALL_MODES_ARGS + _MODE_ARGS[mode]
+
+
+def _hf_generate_args(mode: str, generation_config, extra: dict, given: dict) -> dict:
+    """Merge a GenerationConfig under the explicit arguments; refuse what `mode` cannot honour."""
+    unknown = {k: v for k, v in extra.items() if not (k in _NEUTRAL and v == _NEUTRAL[k])}
+    if unknown:
+        raise ValueError(f"generate() does not support {sorted(unknown)} in mode={mode!r}; it accepts "
+                         f"{list(accepted_generate_kwargs(mode))}; softmax mode also "
+                         f"{list(_MODE_ARGS['softmax'])}, causal mode also {list(_MODE_ARGS['causal'])}")
+    out = dict(given)
+    if generation_config is not None:
+        if not hasattr(generation_config, "to_diff_dict"):
+            raise ValueError(f"generation_config must be a transformers GenerationConfig, got "
+                             f"{type(generation_config).__name__}")
+        refused = []
+        for k, v in generation_config.to_diff_dict().items():
+            if k in _IGNORED_CONFIG or v is None or (k in _NEUTRAL and v == _NEUTRAL[k]):
+                continue
+            if k in _SAMPLING and mode != "softmax":
+                continue  # the mode decides how a token is chosen (documented)
+            if k not in out:
+                refused.append(k)
+            elif out[k] is None:
+                out[k] = v
+        if refused:
+            raise ValueError(f"generation_config sets {sorted(refused)}, which generate() does not support in "
+                             f"mode={mode!r}; it accepts {list(accepted_generate_kwargs(mode))}")
+    if mode != "softmax" and out["repetition_penalty"] not in (None, 1.0):
+        raise ValueError(f"repetition_penalty applies to mode='softmax' (logits), not mode={mode!r}; mode={mode!r} "
+                         f"accepts {list(accepted_generate_kwargs(mode))}")
+    for name in ("max_new_tokens", "max_length", "min_new_tokens"):
+        v = out[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    rp = out["repetition_penalty"]
+    if rp is not None and not (isinstance(rp, (int, float)) and rp > 0):
+        raise ValueError(f"repetition_penalty must be a positive float, got {rp!r}")
+    return out
+
+
+def _new_token_budget(max_new_tokens: int | None, max_length: int | None, prompt_length: int) -> int:
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if max_length is not None:
+        if max_length <= prompt_length:
+            raise ValueError(f"max_length={max_length} leaves no room after the prompt ({prompt_length} tokens, "
+                             "padding included); use max_new_tokens")
+        return max_length - prompt_length
+    return 32
+
+
+class _NumExemptRepetitionPenalty:
+    """transformers' RepetitionPenaltyLogitsProcessor, except for <NUM>: every number shares that one
+    token, so a repeated <NUM> is not a repeated word (its values differ)."""
+
+    def __init__(self, penalty: float, num_token_id: int):
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        self.inner = RepetitionPenaltyLogitsProcessor(penalty)
+        self.k = num_token_id
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        keep = scores[:, self.k].clone()
+        scores = self.inner(input_ids, scores)
+        scores[:, self.k] = keep
+        return scores
+
+
+def _number_text_streamer(streamer, num_token_id: int):
+    """A transformers TextStreamer (or TextIteratorStreamer) decodes with its tokenizer, which has no
+    <NUM>: every number would be dropped. Drive it through a NumberStreamer instead, whose finished
+    text (numbers rendered) goes to the streamer's own `on_finalized_text`."""
+    if streamer is None or isinstance(streamer, NumberStreamer) or not (
+            hasattr(streamer, "tokenizer") and hasattr(streamer, "on_finalized_text")):
+        return streamer
+    try:
+        if "numeric_values" in inspect.signature(streamer.put).parameters:
+            return streamer  # already number-aware
+    except (TypeError, ValueError):
+        pass
+    adapter = NumberStreamer(streamer.tokenizer, num_token_id, skip_prompt=getattr(streamer, "skip_prompt", False))
+    adapter.on_finalized_text = streamer.on_finalized_text
+    return adapter
 
 
 def _rows_loc(heads: _Heads, loc_U: Tensor, ids: Tensor) -> Tensor:

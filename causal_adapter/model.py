@@ -424,16 +424,57 @@ class CausalModel(nn.Module):
             "tie_word_embeddings": bool(getattr(bc, "tie_word_embeddings", False)),
         }
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write adapter_config.json + adapter_model.safetensors atomically (adapter tensors only)."""
+    def save_pretrained(self, save_directory: str | os.PathLike, *, metrics: dict | None = None,
+                        is_main_process: bool = True, state_dict: dict | None = None, **kwargs) -> Path:
+        """Write causal_adapter_config.json + causal_adapter_model.safetensors (adapter tensors only),
+        a model card (README.md, with `metrics` when given) and, with LoRA, peft's LoRA adapter files,
+        atomically. `is_main_process=False` writes nothing (transformers' convention); kwargs:
+        `safe_serialization=True` only (always safetensors), `push_to_hub=True` + `repo_id=`."""
+        from .integrations import push_to_hub, write_extra_files
+
+        if state_dict is not None:
+            raise ValueError("save_pretrained writes the adapter's own tensors; a state_dict argument is not supported")
+        if not kwargs.pop("safe_serialization", True):
+            raise ValueError("causal_adapter always writes safetensors (safe_serialization=False is not supported)")
+        push, repo_id = kwargs.pop("push_to_hub", False), kwargs.pop("repo_id", None)
+        if kwargs:
+            raise TypeError(f"save_pretrained got unexpected arguments {sorted(kwargs)}")
+        if not is_main_process:
+            return Path(save_directory)
         meta, tensors = self.adapter_metadata(), self.adapter_state_dict()
-        return atomic_write_dir(save_directory, lambda tmp: write_adapter_files(tmp, meta, tensors))
+
+        def write(tmp: Path) -> None:
+            write_adapter_files(tmp, meta, tensors)
+            write_extra_files(tmp, self, metrics)
+
+        path = atomic_write_dir(save_directory, write)
+        if push:
+            push_to_hub(self, repo_id or Path(save_directory).name, metrics=metrics)
+        return path
 
     @classmethod
-    def from_pretrained(cls, base_model: nn.Module, adapter_dir: str | os.PathLike, tokenizer=None) -> "CausalModel":
+    def from_pretrained(cls, base_model: nn.Module | str | os.PathLike | None, adapter_dir: str | os.PathLike,
+                        tokenizer=None, *, is_trainable: bool = False, torch_dtype=None, dtype=None, device_map=None,
+                        revision: str | None = None, token: str | bool | None = None, cache_dir=None,
+                        local_files_only: bool = False, **base_model_kwargs) -> "CausalModel":
         """Attach a saved adapter to `base_model` (an untouched Qwen checkpoint). Refuses a base whose
-        model type, hidden size, vocabulary rows or <NUM> id differ from the adapter's, naming both."""
+        model type, hidden size, vocabulary rows or <NUM> id differ from the adapter's, naming both.
+
+        base_model: a *ForCausalLM module, a local path or hub name (AutoModelForCausalLM with
+        `torch_dtype`/`dtype`, `device_map` and `base_model_kwargs`), or None (the base recorded in the
+        adapter). adapter_dir: a local directory or a hub repo id (`revision`, `token`, `cache_dir`).
+        Like peft, the model is loaded for inference (eval mode, no parameter requires grad) unless
+        `is_trainable=True` (train mode, the adapter's parameters trainable as `get_causal_model` sets them).
+        """
+        from .integrations import load_base_model, resolve_adapter_source
+
+        if torch_dtype is not None and dtype is not None:
+            raise ValueError("give torch_dtype or dtype, not both")
+        adapter_dir = resolve_adapter_source(adapter_dir, revision=revision, token=token, cache_dir=cache_dir,
+                                             local_files_only=local_files_only)
         meta, tensors = read_adapter_files(adapter_dir)
+        base_model = load_base_model(base_model, meta, dtype=dtype if dtype is not None else torch_dtype,
+                                     device_map=device_map, **base_model_kwargs)
         bc = base_model.config
         rows = base_model.get_output_embeddings().weight.shape[0]
         H = text_config(base_model).hidden_size
@@ -456,6 +497,9 @@ class CausalModel(nn.Module):
         config = CausalAdapterConfig.from_dict({**saved, "num_token_id": num_id})
         model = get_causal_model(base_model, config)
         model.load_adapter_state_dict(tensors)
+        if not is_trainable:
+            model.requires_grad_(False)
+            model.eval()
         return model
 
     # ------------------------------------------------------------------ generation
@@ -464,6 +508,35 @@ class CausalModel(nn.Module):
         from .generation import generate
 
         return generate(self, *args, **kwargs)
+
+    # ------------------------------------------------------------------ peft / hub conventions
+    def merge_and_unload(self, safe_merge: bool = True) -> "CausalModel":
+        """Merge the LoRA weights into the backbone (peft's merge) and drop the LoRA layers: the same
+        outputs (float tolerance) from a plain backbone + the heads. In place; returns self (config.lora
+        becomes None; save the merged backbone with `model.backbone.save_pretrained` to keep it)."""
+        from .integrations import merge_lora
+
+        return merge_lora(self, merge=True, safe_merge=safe_merge)
+
+    def unload(self) -> "CausalModel":
+        """Drop the LoRA layers without merging: the original base backbone + the heads. In place."""
+        from .integrations import merge_lora
+
+        return merge_lora(self, merge=False)
+
+    def disable_adapter(self):
+        """Context manager: inside, the backbone runs without its LoRA (outputs equal the base's);
+        the heads stay. A frozen backbone is the base already (no-op)."""
+        from .integrations import disable_lora
+
+        return disable_lora(self)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload the adapter (the files of save_pretrained) to the Hub repo `repo_id` (huggingface_hub);
+        kwargs: private, token, revision, commit_message, metrics. Offline: one-line OSError."""
+        from .integrations import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
 
 
 def _median_row_norm(weight: Tensor) -> float:

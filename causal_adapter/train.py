@@ -403,10 +403,11 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
             kw = {} if config.corpus_window is None else {"window": config.corpus_window}
             dd = build_corpus(config.dataset, **kw)
             train_dataset, eval_dataset = dd["train"], dd["validation"]
+    train_dataset, eval_dataset = _materialize_streams(config, train_dataset, eval_dataset, accelerator)
     for ds in (train_dataset, eval_dataset):
         if ds is not None and not isinstance(ds, datasets.Dataset):
-            raise ValueError(f"training needs map-style datasets.Dataset objects (sized), got {type(ds).__name__}; "
-                             "streaming datasets are not supported by this loop")
+            raise ValueError(f"training needs a datasets.Dataset or a streaming datasets.IterableDataset, got "
+                             f"{type(ds).__name__}")
     if config.max_train_samples:
         train_dataset = train_dataset.select(range(min(config.max_train_samples, len(train_dataset))))
     if eval_dataset is not None and config.max_eval_samples:
@@ -460,6 +461,36 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def _materialize_streams(config: TrainConfig, train_dataset, eval_dataset, accelerator=None):
+    """Streaming `datasets.IterableDataset`s: the training stream is read up to the examples the run
+    consumes (max_steps x per-device batch x accumulation x processes, in stream order; it needs
+    max_steps > 0) and the validation stream up to max_eval_samples (or to its end); both are then
+    map-style datasets for the rest of the run. So a resumed run re-reads the same first examples of
+    the (deterministic) stream and continues exactly where it stopped, as for a map-style dataset; a
+    stream shorter than what the run needs is cycled over as epochs."""
+    import datasets
+
+    world = accelerator.num_processes if accelerator is not None else 1
+
+    def take(ds, n):
+        rows = list(ds.take(n) if n is not None else ds)
+        if not rows:
+            raise ValueError("the streaming dataset yielded no example")
+        return datasets.Dataset.from_list(rows)
+
+    if isinstance(train_dataset, datasets.IterableDataset):
+        if config.max_steps <= 0:
+            raise ValueError("a streaming train_dataset (datasets.IterableDataset) has no length: set max_steps > 0 "
+                             "(num_train_epochs cannot be counted on a stream)")
+        n = config.max_steps * config.per_device_train_batch_size * config.gradient_accumulation_steps * world
+        if config.max_train_samples:
+            n = min(n, config.max_train_samples)
+        train_dataset = take(train_dataset, n)
+    if isinstance(eval_dataset, datasets.IterableDataset):
+        eval_dataset = take(eval_dataset, config.max_eval_samples)
+    return train_dataset, eval_dataset
 
 
 def _rows(ds, indices: Sequence[int]) -> list[dict]:
@@ -835,7 +866,8 @@ def train(
     adapter_dir = out_dir / ADAPTER_SUBDIR
     plot_path = None
     if is_main:
-        inner.save_pretrained(adapter_dir)
+        inner.save_pretrained(adapter_dir, metrics={"global_step": state.global_step, "train_loss": last_train_loss,
+                                                    **{f"eval_{k}": v for k, v in (last_eval or {}).items()}})
         final = {"global_step": state.global_step, "train_loss": last_train_loss, "eval": last_eval,
                  "num_processes": world, "adapter_dir": str(adapter_dir)}
         (out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")

@@ -53,7 +53,8 @@ def test_save_reload_identical_outputs(tmp_path, arch, lora):
         if name not in ("numeric_embedding.direction",) and t.dtype.is_floating_point:
             assert not torch.equal(t, init.adapter_state_dict()[name]), name
     model.save_pretrained(tmp_path / "adapter")
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    extra = ["adapter_config.json", "adapter_model.safetensors"] if lora is not None else []  # peft's LoRA files
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, "README.md"] + extra)
     fresh_base = build_tiny_qwen(arch, seed=0)
     loaded = CausalModel.from_pretrained(fresh_base, tmp_path / "adapter")
     for a, b in zip(outputs(model, ids, vals), outputs(loaded, ids, vals)):

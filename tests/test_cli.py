@@ -19,7 +19,7 @@ def test_demo_end_to_end_at_toy_size(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "predictions of the reloaded adapter identical: True" in printed
     adapter = out / "train" / "adapter"
-    assert sorted(p.name for p in adapter.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in adapter.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, "README.md"])
     assert (out / "train" / "training.png").stat().st_size > 10_000
     table = (out / "demo_metrics.md").read_text()
     for row in ("value MAE (loc_Y)", "<NUM> recall", "coverage of 90% interval", "constant baseline MAE",

@@ -33,7 +33,7 @@ from conftest import small_vocab_qwen
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)
-CHECKPOINT_FILES = {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
+CHECKPOINT_FILES = {"causal_adapter_config.json", "causal_adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
                     "trainer_state.json", "rng_state_0.json"}
 
 
@@ -148,7 +148,7 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
         size = sum(f.stat().st_size for f in ck.iterdir())
         # adapter (~0.6 MB: b_cls is one [V] vector) + Adam moments: far below one V x H matrix (19 MB)
         assert size < QWEN_VOCAB_SIZE * 32 * 4 / 4 and size < base_bytes / 8, size
-        with safe_open(str(ck / "adapter_model.safetensors"), "pt") as f:
+        with safe_open(str(ck / "causal_adapter_model.safetensors"), "pt") as f:
             names = list(f.keys())
             shapes = {n: f.get_slice(n).get_shape() for n in names}
         assert not [n for n in names if any(s in n for s in ("embed_tokens", "lm_head", "layers.", "norm"))]
@@ -216,7 +216,7 @@ def test_lora_mode_trains_checkpoints_and_restores(tmp_path):
             assert torch.equal(p, frozen[n]), n
     ckpt = Path(config.output_dir) / "checkpoint-4"
     assert result.checkpoints[-1] == ckpt
-    saved = load_file(str(ckpt / "adapter_model.safetensors"))
+    saved = load_file(str(ckpt / "causal_adapter_model.safetensors"))
     assert_same_tensors(saved, trained)
     restored = CausalModel.from_pretrained(small_vocab_qwen(hidden_size=32, num_layers=1), ckpt)
     assert_same_tensors(adapter_tensors(restored), trained)
@@ -343,7 +343,7 @@ def test_ddp_two_cpu_processes_keep_identical_replicas(tmp_path):
     assert not torch.equal(a["action.b_cls"], init["action.b_cls"])
     ck = out / "checkpoint-4"
     assert {"rng_state_0.json", "rng_state_1.json"} <= {f.name for f in ck.iterdir()}
-    assert_same_tensors(load_file(str(ck / "adapter_model.safetensors")), a)
+    assert_same_tensors(load_file(str(ck / "causal_adapter_model.safetensors")), a)
 
 
 def test_launcher_warning_when_accelerate_starts_one_process(tmp_path):

@@ -1,0 +1,394 @@
+"""Fitting the Hugging Face tools users already run (SPEC section 6, last item).
+
+* peft: `CausalModel.save_pretrained` writes our own files (`causal_adapter_config.json`,
+  `causal_adapter_model.safetensors`) and, for a LoRA backbone, ALSO a genuine peft LoRA adapter
+  (peft's `adapter_config.json` + `adapter_model.safetensors`, the LoRA tensors only):
+  `peft.PeftModel.from_pretrained(base, dir)` then gives the LoRA-tuned backbone (no heads), and
+  serving stacks that read peft LoRA directories can use it. A frozen-backbone adapter has no
+  file under peft's names. `merge_lora` / `disable_lora` back `CausalModel.merge_and_unload`,
+  `unload` and `disable_adapter` with peft's own layer methods (`merge`, `get_base_layer`,
+  `enable_adapters`).
+* transformers.Trainer: `causal_adapter.hf_trainer.CausalTrainer`, a Trainer subclass whose checkpoints are adapter-only
+  (`_save` -> `save_pretrained`; `_load_from_checkpoint` / `_load_best_model` read the adapter,
+  strictly). Plain `Trainer` saves `state_dict()` of any model that is not a `PreTrainedModel` /
+  `PeftModel`, i.e. the whole base (or crashes on tied weights).
+* accelerate: `register_accelerate_hooks(accelerator)` makes `save_state` / `load_state` write
+  and read the adapter only (`causal_adapter/` inside the state directory), strictly.
+* Hub: `resolve_adapter_source` (a local directory or a hub repo id, one-line error offline),
+  `push_to_hub`, the model card written by `save_pretrained`, `load_base_model` (a base given as
+  a module, a local path or a hub name).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .artifacts import (CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, read_adapter_files,
+                        resolve_adapter_dir)
+
+PEFT_CONFIG_NAME = "adapter_config.json"  # peft's file names (peft's schema only)
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+MODEL_CARD_NAME = "README.md"
+ACCELERATE_SUBDIR = "causal_adapter"  # inside an accelerate save_state directory (model index 0)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def unwrap_causal_model(model: Any):
+    """The CausalModel inside DDP / FSDP / compile / accelerate wrappers, or None."""
+    seen = 0
+    while model is not None and not hasattr(model, "adapter_state_dict") and seen < 8:
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        seen += 1
+    return model if hasattr(model, "adapter_state_dict") else None
+
+
+# ============================================================================ peft LoRA export
+def _lora_tuner_layers(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(n, m) for n, m in backbone.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def peft_lora_config(model):
+    """The peft `LoraConfig` equivalent to the model's LoRA (task CAUSAL_LM, base = the backbone's name)."""
+    from peft import LoraConfig
+
+    s = model.config.lora
+    base = getattr(model.backbone, "name_or_path", None) or getattr(model.backbone.config, "_name_or_path", None)
+    return LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules),
+                      task_type="CAUSAL_LM", base_model_name_or_path=base or None)
+
+
+def write_peft_lora(directory: Path, model) -> None:
+    """peft's adapter_config.json + adapter_model.safetensors with the LoRA tensors under peft's key
+    names (``base_model.model.<backbone module>.lora_A.weight``), as `PeftModel.save_pretrained` writes them."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    lora = get_peft_model_state_dict(model.backbone, save_embedding_layers=False)
+    tensors = {f"base_model.model.{k}": v.detach().contiguous().cpu() for k, v in lora.items()}
+    save_file(tensors, str(directory / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+    peft_lora_config(model).save_pretrained(str(directory))
+
+
+def write_extra_files(directory: Path, model, metrics: dict | None = None) -> None:
+    """What `save_pretrained` writes besides our two files: the model card and, with LoRA, peft's files."""
+    (directory / MODEL_CARD_NAME).write_text(model_card(model, metrics), encoding="utf-8")
+    if model.config.lora is not None:
+        write_peft_lora(directory, model)
+
+
+# ============================================================================ model card
+def model_card(model, metrics: dict | None = None) -> str:
+    """A short README.md: base model, adapter configuration, metrics when known, how to load."""
+    meta = model.adapter_metadata()
+    base = meta.get("base_model_name_or_path") or "unknown"
+    lora = model.config.lora
+    tags = ["causal_adapter", "cauchy", "numbers"] + (["peft", "lora"] if lora is not None else [])
+    front = ["---", "library_name: causal_adapter"]
+    if base != "unknown":
+        front.append(f"base_model: {base}")
+    front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
+    trainable, total = model.get_nb_trainable_parameters()
+    lines = [
+        f"# Causal adapter for `{base}`",
+        "",
+        "Cauchy causal heads (abduction, OvR classification, regression of `<NUM>` values) on a "
+        f"{'LoRA-tuned' if lora is not None else 'frozen'} `{meta['model_type']}` backbone, made with "
+        f"[causal_adapter](https://pypi.org/project/causal-adapter/) {meta['library_version']}.",
+        "",
+        f"- base model: `{base}` (model_type `{meta['model_type']}`, hidden size {meta['hidden_size']}, "
+        f"{meta['vocab_size']} vocabulary rows, tied embeddings: {meta['tie_word_embeddings']})",
+        f"- `<NUM>` token id: {meta['num_token_id']}",
+        f"- parameters: {trainable:,d} trainable of {total:,d}",
+    ]
+    if lora is not None:
+        lines.append(f"- LoRA: r={lora.r}, alpha={lora.alpha}, targets {list(lora.target_modules)}; also saved as a "
+                     f"peft LoRA adapter (`{PEFT_CONFIG_NAME}`, `{PEFT_WEIGHTS_NAME}`)")
+    lines += ["", "## Configuration", "", "```json", json.dumps(model.config.to_dict(), indent=2, sort_keys=True), "```"]
+    if metrics:
+        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+        for k, v in metrics.items():
+            if isinstance(v, (int, float, str, bool)) or v is None:
+                lines.append(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    lines += ["", "## Usage", "", "```python", "from causal_adapter import CausalModel",
+              f"model = CausalModel.from_pretrained({base!r}, \"<this directory or repo id>\")",
+              "```", ""]
+    return "\n".join(front + lines)
+
+
+# ============================================================================ merge / unload / disable
+def merge_lora(model, merge: bool = True, safe_merge: bool = True):
+    """Replace every peft LoRA layer of the backbone by its base layer, merged (`merge=True`, peft's
+    `merge`) or untouched; the model's config then has no LoRA. In place; returns the model."""
+    if model.config.lora is None:
+        raise ValueError("this CausalModel has a frozen backbone (config.lora is None): there is no LoRA to "
+                         f"{'merge' if merge else 'unload'}")
+    for name, layer in _lora_tuner_layers(model.backbone):
+        if merge:
+            layer.merge(safe_merge=safe_merge)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.backbone.get_submodule(parent_name) if parent_name else model.backbone
+        setattr(parent, child, layer.get_base_layer())
+    if hasattr(model.backbone, "peft_config"):
+        del model.backbone.peft_config
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    model.config = dataclasses.replace(model.config, lora=None)
+    model.lora_merged = merge
+    return model
+
+
+@contextlib.contextmanager
+def disable_lora(model) -> Iterator[None]:
+    """Inside: the backbone runs without its LoRA (= the base model); the heads stay. No-op without LoRA."""
+    layers = [m for _, m in _lora_tuner_layers(model.backbone)]
+    grads = {p: p.requires_grad for m in layers for p in m.parameters()}
+    was = [m.disable_adapters for m in layers]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m, disabled in zip(layers, was):
+            m.enable_adapters(not disabled)
+        for p, g in grads.items():
+            p.requires_grad_(g)
+
+
+# ============================================================================ hub / loading
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except ImportError:
+        return True
+
+
+def resolve_adapter_source(source: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None,
+                           cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> Path:
+    """A local adapter directory, or the snapshot of a hub repo id (``user/name``) downloaded with
+    huggingface_hub (our files and the model card only). Offline / unreachable: one-line OSError."""
+    path = Path(source)
+    if path.exists() or resolve_adapter_dir(path).exists() or not _REPO_ID.match(str(source)):
+        return path  # read_adapter_files names a missing directory
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise OSError(f"{str(source)!r} is not a local directory, and loading from the Hub needs huggingface_hub "
+                      "(pip install huggingface_hub)") from None
+    offline = local_files_only or _hub_offline()
+    patterns = [CONFIG_NAME, WEIGHTS_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, MODEL_CARD_NAME]
+    try:
+        return Path(snapshot_download(str(source), revision=revision, token=token, cache_dir=cache_dir,
+                                      allow_patterns=patterns, local_files_only=offline, etag_timeout=10))
+    except Exception as e:  # noqa: BLE001 - every hub failure becomes one actionable line
+        why = "offline (HF_HUB_OFFLINE=1 or local_files_only) and not in the local cache" if offline else \
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise OSError(f"cannot load adapter {str(source)!r}: no such local directory, and the Hugging Face Hub "
+                      f"repo could not be fetched ({why}); pass a local adapter directory") from None
+
+
+def load_base_model(base, meta: dict, *, dtype=None, device_map=None, **kwargs) -> nn.Module:
+    """The base model: a module (cast to `dtype` / moved to a single-device `device_map` when given),
+    a local path or hub name (AutoModelForCausalLM), or None (the adapter's recorded base)."""
+    if base is None:
+        base = meta.get("base_model_name_or_path")
+        if not base:
+            raise ValueError("no base model given and the adapter records none: pass the base model")
+    if isinstance(base, nn.Module):
+        if kwargs:
+            raise TypeError(f"{sorted(kwargs)} apply when the base model is loaded by name, not to a module")
+        if isinstance(device_map, dict):
+            raise ValueError("a device_map dict applies when the base model is loaded by name; move the module "
+                             "yourself or give one device")
+        if dtype is not None:
+            base = base.to(_as_dtype(dtype))
+        if device_map is not None:
+            base = base.to(device_map)
+        return base
+    if not isinstance(base, (str, os.PathLike)):
+        raise TypeError(f"base_model must be a *ForCausalLM module, a local path or a hub name, got {type(base).__name__}")
+    from transformers import AutoModelForCausalLM
+
+    if _hub_offline() and not Path(base).exists():
+        kwargs.setdefault("local_files_only", True)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(base), dtype=_as_dtype(dtype) if dtype is not None else "auto",
+                                                    device_map=device_map, **kwargs)
+    except OSError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise OSError(f"cannot load the base model {str(base)!r} with AutoModelForCausalLM: {first}") from None
+
+
+def _as_dtype(dtype):
+    if isinstance(dtype, str) and dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"unknown torch_dtype {dtype!r}")
+        return resolved
+    return dtype
+
+
+def push_to_hub(model, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
+                revision: str | None = None, commit_message: str = "Upload causal adapter",
+                metrics: dict | None = None) -> str:
+    """Save the adapter into a temporary directory and upload it (create_repo + upload_folder).
+    Returns the commit URL. Offline: one-line OSError before any network call."""
+    if _hub_offline():
+        raise OSError(f"cannot push to {repo_id!r}: the Hugging Face Hub is offline here (HF_HUB_OFFLINE=1); save "
+                      "with save_pretrained(dir) and upload the directory later")
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model.save_pretrained(Path(tmp) / "adapter", metrics=metrics)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
+                                     commit_message=commit_message)
+        except Exception as e:  # noqa: BLE001
+            raise OSError(f"cannot push to {repo_id!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                          ) from None
+    return str(getattr(info, "commit_url", info))
+
+
+# ============================================================================ saving into a shared directory
+def save_adapter_into(model, directory: str | os.PathLike, **save_kwargs) -> Path:
+    """`model.save_pretrained` into `directory` without replacing what else it holds (a Trainer
+    output directory with its checkpoints, an accelerate state directory): the files are written in
+    a temporary directory, then each is moved in place (atomic per file; the config, which records
+    the weights' sha256, last, so a crash in between is detected on load, never loaded silently)."""
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return model.save_pretrained(directory, **save_kwargs)
+    tmp = Path(tempfile.mkdtemp(prefix=".causal_adapter.tmp-", dir=directory))
+    try:
+        model.save_pretrained(tmp / "a", **save_kwargs)
+        names = sorted(p.name for p in (tmp / "a").iterdir())
+        if PEFT_CONFIG_NAME not in names:  # a peft view of an earlier LoRA save must not outlive it
+            for stale in (PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME):
+                if (directory / CONFIG_NAME).is_file():
+                    (directory / stale).unlink(missing_ok=True)
+        for name in sorted(names, key=lambda n: n == CONFIG_NAME):
+            os.replace(tmp / "a" / name, directory / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_adapter_into(model, directory: str | os.PathLike) -> dict:
+    """Read an adapter directory (a checkpoint) into `model`, strictly (every adapter tensor present
+    with its shape; num_token_id and vocabulary rows equal). Returns the adapter's metadata."""
+    meta, tensors = read_adapter_files(directory)
+    for key, ours in (("num_token_id", model.num_token_id), ("vocab_size", model.vocab_size)):
+        if meta.get(key) != ours:
+            raise ValueError(f"checkpoint {str(directory)!r} was made for {key}={meta.get(key)!r}; this model has "
+                             f"{key}={ours!r}")
+    model.load_adapter_state_dict(tensors)
+    return meta
+
+
+# ============================================================================ accelerate
+def _accelerate_subdir(index: int) -> str:
+    return ACCELERATE_SUBDIR if index == 0 else f"{ACCELERATE_SUBDIR}_{index}"
+
+
+def register_accelerate_hooks(accelerator) -> tuple:
+    """Make `accelerator.save_state` / `load_state` write and read every prepared CausalModel as its
+    adapter only (``<state dir>/causal_adapter`` for the first prepared model, ``causal_adapter_<i>``
+    for the i-th), through accelerate's `register_save_state_pre_hook` / `register_load_state_pre_hook`.
+    Other prepared models, optimizers, schedulers, RNG states are saved by accelerate as usual.
+    Loading is strict: a state directory without the adapter, or an adapter of another shape, raises.
+    Returns the two `RemovableHandle`s."""
+    from accelerate.utils import DistributedType
+
+    def causal_positions(models) -> list[int]:
+        return [i for i, m in enumerate(models) if unwrap_causal_model(m) is not None]
+
+    def index_of(model) -> int:
+        return next(i for i, m in enumerate(accelerator._models) if m is model)
+
+    def save_hook(models, weights, output_dir):
+        positions = causal_positions(models)
+        if positions and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise NotImplementedError(
+                f"adapter-only save_state under {accelerator.distributed_type} is not supported by these hooks "
+                "(accelerate saves the sharded model before any hook runs): save the adapter with "
+                "causal_adapter.integrations.save_fsdp_adapter / CausalModel.save_pretrained instead")
+        for i in reversed(positions):
+            if accelerator.is_main_process:
+                inner = unwrap_causal_model(models[i])
+                save_adapter_into(inner, Path(output_dir) / _accelerate_subdir(i))
+            del weights[i]  # weights[i] is models[i]'s state dict: accelerate must not write it
+
+    def load_hook(models, input_dir):
+        for j in reversed(causal_positions(models)):
+            path = Path(input_dir) / _accelerate_subdir(index_of(models[j]))
+            if not (path / CONFIG_NAME).is_file():
+                raise FileNotFoundError(f"{str(path)!r} has no causal adapter ({CONFIG_NAME}): {str(input_dir)!r} "
+                                        "was not saved with causal_adapter's accelerate hooks")
+            load_adapter_into(unwrap_causal_model(models[j]), path)
+            del models[j]
+
+    return accelerator.register_save_state_pre_hook(save_hook), accelerator.register_load_state_pre_hook(load_hook)
+
+
+# ============================================================================ FSDP2 (torch fully_shard)
+def fully_shard_causal_model(model, **fsdp_kwargs):
+    """Shard a CausalModel with torch's FSDP2 `fully_shard` (works on CPU with gloo): each decoder
+    layer is its own unit, the root unit holds the embeddings / tied lm_head and the heads. 0-d
+    parameters (b_reg), which fully_shard refuses, stay replicated; their gradients are averaged
+    over the processes by a post-accumulate-grad hook, so a plain optimizer step keeps replicas equal.
+    Call on every process after `torch.distributed.init_process_group`; returns the model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.decoder.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    fully_shard(model, ignored_params=scalars, **fsdp_kwargs)
+    world = dist.get_world_size()
+
+    def average(p):
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+    for p in scalars:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average)
+    return model
+
+
+def full_adapter_state_dict(model) -> dict:
+    """`adapter_state_dict()` with FSDP2-sharded tensors gathered whole (a collective: call it on
+    every process)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.adapter_state_dict().items()}
+
+
+def save_fsdp_adapter(model, directory: str | os.PathLike) -> Path:
+    """Adapter-only checkpoint of an FSDP2-sharded CausalModel: the adapter tensors are gathered on
+    every process (collective), the main process writes our two files atomically."""
+    import torch.distributed as dist
+
+    from .artifacts import atomic_write_dir, write_adapter_files
+
+    tensors = full_adapter_state_dict(model)
+    if dist.get_rank() == 0:
+        meta = model.adapter_metadata()
+        atomic_write_dir(directory, lambda tmp: write_adapter_files(tmp, meta, tensors))
+    dist.barrier()
+    return Path(directory)
