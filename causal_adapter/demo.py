@@ -48,6 +48,17 @@ def _load(base: str | None, arch: str, dtype: str = "float32"):
     return load_base(base, arch, dtype)
 
 
+def describe_base(base_model, base: str | None) -> str:
+    """One line saying what the base is (the embedded default has random weights)."""
+    c = getattr(base_model.config, "get_text_config", lambda: base_model.config)()
+    size = (f"{type(base_model).__name__}, hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+            f"{base_model.get_output_embeddings().weight.shape[0]:,} vocabulary rows")
+    if base is None:
+        return (f"base: the embedded tiny model with RANDOM weights ({size}); no real Qwen weights, so what the adapter "
+                "knows of the values is what the numeric embedding puts in and the random layers mix")
+    return f"base: {base} ({size})"
+
+
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: str | None = None,
              arch: str = "qwen2", seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2,
              lora: bool = False) -> int:
@@ -69,6 +80,8 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
                          per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
                          eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine")
     model = get_causal_model(base_model, config.adapter_config(), tokenizer=tokenizer)
+    print(describe_base(base_model, base))
+    print("baselines: constant = the median of the train years' values; persistence = the previous year's value")
     model.print_trainable_parameters()
 
     print("[1/5] evaluating the fresh adapter (= the base model) on the test split")
@@ -87,14 +100,17 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
     identical = preds_reloaded == preds
     print("      predictions of the reloaded adapter identical:", identical)
 
-    print("[5/5] generating a continuation of a test prompt")
+    print("[5/5] generating the next value of a test prompt")
     row = corpus["test"][0]
-    gen = reloaded.generate(row["prompt"], tokenizer=tokenizer, max_new_tokens=2, mode="deterministic")
-    print(f"      prompt ...{row['prompt'][-60:]!r}")
-    print(f"      generated {gen.texts[0]!r}  (true next value {row['completion'].strip()})")
-    for n in gen.numbers[0]:
-        print(f"      <NUM> {n['text']}: 50% interval [{n['interval_50'][0]:.4g}, {n['interval_50'][1]:.4g}], "
-              f"90% interval [{n['interval_90'][0]:.4g}, {n['interval_90'][1]:.4g}]")
+    print(f"      prompt ...{row['prompt'][-60:]!r}  (true next value {row['completion'].strip()})")
+    # the data writes "YEAR: value": a prompt ending in ":" first generates the space, one ending in
+    # ": " generates the value at once; both put the value at the same position
+    for prompt, new_tokens in ((row["prompt"], 2), (row["prompt"] + " ", 1)):
+        gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=new_tokens, mode="deterministic")
+        print(f"      ...{prompt[-6:]!r} -> {gen.texts[0]!r}")
+        for n in gen.numbers[0]:
+            print(f"        <NUM> {n['text']} (exact {n['exact']:.6g}): 50% interval [{n['interval_50'][0]:.4g}, "
+                  f"{n['interval_50'][1]:.4g}], 90% interval [{n['interval_90'][0]:.4g}, {n['interval_90'][1]:.4g}]")
 
     table = comparison_table(before, after)
     print()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, CausalModel, get_causal_model
+from causal_adapter.artifacts import CONFIG_NAME
 from causal_adapter.cauchy import cauchy_icdf
 from causal_adapter.metrics import evaluate_dataset
 from causal_adapter.train import TrainConfig, train
@@ -97,7 +98,7 @@ def test_value_units_map_intervals_exactly_and_round_trip(tmp_path):
     torch.testing.assert_close(e[0, 2] - e0[0, 2], math.log1p((120.0 - 118.5) / 35.0) * -model.numeric_embedding.direction)
     assert torch.equal(e[0, [0, 1, 3]], e0[0, [0, 1, 3]])
     model.save_pretrained(tmp_path / "a")
-    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["adapter_config"]
+    saved = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())["adapter_config"]
     assert (saved["value_loc"], saved["value_scale"], saved["value_decimals"]) == (120.0, 35.0, 1)
     again = CausalModel.from_pretrained(small_vocab_qwen(num_layers=1), tmp_path / "a")
     with torch.no_grad():
@@ -108,7 +109,7 @@ def test_value_units_map_intervals_exactly_and_round_trip(tmp_path):
 def test_adapter_saved_before_value_units_loads_with_the_seeds_heads(tmp_path):
     old = wrap(regression_scale="shared", direction_norm=1.0)
     old.save_pretrained(tmp_path / "old")
-    meta_path = tmp_path / "old" / "adapter_config.json"
+    meta_path = tmp_path / "old" / CONFIG_NAME
     meta = json.loads(meta_path.read_text())
     for key in ("regression_scale", "direction_norm", "value_loc", "value_scale", "standardize_inputs",
                 "b_noise_Y_init", "value_decimals"):
