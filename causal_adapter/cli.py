@@ -48,10 +48,10 @@ class ShortErrorsMixin:
         m = re.match(r"unrecognized arguments: (.*)", message)
         if m:
             options = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-            for arg in m.group(1).split():
-                close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1)
-                if arg.startswith("-") and close:
-                    hint = f"did you mean {close[0]}? "
+            for arg in (a.split("=", 1)[0] for a in m.group(1).split() if a.startswith("--")):
+                close = sorted(o for o in options if o.startswith(arg)) or difflib.get_close_matches(arg, options, 1)
+                if close:  # an abbreviation (refused) or a typo
+                    hint = f"did you mean {' or '.join(close[:3])}? "
                     break
         self.exit(2, f"{self.prog}: error: {message}\n{hint}(see: {self.prog} --help)\n")
 

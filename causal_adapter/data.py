@@ -266,12 +266,19 @@ def load_text_dataset(
         ds = make(spec)
         return datasets.IterableDatasetDict({"train": ds}) if split is None else ds
 
+    import logging
+
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)  # its "Failed to load JSON" log repeats what the ValueError below says
     try:
         return datasets.load_dataset(file_type, data_files=spec, split=split, streaming=streaming, **load_kwargs)
     except (FileNotFoundError, ImportError):
         raise
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors do not name file and line
         raise _load_error(file_type, files, e) from e
+    finally:
+        json_log.setLevel(level)
 
 
 # --------------------------------------------------------------------------- tokenising
@@ -293,8 +300,8 @@ def _check_str(values, column: str, indices, allow_empty: bool = True) -> None:
                 raise ValueError(f"row {i}: column {column!r} is null (None); every row needs a string")
             raise ValueError(
                 f"row {i}: column {column!r} must be a string, got {type(v).__name__} {v!r:.80} "
-                "(write it as text: a JSON string in jsonl; in a CSV name the column with --text-column / "
-                "--prompt-column / --completion-column, or text_column= ..., so it is read as text)"
+                "(write it as text: a JSON string in jsonl, e.g. \" 12.5\"; a CSV column is read as text when "
+                "it is the --text-column / --prompt-column / --completion-column)"
             )
 
 

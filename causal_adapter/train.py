@@ -950,6 +950,8 @@ def build_arg_parser(prog: str = "causal-adapter train"):
     ap = TrainArgumentParser(TrainConfig, prog=prog, allow_abbrev=False,
                              description="Fine-tune a causal adapter on a Qwen checkpoint (works under "
                                          "`accelerate launch`). Every flag is a TrainConfig field.")
+    for action in ap._actions:  # --help and errors show the dashed spelling first, as the other commands
+        action.option_strings.sort(key=lambda s: ("_" in s, s not in ("--base", "--dtype")))
     for f in dataclasses.fields(TrainConfig):
         if f.default is False:  # HfArgumentParser adds --no-x only to the booleans that default to True
             ap.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
@@ -957,7 +959,7 @@ def build_arg_parser(prog: str = "causal-adapter train"):
     ap.add_argument("--config", metavar="FILE", default=None,
                     help="json or yaml file of TrainConfig fields; flags on the command line override it")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace the outputs of a previous run in --output-dir (default: refuse)")
+                    help="replace the outputs of a previous run in --output-dir instead of refusing")
     ap.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return ap
 
