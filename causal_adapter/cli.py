@@ -263,6 +263,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .demo import evaluate_adapter
 
+    if (args.adapter is None) == (args.adapter_flag is None):
+        raise CLIError("give the adapter directory once: causal-adapter eval DIR (or --adapter DIR)")
+    args.adapter = args.adapter or args.adapter_flag
     check_base(args.base)
     try:
         table = evaluate_adapter(args.adapter, base=args.base, arch=args.arch, dtype=args.dtype, corpus=args.corpus,
@@ -313,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False, help="fine-tune an adapter (flags: causal-adapter train --help)")
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the constant and persistence baselines", **fmt)
-    p.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("adapter", nargs="?", default=None,
+                   help="adapter directory (adapter_config.json + adapter_model.safetensors); or --adapter DIR")
+    p.add_argument("--adapter", dest="adapter_flag", metavar="DIR", default=None, help="the same, as a flag")
     add_base_arguments(p)
     p.add_argument("--corpus", default="sunspots", help="built-in corpus (ignored with --data-file)")
     p.add_argument("--split", default="test", choices=["train", "validation", "test"])

@@ -162,8 +162,10 @@ def test_adapter_file_instead_of_directory(adapter32):
 
 
 def test_adapter_of_another_tiny_size_names_the_flag(adapter32):
-    rc, _, err, _ = run_cli("eval", adapter32)
+    rc, _, err, _ = run_cli("eval", "--adapter", adapter32)
     assert_short_error(rc, err, "hidden_size=32", "pass --tiny-hidden-size 32")
+    rc, _, err, _ = run_cli("eval")
+    assert_short_error(rc, err, "give the adapter directory once")
     rc, _, err, _ = run_cli("generate", "--adapter", adapter32, "The price was 99.9 and", "--max-new-tokens", "1")
     assert_short_error(rc, err, "pass --tiny-hidden-size 32")
     rc, out, err, _ = run_cli("generate", "--adapter", adapter32, *TINY32, "The price was 99.9 and",
@@ -248,3 +250,57 @@ def test_written_files_get_the_umask_permissions(tmp_path):
     assert len(files) == 3
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o640, f
+
+
+# --------------------------------------------------------------------------- train parser (issue 14)
+def test_train_config_parses_with_the_real_hf_argument_parser(tmp_path):
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from causal_adapter.train import TrainConfig, build_arg_parser, parse_train_args
+
+    (cfg,) = HfArgumentParser(TrainConfig).parse_args_into_dataclasses(
+        ["--train_file", "a.jsonl", "b.jsonl", "--freeze", "cls_bias", "--no_plot", "--lora"], look_for_args_file=False)
+    assert cfg.train_file == ["a.jsonl", "b.jsonl"] and cfg.freeze == ["cls_bias"] and not cfg.plot and cfg.lora
+    (tmp_path / "c.json").write_text(json.dumps({"max_steps": 7, "report_to": ["tensorboard"]}))
+    (tmp_path / "c.yaml").write_text("max_steps: 9\nlora_target_modules: [q_proj, v_proj]\n")
+    (cfg,) = HfArgumentParser(TrainConfig).parse_json_file(tmp_path / "c.json")
+    assert cfg.max_steps == 7 and cfg.report_to == ["tensorboard"]
+    (cfg,) = HfArgumentParser(TrainConfig).parse_yaml_file(tmp_path / "c.yaml")
+    assert cfg.max_steps == 9 and cfg.lora_target_modules == ["q_proj", "v_proj"]
+
+    # the train command's parser IS an HfArgumentParser over TrainConfig: one flag per field, generated
+    ap = build_arg_parser()
+    assert isinstance(ap, HfArgumentParser) and ap.allow_abbrev is False
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= {a.dest for a in ap._actions}
+    for flag in ("--base", "--base-model", "--base_model"):
+        assert parse_train_args([flag, "/models/qwen"])[0].base_model == "/models/qwen"
+    cfg, extras = parse_train_args(["--no-lora", "--no-plot", "--report-to", "tensorboard", "--overwrite"])
+    assert not cfg.lora and not cfg.plot and cfg.report_to == ["tensorboard"] and extras.overwrite
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--max-step", "3"])  # no abbreviations
+
+
+def test_train_config_file_and_command_line_overrides(tmp_path):
+    from causal_adapter.train import parse_train_args
+
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"max_steps": 7, "learning-rate": 0.05, "train_file": "a.jsonl", "lora": True}))
+    cfg, _ = parse_train_args(["--config", str(js), "--max-steps", "3"])
+    assert (cfg.max_steps, cfg.learning_rate, cfg.train_file, cfg.lora) == (3, 0.05, ["a.jsonl"], True)
+    ym = tmp_path / "run.yaml"
+    ym.write_text("max_steps: 9\nlearning_rate: 1.0e-3\nfreeze: [cls_bias]\nplot: false\n")
+    cfg, _ = parse_train_args(["--config", str(ym), "--plot"])
+    assert (cfg.max_steps, cfg.learning_rate, cfg.freeze, cfg.plot) == (9, 1e-3, ["cls_bias"], True)
+    (tmp_path / "typo.yaml").write_text("max_stpes: 9\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['max_stpes'\]"):
+        parse_train_args(["--config", str(tmp_path / "typo.yaml")])
+    (tmp_path / "bad.yaml").write_text("max_steps: 9\n  lora: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        parse_train_args(["--config", str(tmp_path / "bad.yaml")])
+    (tmp_path / "bad.json").write_text('{"max_steps": 9,\n}')
+    rc, _, err, _ = run_cli("train", "--config", tmp_path / "bad.json")
+    assert_short_error(rc, err, "bad.json': line 2: not valid JSON", code=2)
+    rc, _, err, _ = run_cli("train", "--config", tmp_path / "missing.yaml")
+    assert_short_error(rc, err, "missing.yaml': no such file", code=2)
