@@ -32,6 +32,7 @@ DEBUG_HELP = f"show the full traceback of an error (also: {DEBUG_ENV}=1)"
 HUB_TIMEOUT_S = 10.0
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _USER_ERRORS = (OSError, ValueError, ImportError, LookupError, FloatingPointError)
+_CHECKED_BASES: set[str] = set()
 
 
 class CLIError(Exception):
@@ -93,7 +94,7 @@ def _truthy(name: str) -> bool:
 def check_base(base: str | None, flag: str = "--base") -> None:
     """Fail fast, in one line, on a base model that cannot load: a missing folder, a folder that
     is not a checkpoint, a hub name that is neither cached nor reachable (no 50 s of retries)."""
-    if base is None:
+    if base is None or base in _CHECKED_BASES:
         return
     what = f"{flag} {base!r}"
     fix = "give the folder of a saved Qwen checkpoint (config.json + *.safetensors) or a hub name such as Qwen/Qwen2.5-0.5B"
@@ -107,6 +108,7 @@ def check_base(base: str | None, flag: str = "--base") -> None:
     if base.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(base):  # a path, not a hub id
         raise CLIError(f"{what}: no such folder: {fix}")
     _check_hub(base, what)
+    _CHECKED_BASES.add(base)  # a hub name is looked up once per process
 
 
 def _check_hub(name: str, what: str) -> None:
