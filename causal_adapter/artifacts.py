@@ -79,6 +79,8 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an adapter is as readable as any directory
         write(tmp)
         for f in tmp.iterdir():
+            if f.is_file():  # safetensors and mkstemp write 0600: files get the umask's permissions
+                os.chmod(f, 0o666 & ~_umask())
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)
@@ -176,6 +178,9 @@ def _adapter_file_paths(directory: Path) -> tuple[Path, Path]:
 def read_adapter_files(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read and sanity-check an adapter directory; errors name the file and the problem."""
     directory = resolve_adapter_dir(directory)
+    if directory.is_file():
+        raise NotADirectoryError(f"{str(directory)!r} is a file: an adapter is the directory that holds "
+                                 f"{CONFIG_NAME} and {WEIGHTS_NAME}: give {str(directory.parent)!r}")
     cfg_path, w_path = _adapter_file_paths(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"adapter directory {str(directory)!r} does not exist")

@@ -319,6 +319,9 @@ def write_corpus_jsonl(name: str, out_dir: str, **kwargs) -> dict[str, str]:
         path = os.path.join(out_dir, f"{name}_{split}.jsonl")
         fd, tmp = tempfile.mkstemp(prefix=f".{name}_{split}.", suffix=".tmp", dir=out_dir)
         try:
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes 0600: the corpus gets the umask's permissions
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 for row in dd[split]:
                     fh.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
@@ -331,16 +334,16 @@ def write_corpus_jsonl(name: str, out_dir: str, **kwargs) -> dict[str, str]:
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+def main(argv: Sequence[str] | None = None, prog: str = "python -m causal_adapter.corpora") -> int:
+    from .cli import CliParser, add_debug_argument
 
-    p = argparse.ArgumentParser(prog="python -m causal_adapter.corpora",
-                                description="write an offline numeric corpus as jsonl files")
+    p = CliParser(prog=prog, description="write an offline numeric corpus as jsonl files")
     p.add_argument("name", choices=CORPORA)
     p.add_argument("out_dir")
     p.add_argument("--window", type=int, default=None, help="history length (time-series corpora)")
     p.add_argument("--n", type=int, default=None, help="number of examples (arithmetic, units)")
     p.add_argument("--seed", type=int, default=0)
+    add_debug_argument(p)
     a = p.parse_args(argv)
     kw: dict[str, Any] = {"seed": a.seed}
     if a.window is not None:

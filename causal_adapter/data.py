@@ -205,6 +205,7 @@ def load_text_dataset(
     file_type: str | None = None,
     streaming: bool = False,
     split: str | None = "train",
+    string_columns: Sequence[str] = ("text", "prompt", "completion"),
     **load_kwargs,
 ):
     """Load local files with `datasets.load_dataset` (no hub access; works with
@@ -216,6 +217,8 @@ def load_text_dataset(
     streaming: True returns an `IterableDataset` that reads the files lazily (files bigger
         than memory); a JSON error then surfaces during iteration, also naming file and line.
     split: the split to return ("train" for plain file lists); None returns the DatasetDict.
+    string_columns: CSV/TSV columns read as text as written (``12.5`` stays the string "12.5",
+        a leading space is kept), whatever pandas would infer.
 
     Errors: a missing file -> FileNotFoundError naming it; a jsonl line that is not JSON ->
     ValueError naming the file and the line number; other parse errors -> ValueError naming
@@ -235,6 +238,8 @@ def load_text_dataset(
     if file_type == "csv" and "sep" not in load_kwargs and "delimiter" not in load_kwargs:
         if all(f.lower().removesuffix(".gz").endswith(".tsv") for f in files):
             load_kwargs["sep"] = "\t"
+    if file_type == "csv" and "converters" not in load_kwargs:
+        load_kwargs["converters"] = {c: str for c in string_columns}
 
     if isinstance(data_files, Mapping):
         spec = {k: _check_files(_file_list(v)) for k, v in data_files.items()}
@@ -261,12 +266,19 @@ def load_text_dataset(
         ds = make(spec)
         return datasets.IterableDatasetDict({"train": ds}) if split is None else ds
 
+    import logging
+
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)  # its "Failed to load JSON" log repeats what the ValueError below says
     try:
         return datasets.load_dataset(file_type, data_files=spec, split=split, streaming=streaming, **load_kwargs)
     except (FileNotFoundError, ImportError):
         raise
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors do not name file and line
         raise _load_error(file_type, files, e) from e
+    finally:
+        json_log.setLevel(level)
 
 
 # --------------------------------------------------------------------------- tokenising
@@ -288,7 +300,8 @@ def _check_str(values, column: str, indices, allow_empty: bool = True) -> None:
                 raise ValueError(f"row {i}: column {column!r} is null (None); every row needs a string")
             raise ValueError(
                 f"row {i}: column {column!r} must be a string, got {type(v).__name__} {v!r:.80} "
-                "(CSV readers turn numeric-looking cells into numbers: quote them or use jsonl)"
+                "(write it as text: a JSON string in jsonl, e.g. \" 12.5\"; a CSV column is read as text when "
+                "it is the --text-column / --prompt-column / --completion-column)"
             )
 
 
@@ -336,7 +349,8 @@ def tokenize_dataset(
     else:
         raise ValueError(
             f"dataset has neither a {text_column!r} column nor {prompt_column!r} + {completion_column!r} "
-            f"columns; columns present: {cols} (pass text_column= / prompt_column= / completion_column=)"
+            f"columns; columns present: {cols} (name yours with --text-column / --prompt-column / "
+            "--completion-column, or text_column= / prompt_column= / completion_column= in Python)"
         )
     eos = None
     if add_eos_token:

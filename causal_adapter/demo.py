@@ -42,10 +42,10 @@ def comparison_table(before: dict, after: dict, split: str = "test") -> str:
     return "\n".join(lines)
 
 
-def _load(base: str | None, arch: str, dtype: str = "float32"):
+def _load(base: str | None, arch: str, dtype: str = "float32", hidden_size: int = 64, num_layers: int = 2):
     from .cli import load_base
 
-    return load_base(base, arch, dtype)
+    return load_base(base, arch, dtype, hidden_size, num_layers)
 
 
 def describe_base(base_model, base: str | None) -> str:
@@ -61,7 +61,7 @@ def describe_base(base_model, base: str | None) -> str:
 
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: str | None = None,
              arch: str = "qwen2", seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2,
-             lora: bool = False) -> int:
+             lora: bool = False, dtype: str = "float32", tiny_hidden_size: int = 64, tiny_layers: int = 2) -> int:
     from .corpora import build_corpus
     from .data import tokenize_dataset
     from .model import CausalModel, get_causal_model
@@ -70,8 +70,8 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
 
     t0 = time.time()
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    base_model, tokenizer = _load(base, arch)
+    base_model, tokenizer = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
+    out.mkdir(parents=True, exist_ok=True)  # after the base loaded: a failed load leaves no empty folder
     ntok = NumberTokenizer(tokenizer)
     corpus = build_corpus("sunspots")
     test = tokenize_dataset(corpus["test"], ntok)
@@ -93,7 +93,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
                                     train_targets=train_targets, return_predictions=True)
 
     print(f"[4/5] reloading {result.adapter_dir} into a fresh base model")
-    fresh_base, _ = _load(base, arch)
+    fresh_base, _ = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
     reloaded = CausalModel.from_pretrained(fresh_base, result.adapter_dir, tokenizer=tokenizer)
     _, preds_reloaded = evaluate_dataset(reloaded, test, ntok.pad_token_id, batch_size=batch_size,
                                          train_targets=train_targets, return_predictions=True)
@@ -127,7 +127,9 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 300, base: st
 
 def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwen2", dtype: str = "float32",
                      corpus: str = "sunspots", split: str = "test", data_files: list[str] | None = None,
-                     batch_size: int = 16, output: str | None = None) -> str:
+                     batch_size: int = 16, output: str | None = None, tiny_hidden_size: int = 64,
+                     tiny_layers: int = 2, text_column: str = "text", prompt_column: str = "prompt",
+                     completion_column: str = "completion") -> str:
     """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table."""
     from .corpora import build_corpus
     from .data import load_text_dataset, tokenize_dataset
@@ -135,15 +137,17 @@ def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwe
     from .model import CausalModel
     from .numbers import NumberTokenizer
 
-    base_model, tokenizer = _load(base, arch, dtype)
+    base_model, tokenizer = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
     model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     if data_files:
-        raw, train_targets = load_text_dataset(data_files), None
+        columns = (text_column, prompt_column, completion_column)
+        raw, train_targets = load_text_dataset(data_files, string_columns=columns), None
     else:
         dd = build_corpus(corpus)
         raw, train_targets = dd[split], list(dd["train"]["target"])
-    metrics = evaluate_dataset(model, tokenize_dataset(raw, ntok), ntok.pad_token_id, batch_size=batch_size,
+    metrics = evaluate_dataset(model, tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column),
+                               ntok.pad_token_id, batch_size=batch_size,
                                train_targets=train_targets)
     table = format_metrics_table(metrics, title=f"{corpus if not data_files else 'files'} {split}")
     if output:

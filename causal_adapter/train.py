@@ -102,28 +102,29 @@ class TrainConfig:
     # ---------------------------------------------------------------- model
     base_model: str | None = _opt(None, "local Qwen2/Qwen2.5/Qwen3 directory or hub name loaded with "
                                         "AutoModelForCausalLM.from_pretrained (default: the embedded tiny Qwen)",
-                                  type=str)
+                                  type=str, aliases=["--base"])
     tokenizer: str | None = _opt(None, "tokenizer directory/name (default: the base model's; the embedded "
                                        "Qwen tokenizer for the tiny default)", type=str)
-    tiny_arch: str = _opt("qwen2", "architecture of the embedded tiny base", choices=["qwen2", "qwen3"])
+    tiny_arch: str = _opt("qwen2", "architecture of the embedded tiny base", choices=["qwen2", "qwen3"],
+                          aliases=["--arch"])
     tiny_hidden_size: int = _opt(64, "hidden size of the embedded tiny base")
     tiny_layers: int = _opt(2, "layers of the embedded tiny base")
     torch_dtype: str = _opt("float32", "dtype of the base weights",
-                            choices=["float32", "bfloat16", "float16", "float64"])
+                            choices=["float32", "bfloat16", "float16", "float64"], aliases=["--dtype"])
     # ---------------------------------------------------------------- adapter
     lora: bool = _opt(False, "tune the backbone with LoRA (peft) instead of freezing it")
     lora_r: int = _opt(8, "LoRA rank")
     lora_alpha: int = _opt(16, "LoRA alpha")
     lora_dropout: float = _opt(0.0, "LoRA dropout")
-    lora_target_modules: list = _opt(list(DEFAULT_LORA_TARGETS), "modules that get LoRA", nargs="+", type=str)
+    lora_target_modules: list[str] = _opt(list(DEFAULT_LORA_TARGETS), "modules that get LoRA", nargs="+", type=str)
     learnable_direction: bool = _opt(False, "train the numeric-embedding direction d (backprop through the backbone)")
     learnable_threshold: bool = _opt(False, "train the OvR thresholds C_k")
     threshold_mode: str = _opt("scalar", "one threshold or one per vocabulary row", choices=["scalar", "vector"])
     train_num_row: bool = _opt(True, "train the <NUM> row of W_cls (saved as one row)")
-    freeze: list = _opt(["abduction_loc"], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
-                        + " (or parameter-name prefixes); default abduction_loc: the OvR loss's updates of W_loc "
-                        "move loc_U under the warm-started regression (measured: sunspots MAE 80,000 vs 15.6). "
-                        "Give the flag with no value to train every part", nargs="*", type=str)
+    freeze: list[str] = _opt(["abduction_loc"], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
+                             + " (or parameter-name prefixes); 'none' trains every part. Default abduction_loc: "
+                             "the OvR loss's updates of W_loc move loc_U under the warm-started regression "
+                             "(measured: sunspots MAE 80,000 vs 15.6)", nargs="*", type=str)
     gamma0: float = _opt(10.0, "initial abduction scale")
     gate_alpha: float = _opt(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
                                   "training uses 1.0: the regression learns from the first step, measured)")
@@ -138,9 +139,9 @@ class TrainConfig:
     dataset: str = _opt("sunspots", "built-in offline corpus used when no --train-file is given",
                         choices=list(CORPORA))
     corpus_window: int | None = _opt(None, "history length of a time-series corpus (default: the corpus's)", type=int)
-    train_file: list = _opt([], "training data files (jsonl/json/csv/tsv/parquet/txt, globs allowed)",
+    train_file: list[str] = _opt([], "training data files (jsonl/json/csv/tsv/parquet/txt, globs allowed)",
                             nargs="+", type=str)
-    validation_file: list = _opt([], "validation data files", nargs="+", type=str)
+    validation_file: list[str] = _opt([], "validation data files", nargs="+", type=str)
     file_type: str | None = _opt(None, "file type (default: from the extension)", type=str,
                                  choices=["json", "jsonl", "csv", "parquet", "text"])
     text_column: str = _opt("text", "column of full texts (loss on every token)")
@@ -183,7 +184,7 @@ class TrainConfig:
     output_dir: str = _opt("causal_adapter_output", "where the adapter, checkpoints, logs and plot go")
     resume_from_checkpoint: str | None = _opt(None, "a checkpoint directory, or 'latest' (the newest in "
                                                     "--output-dir; starts fresh if there is none)", type=str)
-    report_to: list = _opt([], "accelerate trackers (tensorboard, wandb, ..., all); skipped when not installed",
+    report_to: list[str] = _opt([], "accelerate trackers (tensorboard, wandb, ..., all); skipped when not installed",
                            nargs="*", type=str)
     plot: bool = _opt(True, "write OUTPUT_DIR/training.png (needs matplotlib)")
     progress: bool = _opt(True, "tqdm progress bar (main process)")
@@ -307,6 +308,8 @@ def freeze_parts(model, parts: Sequence[str]) -> list[str]:
     or name prefixes; returns the frozen names. Unknown names raise."""
     frozen = []
     for part in parts:
+        if part == "none":  # `--freeze none`: train every part
+            continue
         prefixes = PARAMETER_GROUPS.get(part, (part,))
         hits = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n.startswith(prefixes)]
         if part == "lora":
@@ -396,9 +399,11 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
 
     if train_dataset is None:
         if config.train_file:
-            train_dataset = load_text_dataset(config.train_file, file_type=config.file_type)
+            columns = (config.text_column, config.prompt_column, config.completion_column)  # CSV: read as text
+            train_dataset = load_text_dataset(config.train_file, file_type=config.file_type, string_columns=columns)
             if config.validation_file:
-                eval_dataset = load_text_dataset(config.validation_file, file_type=config.file_type)
+                eval_dataset = load_text_dataset(config.validation_file, file_type=config.file_type,
+                                                 string_columns=columns)
         else:
             kw = {} if config.corpus_window is None else {"window": config.corpus_window}
             dd = build_corpus(config.dataset, **kw)
@@ -1012,30 +1017,92 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
 
 
 # ============================================================================ command line
-def _flag_names(name: str) -> list[str]:
-    dashed = "--" + name.replace("_", "-")
-    return [dashed] if "_" not in name else [dashed, "--" + name]
+#: what a training run writes into its output directory (a new run refuses to replace them without --overwrite)
+RUN_OUTPUTS = (ADAPTER_SUBDIR, METRICS_LOG, FINAL_METRICS, PLOT_NAME, CHECKPOINT_PREFIX + "*")
 
 
 def build_arg_parser(prog: str = "causal-adapter train"):
-    """argparse parser with one flag per `TrainConfig` field (dashes or underscores)."""
+    """`transformers.HfArgumentParser` over `TrainConfig`: one flag per field (dashes or underscores,
+    ``--no-x`` for booleans, no abbreviations), plus ``--config FILE``, ``--overwrite`` and ``--debug``."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog=prog, description="Fine-tune a causal adapter on a Qwen checkpoint "
-                                 "(works under `accelerate launch`).",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from transformers import HfArgumentParser
+
+    from .cli import DEBUG_HELP, ShortErrorsMixin
+
+    class TrainArgumentParser(ShortErrorsMixin, HfArgumentParser):
+        pass
+
+    ap = TrainArgumentParser(TrainConfig, prog=prog, allow_abbrev=False,
+                             description="Fine-tune a causal adapter on a Qwen checkpoint (works under "
+                                         "`accelerate launch`). Every flag is a TrainConfig field.")
+    for action in ap._actions:  # --help and errors show the dashed spelling first, as the other commands
+        action.option_strings.sort(key=lambda s: ("_" in s, s not in ("--base", "--dtype")))
     for f in dataclasses.fields(TrainConfig):
-        md = dict(f.metadata)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw: dict[str, Any] = {"help": md.pop("help"), "default": default, "dest": f.name}
-        if isinstance(default, bool):  # --flag / --no-flag (dashes only)
-            kw["action"] = argparse.BooleanOptionalAction
-            ap.add_argument("--" + f.name.replace("_", "-"), **kw)
-            continue
-        kw["type"] = md.pop("type", type(default))
-        kw.update(md)
-        ap.add_argument(*_flag_names(f.name), **kw)
+        if f.default is False:  # HfArgumentParser adds --no-x only to the booleans that default to True
+            ap.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                            help=argparse.SUPPRESS)
+    ap.add_argument("--config", metavar="FILE", default=None,
+                    help="json or yaml file of TrainConfig fields; flags on the command line override it")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the outputs of a previous run in --output-dir instead of refusing")
+    ap.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return ap
+
+
+def read_config_file(path: str | os.PathLike, parser=None) -> dict[str, Any]:
+    """The TrainConfig fields of a json / yaml file (keys with underscores or dashes); errors name
+    the file and the problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {str(path)!r}: no such file")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            raise ValueError(f"--config {str(path)!r}: {where}not valid YAML ({getattr(e, 'problem', e)})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {str(path)!r}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {str(path)!r} must hold a mapping of TrainConfig fields, got {type(data).__name__}")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    allowed = set(fields) | ({a.dest for a in parser._actions} - {"help", "config"} if parser is not None else set())
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"--config {str(path)!r}: unknown keys {unknown}; the keys are TrainConfig field names "
+                         "(causal-adapter train --help)")
+    for k, v in data.items():
+        if k in fields and isinstance(v, str) and "list" in str(fields[k].type):
+            data[k] = [v]
+    return data
+
+
+def parse_train_args(argv: Sequence[str] | None = None):
+    """(TrainConfig, namespace of the other flags) from a command line, through HfArgumentParser;
+    ``--config FILE`` supplies the defaults. A bad value raises ValueError; a bad flag exits (2)."""
+    from .cli import CliParser
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_arg_parser()
+    pre = CliParser(prog=ap.prog, add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        ap.set_defaults(**read_config_file(known.config, ap))
+    config, extras, rest = ap.parse_args_into_dataclasses(argv, return_remaining_strings=True,
+                                                          look_for_args_file=False)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return config, extras
 
 
 def config_from_args(args) -> TrainConfig:
@@ -1044,14 +1111,27 @@ def config_from_args(args) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """``causal-adapter train ...`` / ``python -m causal_adapter.train ...``: train, print the
-    validation table, return 0."""
-    args = build_arg_parser().parse_args(argv)
+    validation table, return 0. Refuses (before any work) a base model that cannot load and an
+    output directory that holds a previous run (unless --overwrite or --resume-from-checkpoint)."""
+    from .cli import check_base, existing_outputs, refuse_overwrite, remove_if_left_empty
+
     try:
-        config = config_from_args(args)
+        config, extras = parse_train_args(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"causal-adapter train: error: {e}", file=sys.stderr)
         return 2
-    result = train(None, config)
+    check_base(config.base_model, "--base")
+    if config.tokenizer:
+        check_base(config.tokenizer, "--tokenizer")
+    if config.resume_from_checkpoint is None:
+        if not extras.overwrite:
+            refuse_overwrite(config.output_dir, existing_outputs(config.output_dir, RUN_OUTPUTS),
+                             extra=", --resume-from-checkpoint latest to continue them")
+        elif int(os.environ.get("RANK", "0") or 0) == 0:
+            for old in list_checkpoints(config.output_dir):  # a stale checkpoint-N would pass for the newest
+                shutil.rmtree(old, ignore_errors=True)
+    with remove_if_left_empty(config.output_dir):
+        result = train(None, config)
     from accelerate import PartialState
 
     if PartialState().is_main_process:
@@ -1063,4 +1143,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))

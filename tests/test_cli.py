@@ -28,6 +28,10 @@ def test_demo_end_to_end_at_toy_size(tmp_path, capsys):
     summary = json.loads((out / "demo_metrics.json").read_text())
     assert summary["reload_identical"] is True and summary["steps"] == 4
     assert summary["after"]["loss"] < summary["before"]["loss"]
+    # a plain re-run (or an abbreviated flag) does not overwrite this run
+    assert main(["demo", "--output-dir", str(out), "--steps", "4"]) == 1
+    assert "pass --overwrite to replace them" in capsys.readouterr().err
+    assert json.loads((out / "demo_metrics.json").read_text()) == summary
     # the saved adapter evaluates through the eval command with the same value error
     assert main(["eval", str(adapter), "--output", str(tmp_path / "eval.json")]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
