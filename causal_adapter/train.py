@@ -128,11 +128,13 @@ class TrainConfig:
     gamma0: float = _opt(10.0, "initial abduction scale")
     gate_alpha: float = _opt(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
                                   "training uses 1.0: the regression learns from the first step, measured)")
-    regression_init: str = _opt("ridge", "start of the regression head on a fresh run: 'ridge' (least-squares "
-                                "probe on the model's own features, penalty by leave-one-out) or 'none'",
+    regression_init: str = _opt("ridge", "'ridge': the regression head starts as a least-squares probe on the "
+                                "model's own features (penalty by leave-one-out) on a fresh run, and is fitted so "
+                                "again after the last step when training changed those features (LoRA, W_loc); "
+                                "'none': the random init, trained by the NLL only",
                                 choices=["ridge", "none"])
     calibrate_scale: bool = _opt(True, "after training, set |b_noise_Y| so that the regression scale equals the "
-                                       "median absolute validation residual (the 50% interval's half-width), when "
+                                       "median absolute validation residual (the half-width of the central 50 percent interval), when "
                                        "there is a validation split and the regression scale is independent")
     reg_weight: float = _opt(1.0, "lambda in L = L_cls + lambda L_reg")
     # ---------------------------------------------------------------- data
@@ -437,6 +439,12 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
     if eval_dataset is not None:
         eval_dataset = _feature_columns(eval_dataset, config)
     return train_dataset, eval_dataset, targets
+
+
+def features_trained(inner) -> bool:
+    """True when training changed what the regression head reads (LoRA, W_loc / b_loc, d)."""
+    return any(p.requires_grad for n, p in inner.named_parameters()
+               if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
 
 
 def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
@@ -858,6 +866,10 @@ def train(
         bar.close()
 
     # ---------------------------------------------------------------- end
+    if config.regression_init == "ridge" and features_trained(inner):
+        # the features moved under the head (LoRA, W_loc, d): the least-squares probe again, on them
+        fit_value_head(inner, config, train_ds, collator, device, verbose=is_main)
+        last_eval_step = -1
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
     if (eval_ds is not None and config.calibrate_scale and inner.action.b_noise_Y is not None and predictions

@@ -25,8 +25,6 @@ from .numbers import format_number
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
-#: accept this much more leave-one-out error for a larger penalty (smaller, sturdier weights)
-LOO_TOLERANCE = 0.1
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -84,29 +82,27 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
     return torch.cat(feats)[:max_rows], torch.cat(targets)[:max_rows]
 
 
-def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, tolerance: float = LOO_TOLERANCE
-              ) -> tuple[Tensor, float, Tensor]:
-    """Ridge regression of t [n] on X [n, C] with an unpenalised intercept. The penalty is the
-    LARGEST of `grid` (times the largest squared singular value) whose mean absolute
-    leave-one-out residual is within `tolerance` of the smallest one: nearly as accurate, with
-    much smaller weights, so later changes of the features (LoRA, W_loc) move the prediction
-    less. Leave-one-out residuals are exact, from the SVD (no refits).
+def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID) -> tuple[Tensor, float, Tensor]:
+    """Ridge regression of t [n] on X [n, C] with an unpenalised intercept; the penalty is the one
+    of `grid` (times the largest squared singular value) with the smallest mean absolute
+    leave-one-out residual, computed exactly from the SVD (no refits).
 
     Returns (w [C + 1], the last entry the intercept; the chosen penalty; LOO residuals [n])."""
     n = X.shape[0]
     mean_x, mean_t = X.mean(0), t.mean()
     U, S, Vh = torch.linalg.svd(X - mean_x, full_matrices=False)
     proj = U.T @ (t - mean_t)
-    fits = []
+    best = None
     for rel in grid:
         lam = rel * float(S[0] ** 2) if S.numel() else rel
         w = Vh.T @ (S / (S ** 2 + lam) * proj)
         resid = t - mean_t - (X - mean_x) @ w
         hat = (U ** 2) @ (S ** 2 / (S ** 2 + lam)) + 1.0 / n
         loo = resid / (1.0 - hat).clamp_min(1e-12)
-        fits.append((float(loo.abs().mean()), lam, w, loo))
-    best = min(f[0] for f in fits)
-    _, lam, w, loo = max((f for f in fits if f[0] <= (1 + tolerance) * best), key=lambda f: f[1])
+        score = float(loo.abs().mean())
+        if best is None or score < best[0]:
+            best = (score, lam, w, loo)
+    _, lam, w, loo = best
     return torch.cat([w, (mean_t - mean_x @ w).reshape(1)]), lam, loo
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from causal_adapter.artifacts import WEIGHTS_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -156,7 +158,7 @@ def test_jsonl_numeric_completion_and_wrong_columns_name_the_fix(tmp_path, adapt
 
 # --------------------------------------------------------------------------- adapters
 def test_adapter_file_instead_of_directory(adapter32):
-    rc, _, err, _ = run_cli("eval", adapter32 / "adapter_model.safetensors", *TINY32)
+    rc, _, err, _ = run_cli("eval", adapter32 / WEIGHTS_NAME, *TINY32)
     assert_short_error(rc, err, "is a file", f"give {str(adapter32)!r}")
     assert "does not exist" not in err
 
