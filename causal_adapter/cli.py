@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_base_arguments(p)
     p.add_argument("--output-dir", default="causal_adapter_demo")
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of a previous run in --output-dir")
-    p.add_argument("--steps", "--max-steps", dest="steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", "--max-steps", dest="steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--learning-rate", type=float, default=1e-2)
     p.add_argument("--lora", action="store_true", help="LoRA on the backbone instead of a frozen backbone")

@@ -457,7 +457,8 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
-    values = [v for labels, vals in zip(rows["labels"], rows["label_values"])
+    value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
+    values = [v for labels, vals in zip(rows["labels"], rows[value_column])
               for lab, v in zip(labels, vals) if lab == num_id]
     if not values:
         return summary
@@ -761,7 +762,7 @@ def train(
     last_eval_step = -1
     predictions: dict | None = None
 
-    def run_eval() -> dict:
+    def run_eval(split: str = "eval") -> dict:
         nonlocal last_eval, last_eval_step, predictions
         idx = list(range(rank, len(eval_ds), world))
         batches = (collator(_rows(eval_ds, idx[i:i + config.per_device_eval_batch_size]))
@@ -775,7 +776,7 @@ def train(
         last_eval = merged.compute(constant)
         predictions = merged.predictions()
         last_eval_step = state.global_step
-        log({"split": "eval", "step": state.global_step, "epoch": round(state.epoch_float, 4), **last_eval})
+        log({"split": split, "step": state.global_step, "epoch": round(state.epoch_float, 4), **last_eval})
         return last_eval
 
     def save_checkpoint() -> Path:
@@ -879,7 +880,7 @@ def train(
         scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale, 1e-6)
         with torch.no_grad():
             inner.action.b_noise_Y.fill_(scale)
-        run_eval()
+        run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
     adapter_dir = out_dir / ADAPTER_SUBDIR
     plot_path = None
     if is_main:
@@ -999,6 +1000,11 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
         pts = [(h["step"], h[key]) for h in evals if h.get(key) is not None]
         if pts:
             ax2.plot(*zip(*pts), "o-", label=key)
+    for h in history:  # the final evaluation after the scale calibration
+        if h.get("split") == "eval_calibrated":
+            for key, color in (("coverage_50", "tab:red"), ("coverage_90", "tab:purple")):
+                if h.get(key) is not None:
+                    ax2.plot([h["step"]], [h[key]], "*", color=color, ms=12, label=f"{key} (calibrated)")
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("step")
     ax2.set_title("validation metrics")

@@ -71,7 +71,8 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                             batch["attention_mask"].to(device))
                 pos = labels[:, 1:] == model.num_token_id
                 feats.append(out.loc_U[:, :-1][pos].double().cpu())
-                targets.append(batch["label_values"].to(device)[:, 1:][pos].double().cpu())
+                values = batch["label_values"] if "label_values" in batch else batch["numeric_values"]
+                targets.append(values.to(device)[:, 1:][pos].double().cpu())
                 n += int(pos.sum())
                 if n >= max_rows:
                     break

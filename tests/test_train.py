@@ -124,8 +124,14 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
         assert last[key] is not None, key
     assert last["num_targets"] == last["baseline_examples"] == 16
     assert (out / "training.png").stat().st_size > 10_000
+    # after the last step the regression scale is calibrated on the validation split: one more
+    # evaluation, logged apart; it is the final one (what final_metrics.json and the adapter hold)
+    calibrated = [r for r in records if r["split"] == "eval_calibrated"]
+    assert [r["step"] for r in calibrated] == [12]
+    assert calibrated[0]["value_mae"] == last["value_mae"]  # only the scale moved
+    assert calibrated[0]["value_median_ae"] == last["value_median_ae"]
     final = json.loads((out / "final_metrics.json").read_text())
-    metrics = {k: v for k, v in last.items() if k not in ("split", "step", "epoch")}
+    metrics = {k: v for k, v in calibrated[0].items() if k not in ("split", "step", "epoch")}
     assert final["eval"] == metrics and final["global_step"] == 12
 
     # the saved adapter, on a fresh copy of the base, gives the same evaluation, number for number
@@ -158,7 +164,10 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
         assert all(t.numel() <= QWEN_VOCAB_SIZE for st in opt["state"].values() for t in st.values()
                    if isinstance(t, torch.Tensor))
     ck_model = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), ckpts[-1])
-    assert_same_tensors(adapter_tensors(ck_model), adapter_tensors(model))
+    ck_tensors, final_tensors = adapter_tensors(ck_model), adapter_tensors(model)
+    # the final adapter = the last checkpoint + the calibrated b_noise_Y (set after the last step)
+    assert not torch.equal(ck_tensors.pop("action.b_noise_Y"), final_tensors.pop("action.b_noise_Y"))
+    assert_same_tensors(ck_tensors, final_tensors)
 
 
 # --------------------------------------------------------------------------- frozen / LoRA modes
@@ -203,7 +212,8 @@ def test_lora_mode_trains_checkpoints_and_restores(tmp_path):
     seen = _record_decoder_grad(model)
     init = adapter_tensors(model)
     frozen = {n: p.detach().clone() for n, p in model.backbone.named_parameters() if "lora_" not in n}
-    config = quick_config(tmp_path, max_steps=4, save_steps=2, lora_learning_rate=5e-3)
+    # regression_init="none": the ridge fits' feature passes run without grad (and are not training)
+    config = quick_config(tmp_path, max_steps=4, save_steps=2, lora_learning_rate=5e-3, regression_init="none")
     result = train(model, config, train_dataset=synthetic_dataset())
     assert seen and all(seen)  # LoRA: normal backward through the backbone
     trained = adapter_tensors(model)
@@ -343,7 +353,11 @@ def test_ddp_two_cpu_processes_keep_identical_replicas(tmp_path):
     assert not torch.equal(a["action.b_cls"], init["action.b_cls"])
     ck = out / "checkpoint-4"
     assert {"rng_state_0.json", "rng_state_1.json"} <= {f.name for f in ck.iterdir()}
-    assert_same_tensors(load_file(str(ck / "causal_adapter_model.safetensors")), a)
+    saved = load_file(str(ck / "causal_adapter_model.safetensors"))
+    # the final adapter = the last checkpoint, but for b_noise_Y: set after the last step by the scale
+    # calibration on the validation split (the same on both replicas: the gathered predictions)
+    assert not torch.equal(saved.pop("action.b_noise_Y"), a["action.b_noise_Y"])
+    assert_same_tensors(saved, {k: v for k, v in a.items() if k != "action.b_noise_Y"})
 
 
 def test_launcher_warning_when_accelerate_starts_one_process(tmp_path):
