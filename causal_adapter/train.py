@@ -129,7 +129,8 @@ class TrainConfig:
     gate_alpha: float = _opt(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
                                   "training uses 1.0: the regression learns from the first step, measured)")
     regression_init: str = _opt("ridge", "'ridge': the regression head starts as a least-squares probe on the "
-                                "model's own features (penalty by leave-one-out) on a fresh run, and is fitted so "
+                                "model's own features (penalty chosen on the validation split, else by leave-one-out) "
+                                "on a fresh run, and is fitted so "
                                 "again after the last step when training changed those features (LoRA, W_loc); "
                                 "'none': the random init, trained by the NLL only",
                                 choices=["ridge", "none"])
@@ -448,7 +449,7 @@ def features_trained(inner) -> bool:
 
 
 def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
-                   max_rows: int = 8192) -> dict:
+                   max_rows: int = 8192, eval_ds=None) -> dict:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
     when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
     regression head (`value_fit`). Every process computes the same from the same rows."""
@@ -468,9 +469,13 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.config.value_decimals)
     if config.regression_init == "ridge":
         inner.to(device)
-        batches = (collator(_rows(rows, range(i, min(i + config.per_device_eval_batch_size, len(rows)))))
-                   for i in range(0, len(rows), config.per_device_eval_batch_size))
-        summary.update(ridge_warm_start(inner, batches, device, max_rows) or {})
+        bs = config.per_device_eval_batch_size
+
+        def batches(ds):
+            return (collator(_rows(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
+
+        val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
+        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
@@ -705,7 +710,7 @@ def train(
 
     resumed_from = _resolve_resume(config)
     if resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
-        fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main)
+        fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main, eval_ds=eval_ds)
 
     bs, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
     sampler = EpochSampler(len(train_ds), world, rank, seed=config.seed)
@@ -869,7 +874,7 @@ def train(
     # ---------------------------------------------------------------- end
     if config.regression_init == "ridge" and features_trained(inner):
         # the features moved under the head (LoRA, W_loc, d): the least-squares probe again, on them
-        fit_value_head(inner, config, train_ds, collator, device, verbose=is_main)
+        fit_value_head(inner, config, train_ds, collator, device, verbose=is_main, eval_ds=eval_ds)
         last_eval_step = -1
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
