@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
+from .config import DEFAULT_SCALE_FLOOR
+from .data import IGNORE_INDEX
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 
@@ -77,8 +79,8 @@ def reference_ovr_loss(
     labels: Tensor,
     *,
     row_override: RowOverride | None = None,
-    scale_floor: float = 1e-6,
-    ignore_index: int = -100,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
+    ignore_index: int = IGNORE_INDEX,
 ) -> Tensor:
     """The OvR loss exactly as written in SPEC 3, materialising [N, V] (tests only).
 
@@ -428,8 +430,8 @@ def fused_ovr_loss(
     labels: Tensor,
     *,
     row_override: RowOverride | None = None,
-    scale_floor: float = 1e-6,
-    ignore_index: int = -100,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
+    ignore_index: int = IGNORE_INDEX,
     vocab_chunk: int | None = None,
     token_chunk: int | None = None,
     memory_budget_mb: float | None = None,
@@ -481,7 +483,7 @@ def num_probability(
     w_num: Tensor,
     b_num: Tensor,
     c_num: Tensor,
-    scale_floor: float = 1e-6,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
 ) -> Tensor:
     """P of the <NUM> column per row, detached: loc_U, scale_Up [N, C]; w_num [C];
     b_num, c_num 0-dim. Returns [N] (float32, float64 for float64 activations)."""

@@ -57,8 +57,10 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .artifacts import atomic_write_dir, read_adapter_files, write_adapter_files
-from .config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
-from .data import CORPORA
+from .assets import DTYPES, load_base
+from .config import DEFAULT_LORA_TARGETS, DEFAULT_SCALE_FLOOR, CausalAdapterConfig, LoraSettings
+from .data import CORPORA, IGNORE_INDEX
+from .integrations import unwrap_model
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, format_metrics_table, train_median
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -110,7 +112,7 @@ class TrainConfig:
     tiny_hidden_size: int = _opt(64, "hidden size of the embedded tiny base")
     tiny_layers: int = _opt(2, "layers of the embedded tiny base")
     torch_dtype: str = _opt("float32", "dtype of the base weights",
-                            choices=["float32", "bfloat16", "float16", "float64"], aliases=["--dtype"])
+                            choices=list(DTYPES), aliases=["--dtype"])
     # ---------------------------------------------------------------- adapter
     lora: bool = _opt(False, "tune the backbone with LoRA (peft) instead of freezing it")
     lora_r: int = _opt(8, "LoRA rank")
@@ -278,31 +280,11 @@ class TrainResult:
 
 
 # ============================================================================ building blocks
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
 def load_base_and_tokenizer(config: TrainConfig):
-    """(base model, tokenizer) for `config`: the embedded tiny Qwen + the real Qwen tokenizer by
-    default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
-    dtype = _DTYPES[config.torch_dtype]
-    if config.base_model is None:
-        from .assets import build_tiny_qwen, load_qwen_tokenizer
-
-        # the base is a fixed "checkpoint" (build_tiny_qwen's default seed), not part of the run's randomness
-        base = build_tiny_qwen(config.tiny_arch, hidden_size=config.tiny_hidden_size, num_layers=config.tiny_layers,
-                               dtype=dtype)
-        tok = _load_tokenizer(config.tokenizer) if config.tokenizer else load_qwen_tokenizer()
-        return base, tok
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype)
-    return base, _load_tokenizer(config.tokenizer or config.base_model)
-
-
-def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name)
+    """(base model, tokenizer) for `config` (`assets.load_base`): the embedded tiny Qwen + the real
+    Qwen tokenizer by default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
+    return load_base(config.base_model, config.tiny_arch, config.torch_dtype, config.tiny_hidden_size,
+                     config.tiny_layers, tokenizer=config.tokenizer)
 
 
 def freeze_parts(model, parts: Sequence[str]) -> list[str]:
@@ -568,12 +550,6 @@ def _resolve_resume(config: TrainConfig) -> Path | None:
     return path
 
 
-def _unwrap(model):
-    while not hasattr(model, "adapter_state_dict") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 # ---------------------------------------------------------------------------- launch checks
 def launch_warnings(num_processes: int, expected: int | None = None, env: dict | None = None) -> list[str]:
     """Messages for a launch that did not give the processes that were asked for."""
@@ -731,7 +707,7 @@ def train(
                       stacklevel=2)
     model, optimizer = accelerator.prepare(inner, optimizer)
     eval_model = accelerator.unwrap_model(model)
-    inner = _unwrap(eval_model)
+    inner = unwrap_model(eval_model)
     device = accelerator.device
     trainable = [p for _, p in inner.trainable_parameters()]
 
@@ -826,7 +802,7 @@ def train(
                     accelerator.backward(out.loss / group)
                 running += torch.tensor([out.loss.item(), out.loss_cls.item(), out.loss_reg.item(), 1.0],
                                         dtype=torch.float64)
-                tokens += int((inputs["labels"][:, 1:] != -100).sum())
+                tokens += int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
             if config.max_grad_norm:
                 accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
             optimizer.step()
@@ -877,7 +853,8 @@ def train(
             and predictions["y_true"]):
         # a Cauchy's scale is its median absolute deviation: match it on held-out residuals
         resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
-        scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale, 1e-6)
+        scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
+                    DEFAULT_SCALE_FLOOR)
         with torch.no_grad():
             inner.action.b_noise_Y.fill_(scale)
         run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
