@@ -207,9 +207,11 @@ class CausalModel(nn.Module):
             numeric_values = torch.where(input_ids == self.num_token_id, std, torch.zeros_like(std))
         return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
 
-    def _check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
-                      label_values: Tensor | None, attention_mask: Tensor | None = None,
-                      past_key_values: Any = None) -> None:
+    def check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
+                     label_values: Tensor | None, attention_mask: Tensor | None = None,
+                     past_key_values: Any = None) -> None:
+        """Validate `forward`'s inputs (shapes, dtypes, ids and labels in range); a ValueError names the
+        problem. Also used by `generation.generate` on its prompts."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -304,7 +306,7 @@ class CausalModel(nn.Module):
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         """
-        self._check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
+        self.check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
         if labels is not None and label_values is None:
             label_values = numeric_values
         grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
