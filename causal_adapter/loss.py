@@ -118,7 +118,7 @@ class _Plan:
     compiled: bool = False  # elementwise part of a block as one torch.compile'd kernel
 
 
-def _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
+def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
     """(T, Vc): a [T, Vc] block needs 6 float buffers + 1 bool; each W chunk row needs
     `w_temps` [C] temporaries (|W|, a cast copy, trainable-W accumulators)."""
     budget = (memory_budget_mb or DEFAULT_MEMORY_BUDGET_MB) * 2**20
@@ -236,7 +236,7 @@ def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: 
     return True
 
 
-def _use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
+def use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
     """compile=None (auto): float32 blocks of a large problem on CUDA, unless the environment
     says otherwise. Not automatic on CPU: there the kernel is 2.5x faster than the eager ops
     on the elementwise part, but end to end (GEMMs are ~90% of the time) the gain measured
@@ -465,9 +465,9 @@ def fused_ovr_loss(
     )
     esize = torch.finfo(dt).bits // 8
     w_temps = 1 + (W.dtype != dt) + 3 * bool(want_grads and W.requires_grad)
-    T, Vc = _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
+    T, Vc = chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
     idx = None if row_override is None else row_override[0].to(lu.device)
-    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx, _use_compiled(compile, dt, n, V, lu.device.type))
+    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx, use_compiled(compile, dt, n, V, lu.device.type))
     loss = _FusedOvR.apply(lu, su, W, b_cls, thr, y, plan)
     if row_override is not None:
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)

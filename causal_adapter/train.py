@@ -444,14 +444,9 @@ def train(
     if train_targets is None:
         train_targets = targets
     constant = train_median(train_targets) if train_targets else None
-    if ntok is not None:
-        pad_id = ntok.pad_token_id
-    else:
-        pad_id = getattr(inner.backbone.config, "pad_token_id", None)
-        pad_id = 0 if pad_id is None else int(pad_id)
     from .data import NumericCollator
 
-    collator = NumericCollator(pad_id, padding_side="right")
+    collator = NumericCollator(_pad_token_id(ntok, inner), padding_side="right")
 
     resumed_from = resolve_resume(config)
     if resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
@@ -462,23 +457,12 @@ def train(
     loader = DataLoader(train_ds, batch_size=bs, sampler=sampler, collate_fn=collator,
                         num_workers=config.dataloader_num_workers,
                         generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
-    batches_per_epoch = math.ceil(sampler.shard_size / bs)
-    updates_per_epoch = math.ceil(batches_per_epoch / accum)
-    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    batches_per_epoch, total_steps, warmup = _step_plan(config, sampler.shard_size)
 
     optimizer = make_optimizer(inner, config)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        if accelerator.distributed_type == DistributedType.DEEPSPEED and accum > 1:
-            raise ValueError("under DeepSpeed set gradient_accumulation_steps in the DeepSpeed config and keep "
-                             "--gradient-accumulation-steps 1 (DeepSpeed steps inside backward)")
-        warnings.warn(f"{accelerator.distributed_type} is not exercised by causal_adapter's CPU test-suite: "
-                      "check that a saved checkpoint reloads (CausalModel.from_pretrained) before relying on it",
-                      stacklevel=2)
+    _check_distributed_type(accelerator, accum)
     model, optimizer = accelerator.prepare(inner, optimizer)
     eval_model = accelerator.unwrap_model(model)
     inner = unwrap_model(eval_model)
@@ -617,14 +601,7 @@ def train(
         last_eval_step = -1
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
-    if (eval_ds is not None and config.calibrate_scale and inner.action.b_noise_Y is not None and predictions
-            and predictions["y_true"]):
-        # a Cauchy's scale is its median absolute deviation: match it on held-out residuals
-        resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
-        scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
-                    DEFAULT_SCALE_FLOOR)
-        with torch.no_grad():
-            inner.action.b_noise_Y.fill_(scale)
+    if eval_ds is not None and config.calibrate_scale and _calibrate_regression_scale(inner, predictions):
         run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
     adapter_dir = out_dir / ADAPTER_SUBDIR
     plot_path = None
@@ -646,6 +623,51 @@ def train(
         resumed_from=resumed_from,
     )
 
+
+
+def _pad_token_id(ntok, inner) -> int:
+    """The padding id of the batches: the tokenizer's, else the backbone config's, else 0."""
+    if ntok is not None:
+        return ntok.pad_token_id
+    pad_id = getattr(inner.backbone.config, "pad_token_id", None)
+    return 0 if pad_id is None else int(pad_id)
+
+
+def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
+    """(micro-batches per epoch, total optimizer steps, warmup steps) of a run over `shard_size`
+    examples per process."""
+    batches_per_epoch = math.ceil(shard_size / config.per_device_train_batch_size)
+    updates_per_epoch = math.ceil(batches_per_epoch / config.gradient_accumulation_steps)
+    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    return batches_per_epoch, total_steps, warmup
+
+
+def _check_distributed_type(accelerator, accum: int) -> None:
+    """DeepSpeed / FSDP: refuse accumulation outside DeepSpeed's config; warn that they are untested here."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        if accelerator.distributed_type == DistributedType.DEEPSPEED and accum > 1:
+            raise ValueError("under DeepSpeed set gradient_accumulation_steps in the DeepSpeed config and keep "
+                             "--gradient-accumulation-steps 1 (DeepSpeed steps inside backward)")
+        warnings.warn(f"{accelerator.distributed_type} is not exercised by causal_adapter's CPU test-suite: "
+                      "check that a saved checkpoint reloads (CausalModel.from_pretrained) before relying on it",
+                      stacklevel=3)
+
+
+def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
+    """Set |b_noise_Y| so that the (independent) regression scale equals the median absolute validation
+    residual: a Cauchy's scale is its median absolute deviation. False (nothing done) without an
+    independent scale or validation values."""
+    if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
+        return False
+    resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
+    scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
+                DEFAULT_SCALE_FLOOR)
+    with torch.no_grad():
+        inner.action.b_noise_Y.fill_(scale)
+    return True
 
 
 def _reset_log(path: Path, keep_until: int | None) -> None:
