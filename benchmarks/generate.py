@@ -29,7 +29,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter import generation as G
+from causal_adapter import scoring
 
 MODES = ("softmax", "deterministic", "causal")
 
@@ -68,17 +68,17 @@ def head_breakdown(model, batch: int, iters: int) -> dict[str, float]:
     z = torch.randn(batch, H, generator=g) * 3
     loc_U, scale_U = model.abduction(z)
     s = model.action.noisy_scale(scale_U)
-    heads = G._Heads(model, ovr_pruning=True, cache_abs_weight=True)
+    heads = scoring.OvRScorer(model, ovr_pruning=True, cache_abs_weight=True)
     W = model.W_cls
     loc_S = heads.loc_scores(loc_U)
     heads._row_norms()
     heads.abs_scores(s)  # builds the cached |W|
     cached_abs = heads._abs_W
-    chunked = G._Heads(model, ovr_pruning=False, cache_abs_weight=False)
+    chunked = scoring.OvRScorer(model, ovr_pruning=False, cache_abs_weight=False)
     counts = []
 
     def prune():
-        idx = heads._candidates(loc_S - heads.thr, s)
+        idx = heads._candidates(loc_S - heads.thresholds, s)
         counts.append(-1 if idx is None else idx.numel())
         if idx is not None:
             heads.abs_scores(s, idx)
@@ -89,8 +89,9 @@ def head_breakdown(model, batch: int, iters: int) -> dict[str, float]:
         "scale_S_chunked": lambda: chunked.abs_scores(s),
         "scale_S_cached": lambda: torch.nn.functional.linear(s, cached_abs),
         "prune_bounds": prune,
-        "row_norms_once_per_call": lambda: (G._NORM_CACHE.clear(),
-                                            G._Heads(model, ovr_pruning=True, cache_abs_weight=False)._row_norms()),
+        "row_norms_once_per_call": lambda: (scoring._NORM_CACHE.clear(),
+                                            scoring.OvRScorer(model, ovr_pruning=True,
+                                                              cache_abs_weight=False)._row_norms()),
     }
     out = {}
     for name, fn in pieces.items():

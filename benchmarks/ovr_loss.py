@@ -76,7 +76,7 @@ def child(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from causal_adapter.loss import _chunk_sizes, fused_ovr_loss, reference_ovr_loss
+    from causal_adapter.loss import chunk_sizes, fused_ovr_loss, reference_ovr_loss
 
     torch.set_num_threads(spec["threads"])
     N, C, V, variant, trainable = spec["N"], spec["C"], spec["V"], spec["variant"], spec["trainable"]
@@ -119,7 +119,7 @@ def child(spec: dict) -> dict:
                gflops=gemms * 2 * N * V * C / min(times) / 1e9)
     if variant in ("fused", "compiled"):
         w_temps = 1 + 3 * trainable
-        T, Vc = _chunk_sizes(N, V, C, 4, w_temps, kw["vocab_chunk"], kw["token_chunk"], None)
+        T, Vc = chunk_sizes(N, V, C, 4, w_temps, kw["vocab_chunk"], kw["token_chunk"], None)
         res.update(T=T, Vc=Vc, sgemm=_sgemm_rate(T, Vc, C, trainable))
     return res
 

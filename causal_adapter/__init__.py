@@ -1,5 +1,5 @@
 """causal_adapter: turn a Qwen checkpoint into a causal language model, PEFT-style."""
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .config import CausalAdapterConfig, LoraSettings
 from .model import CausalModel, CausalOutput, get_causal_model

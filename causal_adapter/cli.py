@@ -23,10 +23,10 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
+from .assets import DTYPES, load_base
 
 DEFAULT_TEXT = "In 1749 the yearly sunspot number was 80.9; in 1750 it was 83.4, and the price was 99.9 yuan."
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_CLI_DTYPES = sorted(set(DTYPES) - {"float16"})  # --dtype of demo / eval / generate / verify
 DEBUG_ENV = "CAUSAL_ADAPTER_DEBUG"
 DEBUG_HELP = f"show the full traceback of an error (also: {DEBUG_ENV}=1)"
 HUB_TIMEOUT_S = 10.0
@@ -75,7 +75,7 @@ def add_base_arguments(p: argparse.ArgumentParser) -> None:
                    help="architecture of the embedded tiny base")
     p.add_argument("--tiny-hidden-size", type=int, default=64, help="hidden size of the embedded tiny base")
     p.add_argument("--tiny-layers", type=int, default=2, help="layers of the embedded tiny base")
-    p.add_argument("--dtype", "--torch-dtype", dest="dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", "--torch-dtype", dest="dtype", default="float32", choices=_CLI_DTYPES)
     add_debug_argument(p)
 
 
@@ -179,20 +179,6 @@ def remove_if_left_empty(path: str | os.PathLike):
 
 
 # ---------------------------------------------------------------------------- loading
-def load_base(base: str | None, arch: str = "qwen2", dtype: str = "float32", hidden_size: int = 64,
-              num_layers: int = 2):
-    """(model, tokenizer): a local Qwen directory / hub name, or the embedded tiny default."""
-    if base is None:
-        from .assets import build_tiny_qwen, load_qwen_tokenizer
-
-        return (build_tiny_qwen(arch, hidden_size=hidden_size, num_layers=num_layers, dtype=_DTYPES[dtype]),
-                load_qwen_tokenizer())
-    check_base(base)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(base, dtype=_DTYPES[dtype]), AutoTokenizer.from_pretrained(base)
-
-
 def _base_kwargs(args: argparse.Namespace) -> dict:
     return dict(arch=args.arch, dtype=args.dtype, hidden_size=args.tiny_hidden_size, num_layers=args.tiny_layers)
 
@@ -212,6 +198,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .model import get_causal_model
     from .verify import verify_initialization
 
+    check_base(args.base)
     base, tokenizer = load_base(args.base, **_base_kwargs(args))
     model = get_causal_model(base, CausalAdapterConfig(), tokenizer=tokenizer)
     model.print_trainable_parameters()
@@ -240,6 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .model import CausalModel, get_causal_model
 
     prompts = _read_prompts(args)
+    check_base(args.base)
     base, tokenizer = load_base(args.base, **_base_kwargs(args))
     if args.adapter:
         try:
@@ -263,7 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .demo import evaluate_adapter
+    from .evaluate import evaluate_adapter
 
     if (args.adapter is None) == (args.adapter_flag is None):
         raise CLIError("give the adapter directory once: causal-adapter eval DIR (or --adapter DIR)")

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+#: default lower bound of the scales scale_S / scale_Y (a zero row of W_cls must not give scale 0)
+DEFAULT_SCALE_FLOOR = 1e-6
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # peft would save these matrices whole (V x H rows): never allowed as LoRA targets.
 FORBIDDEN_LORA_TARGETS = ("embed_tokens", "lm_head")
@@ -97,7 +99,7 @@ class CausalAdapterConfig:
     reg_weight: float = 1.0
     num_token_id: int | None = None
     lora: LoraSettings | dict | None = None
-    scale_floor: float = 1e-6
+    scale_floor: float = DEFAULT_SCALE_FLOOR
     fused_loss: bool = True
     seed: int = 0
     direction_norm: float | None = None

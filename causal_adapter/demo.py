@@ -1,4 +1,4 @@
-"""The main job (`causal-adapter demo`) and adapter evaluation (`causal-adapter eval`).
+"""The main job (`causal-adapter demo`); adapter evaluation (`causal-adapter eval`) is `evaluate.py`.
 
 demo, on the embedded default (tiny Qwen2 with the real vocabulary + the real Qwen tokenizer,
 fixed seed, nothing downloaded) or on `--base DIR`:
@@ -15,23 +15,13 @@ import json
 import time
 from pathlib import Path
 
-from .metrics import evaluate_dataset
+from .assets import load_base
+from .metrics import METRIC_LABELS, evaluate_dataset
+from .metrics import format_value as _fmt
 
 # Metrics shown side by side before / after training.
-_ROWS = (
-    ("loss", "L = L_cls + lambda L_reg"),
-    ("accuracy", "next-token accuracy (argmax P)"),
-    ("num_recall", "<NUM> recall"),
-    ("num_f1", "<NUM> F1"),
-    ("value_mae", "value MAE (loc_Y)"),
-    ("value_median_ae", "value median AE (loc_Y)"),
-    ("coverage_50", "coverage of 50% interval"),
-    ("coverage_90", "coverage of 90% interval"),
-)
-
-
-def _fmt(v) -> str:
-    return "n/a" if v is None else (str(v) if isinstance(v, int) else f"{v:.4g}")
+_ROWS = tuple((key, METRIC_LABELS[key]) for key in (
+    "loss", "accuracy", "num_recall", "num_f1", "value_mae", "value_median_ae", "coverage_50", "coverage_90"))
 
 
 def comparison_table(before: dict, after: dict, split: str = "test") -> str:
@@ -40,12 +30,6 @@ def comparison_table(before: dict, after: dict, split: str = "test") -> str:
     lines.append(f"| constant baseline MAE (train median) | {_fmt(after.get('baseline_constant_mae'))} | |")
     lines.append(f"| persistence baseline MAE (previous value) | {_fmt(after.get('baseline_persistence_mae'))} | |")
     return "\n".join(lines)
-
-
-def _load(base: str | None, arch: str, dtype: str = "float32", hidden_size: int = 64, num_layers: int = 2):
-    from .cli import load_base
-
-    return load_base(base, arch, dtype, hidden_size, num_layers)
 
 
 def describe_base(base_model, base: str | None) -> str:
@@ -70,7 +54,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
 
     t0 = time.time()
     out = Path(output_dir)
-    base_model, tokenizer = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
+    base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     out.mkdir(parents=True, exist_ok=True)  # after the base loaded: a failed load leaves no empty folder
     ntok = NumberTokenizer(tokenizer)
     corpus = build_corpus("sunspots")
@@ -93,7 +77,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
                                     train_targets=train_targets, return_predictions=True)
 
     print(f"[4/5] reloading {result.adapter_dir} into a fresh base model")
-    fresh_base, _ = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
+    fresh_base, _ = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     reloaded = CausalModel.from_pretrained(fresh_base, result.adapter_dir, tokenizer=tokenizer)
     _, preds_reloaded = evaluate_dataset(reloaded, test, ntok.pad_token_id, batch_size=batch_size,
                                          train_targets=train_targets, return_predictions=True)
@@ -124,35 +108,3 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     print(f"\nadapter: {result.adapter_dir}\nplot: {result.plot_path}\nmetrics: {out / 'demo_metrics.md'}"
           f"\ntime: {time.time() - t0:.0f} s")
     return 0 if identical else 1
-
-
-def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwen2", dtype: str = "float32",
-                     corpus: str = "sunspots", split: str = "test", data_files: list[str] | None = None,
-                     batch_size: int = 16, output: str | None = None, tiny_hidden_size: int = 64,
-                     tiny_layers: int = 2, text_column: str = "text", prompt_column: str = "prompt",
-                     completion_column: str = "completion") -> str:
-    """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table."""
-    from .corpora import build_corpus
-    from .data import load_text_dataset, tokenize_dataset
-    from .metrics import format_metrics_table
-    from .model import CausalModel
-    from .numbers import NumberTokenizer
-
-    base_model, tokenizer = _load(base, arch, dtype, tiny_hidden_size, tiny_layers)
-    model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    if data_files:
-        columns = (text_column, prompt_column, completion_column)
-        raw, train_targets = load_text_dataset(data_files, string_columns=columns), None
-    else:
-        dd = build_corpus(corpus)
-        raw, train_targets = dd[split], list(dd["train"]["target"])
-    metrics = evaluate_dataset(model, tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column),
-                               ntok.pad_token_id, batch_size=batch_size,
-                               train_targets=train_targets)
-    table = format_metrics_table(metrics, title=f"{corpus if not data_files else 'files'} {split}")
-    if output:
-        path = Path(output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(metrics, indent=2) if path.suffix == ".json" else table + "\n")
-    return table

@@ -24,40 +24,24 @@ the heads run on the last position only. Sequences that emit an eos id or comple
 string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the backbone keeps
 being fed the pad token, as transformers does, so batching never changes a row's output).
 
-Cost of the deterministic mode. P needs scale_S = |W_cls| scale_U' over all V rows: a second
-V x H product per token (plus |W_cls| itself, a V x H temporary, if taken naively). The argmax
-avoids it exactly: with per-row norms ||W_k||_1, ||W_k||_2 (one pass over W_cls, cached across
-calls while the weight is unchanged),
-scale_S_k lies in [lo_k, hi_k] (min/max and Cauchy-Schwarz bounds, widened by a rounding
-margin), which bounds t_k = (loc_S_k - C_k) / scale_S_k; only the rows whose upper bound
-reaches the best lower bound (usually a handful) get their exact scale_S_k, and the argmax
-over them is the argmax over all V (``ovr_pruning=True``). The bounds are tight when scale_U'
-is nearly uniform over its C dimensions (as at initialisation, W_scale = 0); when it is uneven
-(coefficient of variation over ~5%, less for nearly flat logits) more than V/8 rows survive and the full
-product is computed: by chunks of |W_cls| through one reused buffer (no V x H temporary; costs
-about one more V x H product per token), or from a copy of |W_cls| kept for the call
-(``cache_abs_weight=True``: V x H extra memory, in W_cls's dtype, i.e. half of it for bf16).
+The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
 """
 from __future__ import annotations
 
 import inspect
 import math
 import sys
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .cauchy import cauchy_icdf, ovr_probability
+from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
-from .heads import _linear
+from .scoring import OvRScorer
 
 MODES = ("softmax", "deterministic", "causal")
-_ABS_CHUNK_ROWS = 2048  # rows of |W_cls| per chunk (a few MB: stays in cache, reused buffer)
-# id(W_cls) -> (weakref to it, (version, data_ptr, dtype, shape), norms [2, V]); a few entries
-_NORM_CACHE: dict[int, tuple] = {}
 
 
 @dataclass
@@ -195,164 +179,6 @@ class NumberStreamer:
         print(text, end="" if not stream_end else "\n", flush=True, file=self.file or sys.stdout)
 
 
-# ----------------------------------------------------------------------------- head computations
-class _Heads:
-    """The heads at one position per row, with per-call caches (row norms, optional |W_cls|)."""
-
-    def __init__(self, model, *, ovr_pruning: bool, cache_abs_weight: bool):
-        self.model = model
-        self.act = model.action
-        self.W = model.W_cls
-        self.V, self.H = self.W.shape
-        self.k = model.num_token_id
-        self.num_row = self.act.num_row
-        self.thr = self.act.thresholds
-        self.floor = self.act.scale_floor
-        self.dtype = self.act.b_cls.dtype
-        self.ovr_pruning = ovr_pruning
-        self.cache_abs_weight = cache_abs_weight
-        self._abs_W: Tensor | None = None
-        self._buf: Tensor | None = None
-        self._norms: Tensor | None = None
-        self._rho: float | None = None  # median ||W_k||_2 / ||W_k||_1
-        # rounding margin of a computed scale_S_k = sum_j |W_kj| s_j (positive terms: relative error
-        # <= H * unit roundoff per accumulation; bf16/fp16 weights also round s and the result)
-        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
-        delta = self.H * torch.finfo(acc).eps
-        if self.W.dtype not in (torch.float32, torch.float64):
-            delta += 2 * torch.finfo(self.W.dtype).eps
-        self.delta = delta + 1e-6 if acc == torch.float32 else delta + 1e-12
-
-    # -- scores of all rows ------------------------------------------------------------
-    def loc_scores(self, loc_U: Tensor) -> Tensor:
-        """loc_S = W_cls loc_U + b_cls over all V rows (the <NUM> row from num_row): [B, C] -> [B, V]."""
-        s = _linear(loc_U, self.W) + self.act.b_cls
-        if self.num_row is not None:
-            s[:, self.k] = loc_U @ self.num_row + self.act.b_cls[self.k]
-        return s
-
-    def abs_scores(self, scale_Up: Tensor, idx: Tensor | None = None) -> Tensor:
-        """scale_S = max(|W_cls| scale_U', floor) for the rows `idx` (None = all): [B, C] -> [B, n]."""
-        if idx is not None:
-            out = _linear(scale_Up, self.W.index_select(0, idx).abs())
-        elif self.cache_abs_weight:
-            if self._abs_W is None:
-                self._abs_W = self.W.abs()
-            out = _linear(scale_Up, self._abs_W)
-        else:  # by chunks of rows through one reused buffer: no V x H temporary, no page faults
-            out = scale_Up.new_empty(scale_Up.shape[0], self.V)
-            if self._buf is None:
-                self._buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=self.W.dtype, device=self.W.device)
-            for c in range(0, self.V, _ABS_CHUNK_ROWS):
-                n = min(_ABS_CHUNK_ROWS, self.V - c)
-                out[:, c:c + n] = _linear(scale_Up, torch.abs(self.W[c:c + n], out=self._buf[:n]))
-        if self.num_row is not None:
-            num_scale = scale_Up @ self.num_row.abs()
-            if idx is None:
-                out[:, self.k] = num_scale
-            else:
-                hit = (idx == self.k).nonzero()
-                if hit.numel():
-                    out[:, hit[0, 0]] = num_scale
-        return out.clamp_min(self.floor)
-
-    def _thr(self, idx: Tensor | None) -> Tensor:
-        if idx is None or self.thr.dim() == 0:
-            return self.thr
-        return self.thr.index_select(0, idx)
-
-    # -- one row per batch element ---------------------------------------------------
-    def row_probability(self, ids: Tensor, loc_S_rows: Tensor, scale_Up: Tensor) -> Tensor:
-        """P of the row ids[b] for each b, given its loc_S: [B]."""
-        W = self.W.index_select(0, ids).to(self.dtype)
-        if self.num_row is not None:
-            W = torch.where((ids == self.k).unsqueeze(-1), self.num_row.unsqueeze(0), W)
-        scale = (scale_Up * W.abs()).sum(-1).clamp_min(self.floor)
-        thr = self.thr if self.thr.dim() == 0 else self.thr.index_select(0, ids)
-        return ovr_probability(loc_S_rows, scale, thr)
-
-    # -- deterministic: argmax_k P_k -------------------------------------------------
-    def _row_norms(self) -> Tensor:
-        """[2, V]: ||W_k||_1 and ||W_k||_2 of every row of the effective W_cls. One pass over W_cls,
-        cached across calls for the same, unmodified weight (keyed on its version counter)."""
-        if self._norms is None:
-            W = self.W
-            key = (W._version, W.data_ptr(), W.dtype, tuple(W.shape))
-            hit = _NORM_CACHE.get(id(W))
-            if hit is not None and hit[0]() is W and hit[1] == key:
-                norms = hit[2]
-            else:
-                norms = torch.empty(2, self.V, dtype=torch.float32 if W.dtype != torch.float64 else W.dtype,
-                                    device=W.device)
-                buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=W.dtype, device=W.device)
-                for c in range(0, self.V, _ABS_CHUNK_ROWS):
-                    n = min(_ABS_CHUNK_ROWS, self.V - c)
-                    b = torch.abs(W[c:c + n], out=buf[:n])
-                    norms[0, c:c + n] = b.sum(-1, dtype=norms.dtype)
-                    torch.mul(b, b, out=b)
-                    norms[1, c:c + n] = b.sum(-1, dtype=norms.dtype).sqrt_()
-                for stale in [i for i, e in _NORM_CACHE.items() if e[0]() is None] + list(_NORM_CACHE)[:-3]:
-                    _NORM_CACHE.pop(stale, None)
-                _NORM_CACHE[id(W)] = (weakref.ref(W), key, norms)
-            norms = norms.to(self.dtype, copy=True)
-            if self.num_row is not None:
-                r = self.num_row.detach()
-                norms[0, self.k], norms[1, self.k] = r.abs().sum(), r.norm()
-            self._norms = norms
-        return self._norms
-
-    def _candidates(self, z: Tensor, scale_Up: Tensor) -> Tensor | None:
-        """Rows that can hold argmax_k t_k, t_k = z_k / scale_S_k (union over the batch), or None
-        when the bounds leave more than V/8 of them.
-
-        scale_S_k = max(sum_j |W_kj| s_j, floor) lies in [lo_k, hi_k] with, per batch row, the
-        tighter of two bounds: min/max  s_min ||W_k||_1 <= . <= s_max ||W_k||_1, and
-        Cauchy-Schwarz  |sum_j |W_kj| (s_j - s_mean)| <= ||W_k||_2 ||s - s_mean||_2.
-        Both are a [B, 2] x [2, V] product with (||W_k||_1, ||W_k||_2); the margin 3 delta covers
-        the rounding of the computed scale_S, of the norms and of the bounds themselves. t is monotone in
-        scale_S, so t_k lies between z_k / lo_k and z_k / hi_k.
-        """
-        norms = self._row_norms()
-        s = scale_Up
-        s_mean = s.mean(-1, keepdim=True)
-        s_min = s.amin(-1, keepdim=True)
-        s_max = s.amax(-1, keepdim=True)
-        r = (s - s_mean).norm(dim=-1, keepdim=True)
-        if self._rho is None:
-            self._rho = float((norms[1] / norms[0].clamp_min(1e-30)).median())
-        d2 = 3 * self.delta  # rounding of the computed scale_S, of the norms and of the bounds
-        zero = torch.zeros_like(r)
-        cs_lo = r * self._rho < s_mean - s_min
-        cs_hi = r * self._rho < s_max - s_mean
-        coef_lo = torch.where(cs_lo, torch.cat([s_mean * (1 - d2), -r * (1 + d2)], 1),
-                              torch.cat([s_min * (1 - d2), zero], 1))
-        coef_hi = torch.where(cs_hi, torch.cat([s_mean * (1 + d2), r * (1 + d2)], 1),
-                              torch.cat([s_max * (1 + d2), zero], 1))
-        lo = (coef_lo @ norms).clamp_min_(self.floor)
-        hi = (coef_hi @ norms).clamp_min_(self.floor)
-        q_lo = z / lo
-        q_hi = torch.div(z, hi, out=hi)
-        t_hi = torch.maximum(q_lo, q_hi)
-        bar = torch.minimum(q_lo, q_hi, out=q_lo).amax(-1, keepdim=True)
-        idx = (t_hi >= bar).any(0).nonzero().squeeze(1)
-        if idx.numel() > max(64, self.V // 8):
-            return None
-        return idx
-
-    def ovr_argmax(self, loc_S: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
-        """(argmax_k P_k, its P) per row: [B, V], [B, C] -> [B], [B]."""
-        if self.ovr_pruning:
-            z = loc_S - self.thr
-            idx = self._candidates(z, scale_Up)
-            if idx is not None:
-                P = ovr_probability(loc_S.index_select(1, idx), self.abs_scores(scale_Up, idx), self._thr(idx))
-                j = P.argmax(-1)
-                return idx[j], P.gather(1, j.unsqueeze(1)).squeeze(1)
-        P = ovr_probability(loc_S, self.abs_scores(scale_Up), self.thr)
-        tok = P.argmax(-1)
-        return tok, P.gather(1, tok.unsqueeze(1)).squeeze(1)
-
-
 # ----------------------------------------------------------------------------- inputs
 def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, ntok):
     if isinstance(inputs, (str, list, tuple)) and (isinstance(inputs, str) or all(isinstance(t, str) for t in inputs)):
@@ -394,7 +220,7 @@ def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, nt
                          "(pad prompts on the left, e.g. number_tokenizer(texts, padding_side='left'))")
     if (attention_mask[:, -1] == 0).any():
         raise ValueError("a prompt is empty (its attention_mask row is all zeros)")
-    model._check_inputs(input_ids, numeric_values, None, None)
+    model.check_inputs(input_ids, numeric_values, None, None)
     return input_ids, numeric_values, attention_mask
 
 
@@ -528,8 +354,8 @@ def generate(
     eos, pad_id = _default_ids(model, eos_token_id, pad_token_id, ntok)
     device = input_ids.device
     gen = _make_generator(seed, generator, device)
-    heads = _Heads(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
-    hdtype = heads.dtype
+    scorer = OvRScorer(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
+    hdtype = scorer.dtype
     B, S = input_ids.shape
     T = _new_token_budget(max_new_tokens, max_length, S)
     C = model.abduction.loc.weight.shape[0]
@@ -596,21 +422,21 @@ def generate(
             if mode == "causal":
                 eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
                 u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
-                decision, y = model.action.decision_scores(u, heads.W)
+                decision, y = model.action.decision_scores(u, scorer.W_cls)
                 if t < min_new_tokens and eos:
                     decision[:, eos_t] = -math.inf
                 tok = decision.argmax(-1)
                 val = y
-                prob = heads.row_probability(tok, _rows_loc(heads, loc_U, tok), scale_Up)
+                prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
                 if eps_all is not None:
                     eps_all[:, t] = eps
             else:
-                loc_S = heads.loc_scores(loc_U)
+                loc_S = scorer.loc_scores(loc_U)
                 if t < min_new_tokens and eos:
                     loc_S[:, eos_t] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
                 val = loc_Y
                 if mode == "deterministic":
-                    tok, prob = heads.ovr_argmax(loc_S, scale_Up)
+                    tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
                 else:
                     scores = loc_S
                     if warpers is not None and len(warpers):
@@ -620,7 +446,7 @@ def generate(
                         tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                     else:
                         tok = scores.argmax(-1)
-                    prob = heads.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+                    prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
             tok = torch.where(finished, pad_id, tok)
             val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
             exact_all[:, t] = val
@@ -774,14 +600,6 @@ def _number_text_streamer(streamer, num_token_id: int):
     adapter = NumberStreamer(streamer.tokenizer, num_token_id, skip_prompt=getattr(streamer, "skip_prompt", False))
     adapter.on_finalized_text = streamer.on_finalized_text
     return adapter
-
-
-def _rows_loc(heads: _Heads, loc_U: Tensor, ids: Tensor) -> Tensor:
-    """loc_S of the row ids[b] for each b: [B]."""
-    W = heads.W.index_select(0, ids).to(heads.dtype)
-    if heads.num_row is not None:
-        W = torch.where((ids == heads.k).unsqueeze(-1), heads.num_row.unsqueeze(0), W)
-    return (loc_U * W).sum(-1) + heads.act.b_cls.index_select(0, ids)
 
 
 def _draw_eps(B: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

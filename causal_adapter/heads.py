@@ -154,6 +154,41 @@ class ActionHead(nn.Module):
         """The <NUM> row of the effective W_cls, [C]."""
         return self.num_row if self.num_row is not None else W_cls[self.num_token_id].to(self.b_cls.dtype)
 
+    def effective_rows(self, ids: Tensor, W_cls: Tensor) -> Tensor:
+        """Rows `ids` [n] of the effective W_cls, [n, C] in the heads' dtype: the <NUM> row is `num_row`
+        when it is trained."""
+        W = W_cls.index_select(0, ids).to(self.b_cls.dtype)
+        if self.num_row is not None:
+            W = torch.where((ids == self.num_token_id).unsqueeze(-1), self.num_row.unsqueeze(0), W)
+        return W
+
+    def override_num_column(self, scores: Tensor, x: Tensor, *, scale: bool = False,
+                            ids: Tensor | None = None) -> Tensor:
+        """`scores` [..., n] = x @ W_cls.T (+ b_cls for a location) with the <NUM> column computed from
+        `num_row` instead: x @ num_row + b_cls[<NUM>] for a location (x = loc_U or a sampled u),
+        x @ |num_row| for a scale (``scale=True``, x = scale_U'). The one place of the <NUM>-row
+        override outside the fused loss (`row_override`).
+
+        Args:
+            scores: the scores of the rows `ids` of W_cls (the last dimension).
+            x: [..., C], what `scores` were computed from.
+            scale: scale scores (|num_row|, no bias) instead of location scores.
+            ids: the vocabulary row of each column of `scores`; None = all V rows, in order.
+
+        Returns `scores` itself when `num_row` is not trained or <NUM> is not among `ids`, else a new
+        tensor (out of place: autograd-safe)."""
+        if self.num_row is None:
+            return scores
+        k = self.num_token_id
+        if ids is None:
+            col = _idx(k, scores)
+        else:
+            col = (ids == k).nonzero()[:1, 0]
+            if not col.numel():
+                return scores
+        value = x @ self.num_row.abs() if scale else x @ self.num_row + self.b_cls[k]
+        return scores.index_copy(-1, col, value.unsqueeze(-1))
+
     def regression(self, loc_U: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
         """[..., C] -> loc_Y [...], scale_Y [...] in value units."""
         loc_Y = self.to_value(loc_U @ self.w_reg + self.b_reg)
@@ -166,20 +201,13 @@ class ActionHead(nn.Module):
     def scores(self, loc_U: Tensor, scale_Up: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
         """Full-vocabulary scores: [..., C] -> loc_S, scale_S [..., V]. Materialises [..., V]:
         only for inference on few positions or when asked; training uses the fused loss."""
-        loc_S = _linear(loc_U, W_cls) + self.b_cls
-        scale_S = _linear(scale_Up, W_cls.abs())
-        if self.num_row is not None:
-            k = self.num_token_id
-            loc_S = loc_S.index_copy(-1, _idx(k, loc_S), (loc_U @ self.num_row + self.b_cls[k]).unsqueeze(-1))
-            scale_S = scale_S.index_copy(-1, _idx(k, scale_S), (scale_Up @ self.num_row.abs()).unsqueeze(-1))
+        loc_S = self.override_num_column(linear_in_dtype(loc_U, W_cls) + self.b_cls, loc_U)
+        scale_S = self.override_num_column(linear_in_dtype(scale_Up, W_cls.abs()), scale_Up, scale=True)
         return loc_S, scale_S.clamp_min(self.scale_floor)
 
     def decision_scores(self, u: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
         """Noise-free action for a sampled individual u [..., C]: (s - C_k) [..., V] and y [...]."""
-        s = _linear(u, W_cls) + self.b_cls
-        if self.num_row is not None:
-            k = self.num_token_id
-            s = s.index_copy(-1, _idx(k, s), (u @ self.num_row + self.b_cls[k]).unsqueeze(-1))
+        s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
         return s - self.thresholds, self.to_value(u @ self.w_reg + self.b_reg)
 
 
@@ -187,7 +215,7 @@ def _idx(k: int, like: Tensor) -> Tensor:
     return torch.tensor([k], device=like.device)
 
 
-def _linear(x: Tensor, W: Tensor) -> Tensor:
+def linear_in_dtype(x: Tensor, W: Tensor) -> Tensor:
     """x @ W.T in x's dtype. A lower-precision W (bf16) is not copied to fp32 (that would be a
     V x H copy per call): x is cast down for the matmul, as the base model itself computes."""
     if W.dtype == x.dtype:

@@ -43,6 +43,14 @@ ACCELERATE_SUBDIR = "causal_adapter"  # inside an accelerate save_state director
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+def unwrap_model(model: Any):
+    """The CausalModel under DDP / accelerate wrappers (their ``.module``); `model` itself when it
+    is not wrapped."""
+    while not hasattr(model, "adapter_state_dict") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def unwrap_causal_model(model: Any):
     """The CausalModel inside DDP / FSDP / compile / accelerate wrappers, or None."""
     seen = 0

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
+from .config import DEFAULT_SCALE_FLOOR
+from .data import IGNORE_INDEX
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 
@@ -77,8 +79,8 @@ def reference_ovr_loss(
     labels: Tensor,
     *,
     row_override: RowOverride | None = None,
-    scale_floor: float = 1e-6,
-    ignore_index: int = -100,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
+    ignore_index: int = IGNORE_INDEX,
 ) -> Tensor:
     """The OvR loss exactly as written in SPEC 3, materialising [N, V] (tests only).
 
@@ -116,7 +118,7 @@ class _Plan:
     compiled: bool = False  # elementwise part of a block as one torch.compile'd kernel
 
 
-def _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
+def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
     """(T, Vc): a [T, Vc] block needs 6 float buffers + 1 bool; each W chunk row needs
     `w_temps` [C] temporaries (|W|, a cast copy, trainable-W accumulators)."""
     budget = (memory_budget_mb or DEFAULT_MEMORY_BUDGET_MB) * 2**20
@@ -234,7 +236,7 @@ def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: 
     return True
 
 
-def _use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
+def use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
     """compile=None (auto): float32 blocks of a large problem on CUDA, unless the environment
     says otherwise. Not automatic on CPU: there the kernel is 2.5x faster than the eager ops
     on the elementwise part, but end to end (GEMMs are ~90% of the time) the gain measured
@@ -428,8 +430,8 @@ def fused_ovr_loss(
     labels: Tensor,
     *,
     row_override: RowOverride | None = None,
-    scale_floor: float = 1e-6,
-    ignore_index: int = -100,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
+    ignore_index: int = IGNORE_INDEX,
     vocab_chunk: int | None = None,
     token_chunk: int | None = None,
     memory_budget_mb: float | None = None,
@@ -463,9 +465,9 @@ def fused_ovr_loss(
     )
     esize = torch.finfo(dt).bits // 8
     w_temps = 1 + (W.dtype != dt) + 3 * bool(want_grads and W.requires_grad)
-    T, Vc = _chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
+    T, Vc = chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
     idx = None if row_override is None else row_override[0].to(lu.device)
-    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx, _use_compiled(compile, dt, n, V, lu.device.type))
+    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx, use_compiled(compile, dt, n, V, lu.device.type))
     loss = _FusedOvR.apply(lu, su, W, b_cls, thr, y, plan)
     if row_override is not None:
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
@@ -481,7 +483,7 @@ def num_probability(
     w_num: Tensor,
     b_num: Tensor,
     c_num: Tensor,
-    scale_floor: float = 1e-6,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
 ) -> Tensor:
     """P of the <NUM> column per row, detached: loc_U, scale_Up [N, C]; w_num [C];
     b_num, c_num 0-dim. Returns [N] (float32, float64 for float64 activations)."""

@@ -34,17 +34,11 @@ import torch
 from torch import Tensor
 
 from .cauchy import cauchy_icdf, ovr_probability
+from .data import IGNORE_INDEX
+from .integrations import unwrap_model
 
-IGNORE_INDEX = -100
 INTERVAL_LEVELS = (0.5, 0.9)
 SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)
-
-
-def _unwrap(model):
-    """The CausalModel under DDP / accelerate wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "action"):
-        model = model.module
-    return model
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -84,7 +78,7 @@ class MetricAccumulator:
     def update(self, model, output, batch: Mapping[str, Any]) -> None:
         """Add one batch. `output` is the model's CausalOutput for `batch` (computed with
         `labels`, so loss_cls / loss_reg are set); `model` is the CausalModel (wrappers allowed)."""
-        model = _unwrap(model)
+        model = unwrap_model(model)
         labels = batch["labels"]
         shifted = labels[:, 1:]
         keep = shifted != IGNORE_INDEX
@@ -234,7 +228,7 @@ def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricA
     """Run `model` (a CausalModel, possibly wrapped) on collated `batches` (dicts with at least
     input_ids and labels, as `NumericCollator` builds them) in eval mode (the previous mode is
     restored) and add them to `accumulator` (a new one by default), which is returned."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight)
     device = torch.device(device) if device is not None else inner.device
     was_training = model.training
@@ -274,29 +268,38 @@ def evaluate_dataset(model, dataset, pad_token_id: int, *, batch_size: int = 8,
     return evaluate(model, batches, constant_value=constant, return_predictions=return_predictions)
 
 
-TABLE_ROWS = (
-    ("loss", "L = L_cls + lambda L_reg"),
-    ("loss_cls", "L_cls (OvR)"),
-    ("loss_reg", "L_reg (gated Cauchy NLL)"),
-    ("accuracy", "next-token accuracy (argmax P)"),
-    ("num_precision", "<NUM> precision"),
-    ("num_recall", "<NUM> recall"),
-    ("num_f1", "<NUM> F1"),
-    ("perplexity", "perplexity, softmax(loc_S)"),
-    ("coverage_50", "coverage of 50% interval"),
-    ("coverage_90", "coverage of 90% interval"),
-)
+#: how the tables (`format_metrics_table`, the demo's before / after table) name each metric
+METRIC_LABELS = {
+    "loss": "L = L_cls + lambda L_reg",
+    "loss_cls": "L_cls (OvR)",
+    "loss_reg": "L_reg (gated Cauchy NLL)",
+    "accuracy": "next-token accuracy (argmax P)",
+    "num_precision": "<NUM> precision",
+    "num_recall": "<NUM> recall",
+    "num_f1": "<NUM> F1",
+    "perplexity": "perplexity, softmax(loc_S)",
+    "value_mae": "value MAE (loc_Y)",
+    "value_median_ae": "value median AE (loc_Y)",
+    "coverage_50": "coverage of 50% interval",
+    "coverage_90": "coverage of 90% interval",
+}
+TABLE_ROWS = tuple((key, METRIC_LABELS[key]) for key in (
+    "loss", "loss_cls", "loss_reg", "accuracy", "num_precision", "num_recall", "num_f1", "perplexity",
+    "coverage_50", "coverage_90"))
+
+
+def format_value(v) -> str:
+    """A metric as a table shows it: "n/a" for None, an int as is, else 4 significant digits."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.4g}"
 
 
 def format_metrics_table(metrics: Mapping[str, Any], title: str = "validation") -> str:
     """A markdown table of the metrics with the baselines beside the model's value errors."""
-    def fmt(v):
-        if v is None:
-            return "n/a"
-        if isinstance(v, int):
-            return str(v)
-        return f"{v:.4g}"
-
+    fmt = format_value
     lines = [f"| metric ({title}) | value |", "| --- | --- |"]
     for key, label in TABLE_ROWS:
         if key in metrics:

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor, nn
 from transformers.utils import ModelOutput
 
-from . import __version__
+from ._version import __version__
 from .artifacts import FORMAT_VERSION, atomic_write_dir, read_adapter_files, write_adapter_files
 from .config import CausalAdapterConfig
+from .data import IGNORE_INDEX
 from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
                        resolve_lora_settings, text_config)
 from .heads import AbductionHead, ActionHead, NumericEmbedding
@@ -206,9 +207,11 @@ class CausalModel(nn.Module):
             numeric_values = torch.where(input_ids == self.num_token_id, std, torch.zeros_like(std))
         return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
 
-    def _check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
-                      label_values: Tensor | None, attention_mask: Tensor | None = None,
-                      past_key_values: Any = None) -> None:
+    def check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
+                     label_values: Tensor | None, attention_mask: Tensor | None = None,
+                     past_key_values: Any = None) -> None:
+        """Validate `forward`'s inputs (shapes, dtypes, ids and labels in range); a ValueError names the
+        problem. Also used by `generation.generate` on its prompts."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(getattr(input_ids, 'shape', ()))}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -248,14 +251,14 @@ class CausalModel(nn.Module):
                     f"(id {self.num_token_id}), first at index {_first_bad(stray)}"
                 )
         if labels is not None:
-            bad = (labels != -100) & ((labels < 0) | (labels >= self.vocab_size))
+            bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
             if bad.any():
                 i = _first_bad(bad)
                 raise ValueError(
                     f"labels must be -100 or in [0, {self.vocab_size}); got {labels[i].item()} at index {i}"
                 )
             if attention_mask is not None and attention_mask.shape == labels.shape:
-                padded = (labels != -100) & (attention_mask == 0)
+                padded = (labels != IGNORE_INDEX) & (attention_mask == 0)
                 if padded.any():
                     i = _first_bad(padded)
                     raise ValueError(
@@ -263,7 +266,7 @@ class CausalModel(nn.Module):
                         "(padding): set labels to -100 at padded positions (NumericCollator does)"
                     )
             if label_values is not None:
-                stray = (label_values != 0) & (labels != -100) & (labels != self.num_token_id)
+                stray = (label_values != 0) & (labels != IGNORE_INDEX) & (labels != self.num_token_id)
                 if stray.any():
                     i = _first_bad(stray)
                     raise ValueError(
@@ -303,7 +306,7 @@ class CausalModel(nn.Module):
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         """
-        self._check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
+        self.check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
         if labels is not None and label_values is None:
             label_values = numeric_values
         grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
@@ -331,7 +334,7 @@ class CausalModel(nn.Module):
              label_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """L = L_cls + lambda L_reg over positions predicting labels[:, 1:] (SPEC 3)."""
         labels = labels[:, 1:].reshape(-1)
-        keep = labels != -100  # ignored rows never enter the heads' loss
+        keep = labels != IGNORE_INDEX  # ignored rows never enter the heads' loss
         labels = labels[keep]
         C = loc_U.shape[-1]
         loc_U = loc_U[:, :-1].reshape(-1, C)[keep]

@@ -1,13 +1,15 @@
 """Fine-tuning entry point (accelerate): ``causal-adapter train``, ``python -m causal_adapter.train``,
 ``accelerate launch -m causal_adapter.train`` and the Python API `train(model, TrainConfig(...))`.
+README ("Command line", "Fine-tuning with accelerate", "Values: units, scale and the training
+recipe") shows how to run it; the settings are `train_config.TrainConfig`, the checkpoints
+`checkpoints`, the plot `plotting`.
 
 What a run does
 * Model: a local Qwen2/Qwen2.5/Qwen3 directory or hub name (``AutoModelForCausalLM``) or, by
-  default, the embedded tiny Qwen (`assets.build_tiny_qwen`, real 151,936-row vocabulary) with
-  the real Qwen tokenizer (`assets.load_qwen_tokenizer`), wrapped by `get_causal_model` (frozen
-  backbone, or LoRA through peft). A frozen backbone with nothing trainable below the heads
-  runs under ``torch.no_grad()`` inside `CausalModel.forward`: no activations, no backward
-  through the transformer.
+  default, the embedded tiny Qwen with the real Qwen tokenizer (`assets.load_base`), wrapped by
+  `get_causal_model` (frozen backbone, or LoRA through peft). A frozen backbone with nothing
+  trainable below the heads runs under ``torch.no_grad()`` inside `CausalModel.forward`: no
+  activations, no backward through the transformer.
 * Data: local files (`data.load_text_dataset`: jsonl/json/csv/tsv/parquet/txt, a ``text``
   column or ``prompt`` + ``completion``) or a built-in offline corpus (`data.build_corpus`,
   default ``sunspots``), tokenised number-aware (`data.tokenize_dataset`), padded on the right.
@@ -16,19 +18,13 @@ What a run does
 * Order of examples: epoch e uses the permutation drawn from ``seed + e`` (padded to a multiple
   of the number of processes and sharded like ``DistributedSampler``); nothing else touches
   the global RNGs except the model itself (LoRA dropout), so a run is reproducible from its seed.
-* Checkpoints ``OUTPUT_DIR/checkpoint-STEP``: adapter-only (the adapter's two files, loadable
-  with `CausalModel.from_pretrained`), plus ``optimizer.pt``, ``scheduler.pt``,
-  ``rng_state_RANK.json`` (python, numpy, torch, cuda) and ``trainer_state.json`` (step, epoch,
-  position in the epoch). Never the base weights (accelerate's ``save_state`` would write the
-  full model: it is not used). Written atomically (`artifacts.atomic_write_dir`); the last
-  ``save_total_limit`` are kept. Resuming restores all of it and skips the batches of the
-  current epoch already consumed (without loading them): a run interrupted at step k and
-  resumed ends with the same adapter as an uninterrupted one (bit-identical on CPU).
+* Checkpoints ``OUTPUT_DIR/checkpoint-STEP`` (`checkpoints`): adapter-only, optimizer, scheduler,
+  RNG and trainer state, written atomically; resuming ends with the same adapter as an
+  uninterrupted run (bit-identical on CPU).
 * Evaluation on the validation split every ``eval_steps`` and at the end (`metrics`), sharded
   over processes and gathered; ``metrics.jsonl`` log, accelerate trackers (``report_to``),
   tqdm on the main process, and a PNG of the curves and of the validation values with
-  their predicted 50% / 90% bands
-  (matplotlib optional).
+  their predicted 50% / 90% bands (`plotting`, matplotlib optional).
 * Distributed: one ``forward`` holds embedding, backbone, heads and loss (what DDP needs);
   ``find_unused_parameters=True`` by default so a parameter that gets no gradient on a step
   cannot stall DDP. Multi-process CPU runs use gloo:
@@ -39,225 +35,55 @@ What a run does
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
-import random
-import re
 import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .artifacts import atomic_write_dir, read_adapter_files, write_adapter_files
-from .config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
-from .data import CORPORA
+from .assets import load_base
+from .checkpoints import (  # noqa: F401  (re-exported: the training API in one place)
+    CHECKPOINT_PREFIX,
+    TRAINER_STATE,
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    remove_old_checkpoints,
+    resolve_resume,
+    rng_state,
+    write_checkpoint,
+)
+from .config import DEFAULT_SCALE_FLOOR
+from .data import IGNORE_INDEX
+from .integrations import unwrap_model
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, format_metrics_table, train_median
+from .plotting import plot_training
+from .train_config import (  # noqa: F401  (re-exported: the training API in one place)
+    PARAMETER_GROUPS,
+    TrainConfig,
+    build_arg_parser,
+    config_from_args,
+    parse_train_args,
+    read_config_file,
+)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 ADAPTER_SUBDIR = "adapter"
 METRICS_LOG = "metrics.jsonl"
 FINAL_METRICS = "final_metrics.json"
 PLOT_NAME = "training.png"
-TRAINER_STATE = "trainer_state.json"
-
-#: ``freeze`` groups -> parameter-name prefixes of `CausalModel` (any other string is taken as a prefix).
-PARAMETER_GROUPS = {
-    "abduction": ("abduction.",),
-    "abduction_loc": ("abduction.loc.",),
-    "abduction_scale": ("abduction.scale.",),
-    "noise": ("action.b_noise",),
-    "cls_bias": ("action.b_cls",),
-    "num_row": ("action.num_row",),
-    "regression": ("action.w_reg", "action.b_reg", "action.b_noise_Y"),
-    "thresholds": ("action.thresholds",),
-    "direction": ("numeric_embedding.direction",),
-    "lora": ("backbone.",),
-}
 
 
 class LaunchWarning(UserWarning):
     """The launch did not give the processes that were asked for."""
 
-
-def _opt(default, help: str, **kw):
-    """A TrainConfig field with its command-line help (``type``/``choices``/``nargs`` optional)."""
-    if isinstance(default, list):
-        value = list(default)
-        return field(default_factory=lambda: list(value), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a training run (the command-line flags are these names with dashes)."""
-
-    # ---------------------------------------------------------------- model
-    base_model: str | None = _opt(None, "local Qwen2/Qwen2.5/Qwen3 directory or hub name loaded with "
-                                        "AutoModelForCausalLM.from_pretrained (default: the embedded tiny Qwen)",
-                                  type=str, aliases=["--base"])
-    tokenizer: str | None = _opt(None, "tokenizer directory/name (default: the base model's; the embedded "
-                                       "Qwen tokenizer for the tiny default)", type=str)
-    tiny_arch: str = _opt("qwen2", "architecture of the embedded tiny base", choices=["qwen2", "qwen3"],
-                          aliases=["--arch"])
-    tiny_hidden_size: int = _opt(64, "hidden size of the embedded tiny base")
-    tiny_layers: int = _opt(2, "layers of the embedded tiny base")
-    torch_dtype: str = _opt("float32", "dtype of the base weights",
-                            choices=["float32", "bfloat16", "float16", "float64"], aliases=["--dtype"])
-    # ---------------------------------------------------------------- adapter
-    lora: bool = _opt(False, "tune the backbone with LoRA (peft) instead of freezing it")
-    lora_r: int = _opt(8, "LoRA rank")
-    lora_alpha: int = _opt(16, "LoRA alpha")
-    lora_dropout: float = _opt(0.0, "LoRA dropout")
-    lora_target_modules: list[str] = _opt(list(DEFAULT_LORA_TARGETS), "modules that get LoRA", nargs="+", type=str)
-    learnable_direction: bool = _opt(False, "train the numeric-embedding direction d (backprop through the backbone)")
-    learnable_threshold: bool = _opt(False, "train the OvR thresholds C_k")
-    threshold_mode: str = _opt("scalar", "one threshold or one per vocabulary row", choices=["scalar", "vector"])
-    train_num_row: bool = _opt(True, "train the <NUM> row of W_cls (saved as one row)")
-    freeze: list[str] = _opt(["abduction_loc"], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
-                             + " (or parameter-name prefixes); 'none' trains every part. Default abduction_loc: "
-                             "the OvR loss's updates of W_loc move loc_U under the warm-started regression "
-                             "(measured: sunspots MAE 80,000 vs 15.6)", nargs="*", type=str)
-    gamma0: float = _opt(10.0, "initial abduction scale")
-    gate_alpha: float = _opt(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
-                                  "training uses 1.0: the regression learns from the first step, measured)")
-    regression_init: str = _opt("ridge", "'ridge': the regression head starts as a least-squares probe on the "
-                                "model's own features (penalty chosen on the validation split, else by leave-one-out) "
-                                "on a fresh run, and is fitted so "
-                                "again after the last step when training changed those features (LoRA, W_loc); "
-                                "'none': the random init, trained by the NLL only",
-                                choices=["ridge", "none"])
-    calibrate_scale: bool = _opt(True, "after training, set |b_noise_Y| so that the regression scale equals the "
-                                       "median absolute validation residual (the half-width of the central 50 percent interval), when "
-                                       "there is a validation split and the regression scale is independent")
-    reg_weight: float = _opt(1.0, "lambda in L = L_cls + lambda L_reg")
-    # ---------------------------------------------------------------- data
-    dataset: str = _opt("sunspots", "built-in offline corpus used when no --train-file is given",
-                        choices=list(CORPORA))
-    corpus_window: int | None = _opt(None, "history length of a time-series corpus (default: the corpus's)", type=int)
-    train_file: list[str] = _opt([], "training data files (jsonl/json/csv/tsv/parquet/txt, globs allowed)",
-                            nargs="+", type=str)
-    validation_file: list[str] = _opt([], "validation data files", nargs="+", type=str)
-    file_type: str | None = _opt(None, "file type (default: from the extension)", type=str,
-                                 choices=["json", "jsonl", "csv", "parquet", "text"])
-    text_column: str = _opt("text", "column of full texts (loss on every token)")
-    prompt_column: str = _opt("prompt", "prompt column (no loss)")
-    completion_column: str = _opt("completion", "completion column (loss)")
-    target_column: str = _opt("target", "numeric target column (baselines only; optional)")
-    previous_column: str = _opt("previous", "previous-value column (persistence baseline; optional)")
-    max_length: int | None = _opt(None, "truncate examples to this many tokens", type=int)
-    add_eos_token: bool = _opt(False, "append EOS to every completion / text")
-    max_train_samples: int | None = _opt(None, "use only the first N training examples", type=int)
-    max_eval_samples: int | None = _opt(None, "use only the first N validation examples", type=int)
-    # ---------------------------------------------------------------- optimisation
-    learning_rate: float = _opt(1e-2, "peak learning rate of the adapter heads")
-    lora_learning_rate: float | None = _opt(None, "learning rate of the LoRA weights (default: --learning-rate)",
-                                            type=float)
-    weight_decay: float = _opt(0.0, "AdamW weight decay (matrices only: abduction weights, LoRA)")
-    adam_beta1: float = _opt(0.9, "AdamW beta1")
-    adam_beta2: float = _opt(0.999, "AdamW beta2")
-    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _opt(1.0, "gradient clipping (0 = off)")
-    lr_scheduler_type: str = _opt("linear", "transformers.get_scheduler name (linear, cosine, constant, "
-                                            "constant_with_warmup, ...)")
-    warmup_steps: int = _opt(0, "warmup optimizer steps (overrides --warmup-ratio)")
-    warmup_ratio: float = _opt(0.0, "warmup as a fraction of the total steps")
-    num_train_epochs: float = _opt(3.0, "epochs (ignored when --max-steps > 0)")
-    max_steps: int = _opt(-1, "total optimizer steps (> 0 overrides --num-train-epochs)")
-    per_device_train_batch_size: int = _opt(8, "examples per process per micro-batch")
-    per_device_eval_batch_size: int = _opt(8, "examples per process per evaluation batch")
-    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
-    mixed_precision: str | None = _opt(None, "no / fp16 / bf16 (default: accelerate's setting)", type=str,
-                                       choices=["no", "fp16", "bf16"])
-    seed: int = _opt(42, "seed of the adapter initialisation, the data order and every RNG")
-    dataloader_num_workers: int = _opt(0, "DataLoader worker processes")
-    # ---------------------------------------------------------------- evaluation / saving / logging
-    eval_steps: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)")
-    eval_on_start: bool = _opt(False, "also evaluate before the first step")
-    save_steps: int = _opt(0, "write a checkpoint every N optimizer steps (0: none; the final adapter is always saved)")
-    save_total_limit: int = _opt(2, "keep only the last K checkpoints (0: keep all)")
-    logging_steps: int = _opt(10, "log the training loss every N optimizer steps")
-    output_dir: str = _opt("causal_adapter_output", "where the adapter, checkpoints, logs and plot go")
-    resume_from_checkpoint: str | None = _opt(None, "a checkpoint directory, or 'latest' (the newest in "
-                                                    "--output-dir; starts fresh if there is none)", type=str)
-    report_to: list[str] = _opt([], "accelerate trackers (tensorboard, wandb, ..., all); skipped when not installed",
-                           nargs="*", type=str)
-    plot: bool = _opt(True, "write OUTPUT_DIR/training.png (needs matplotlib)")
-    progress: bool = _opt(True, "tqdm progress bar (main process)")
-    # ---------------------------------------------------------------- distributed
-    cpu: bool = _opt(False, "force CPU (also: ACCELERATE_USE_CPU=1)")
-    ddp_find_unused_parameters: bool = _opt(True, "DDP find_unused_parameters (safe when a head gets no gradient)")
-    expected_num_processes: int | None = _opt(None, "warn when the launch gives another number of processes",
-                                              type=int)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        def positive(name, allow_zero=False):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (v == 0 and not allow_zero):
-                raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
-
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "tiny_hidden_size", "tiny_layers", "lora_r"):
-            positive(name)
-        for name in ("eval_steps", "save_steps", "save_total_limit", "logging_steps", "warmup_steps",
-                     "dataloader_num_workers"):
-            positive(name, allow_zero=True)
-        if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool):
-            raise ValueError(f"max_steps must be an integer, got {self.max_steps!r}")
-        if self.max_steps <= 0 and not self.num_train_epochs > 0:
-            raise ValueError("give num_train_epochs > 0 or max_steps > 0")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("weight_decay and max_grad_norm must be >= 0")
-        if self.validation_file and not self.train_file:
-            raise ValueError("--validation-file needs --train-file")
-        for name in ("max_train_samples", "max_eval_samples", "max_length", "corpus_window", "expected_num_processes"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def adapter_config(self) -> CausalAdapterConfig:
-        """The CausalAdapterConfig this run builds (when no model is passed to `train`)."""
-        lora = None
-        if self.lora:
-            lora = LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                                target_modules=list(self.lora_target_modules))
-        return CausalAdapterConfig(
-            lora=lora, learnable_direction=self.learnable_direction, learnable_threshold=self.learnable_threshold,
-            threshold_mode=self.threshold_mode, train_num_row=self.train_num_row, gamma0=self.gamma0,
-            alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed,
-        )
-
-
-@dataclass
-class TrainState:
-    """Position of a run: optimizer steps done, epoch, micro-batches of this epoch consumed."""
-
-    global_step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    total_steps: int = 0
-    batches_per_epoch: int = 0
-
-    @property
-    def epoch_float(self) -> float:
-        return self.epoch + self.batches_in_epoch / max(1, self.batches_per_epoch)
 
 
 @dataclass
@@ -278,32 +104,13 @@ class TrainResult:
     resumed_from: Path | None = None
 
 
+
 # ============================================================================ building blocks
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
 def load_base_and_tokenizer(config: TrainConfig):
-    """(base model, tokenizer) for `config`: the embedded tiny Qwen + the real Qwen tokenizer by
-    default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
-    dtype = _DTYPES[config.torch_dtype]
-    if config.base_model is None:
-        from .assets import build_tiny_qwen, load_qwen_tokenizer
-
-        # the base is a fixed "checkpoint" (build_tiny_qwen's default seed), not part of the run's randomness
-        base = build_tiny_qwen(config.tiny_arch, hidden_size=config.tiny_hidden_size, num_layers=config.tiny_layers,
-                               dtype=dtype)
-        tok = _load_tokenizer(config.tokenizer) if config.tokenizer else load_qwen_tokenizer()
-        return base, tok
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype)
-    return base, _load_tokenizer(config.tokenizer or config.base_model)
-
-
-def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name)
+    """(base model, tokenizer) for `config` (`assets.load_base`): the embedded tiny Qwen + the real
+    Qwen tokenizer by default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
+    return load_base(config.base_model, config.tiny_arch, config.torch_dtype, config.tiny_hidden_size,
+                     config.tiny_layers, tokenizer=config.tokenizer)
 
 
 def freeze_parts(model, parts: Sequence[str]) -> list[str]:
@@ -377,6 +184,7 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.shard_size - self.start
+
 
 
 # ---------------------------------------------------------------------------- data
@@ -518,66 +326,6 @@ def _rows(ds, indices: Sequence[int]) -> list[dict]:
     return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
 
 
-# ---------------------------------------------------------------------------- RNG / checkpoints
-def _rng_state() -> dict:
-    """JSON-safe states of the python, numpy, torch and cuda generators."""
-    import numpy as np
-
-    py = random.getstate()
-    npk, npstate, nppos, nphg, npg = np.random.get_state()
-    state = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [npk, npstate.tolist(), int(nppos), int(nphg), float(npg)],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    k, st, pos, hg, g = state["numpy"]
-    np.random.set_state((k, np.array(st, dtype=np.uint32), pos, hg, g))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """``checkpoint-STEP`` directories of `output_dir`, oldest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = []
-    for p in out.iterdir():
-        m = re.fullmatch(re.escape(CHECKPOINT_PREFIX) + r"(\d+)", p.name)
-        if m and p.is_dir() and (p / TRAINER_STATE).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def _resolve_resume(config: TrainConfig) -> Path | None:
-    r = config.resume_from_checkpoint
-    if r is None:
-        return None
-    if r == "latest":
-        ckpts = list_checkpoints(config.output_dir)
-        return ckpts[-1] if ckpts else None
-    path = Path(r)
-    if not (path / TRAINER_STATE).is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a training checkpoint (no {TRAINER_STATE})")
-    return path
-
-
-def _unwrap(model):
-    while not hasattr(model, "adapter_state_dict") and hasattr(model, "module"):
-        model = model.module
-    return model
-
 
 # ---------------------------------------------------------------------------- launch checks
 def launch_warnings(num_processes: int, expected: int | None = None, env: dict | None = None) -> list[str]:
@@ -647,6 +395,7 @@ def _available_trackers(report_to: Sequence[str]) -> list[str] | str | None:
     return ok or None
 
 
+
 # ============================================================================ train
 def train(
     model=None,
@@ -699,16 +448,11 @@ def train(
     if train_targets is None:
         train_targets = targets
     constant = train_median(train_targets) if train_targets else None
-    if ntok is not None:
-        pad_id = ntok.pad_token_id
-    else:
-        pad_id = getattr(inner.backbone.config, "pad_token_id", None)
-        pad_id = 0 if pad_id is None else int(pad_id)
     from .data import NumericCollator
 
-    collator = NumericCollator(pad_id, padding_side="right")
+    collator = NumericCollator(_pad_token_id(ntok, inner), padding_side="right")
 
-    resumed_from = _resolve_resume(config)
+    resumed_from = resolve_resume(config)
     if resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
         fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main, eval_ds=eval_ds)
 
@@ -717,26 +461,15 @@ def train(
     loader = DataLoader(train_ds, batch_size=bs, sampler=sampler, collate_fn=collator,
                         num_workers=config.dataloader_num_workers,
                         generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
-    batches_per_epoch = math.ceil(sampler.shard_size / bs)
-    updates_per_epoch = math.ceil(batches_per_epoch / accum)
-    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    batches_per_epoch, total_steps, warmup = _step_plan(config, sampler.shard_size)
 
     optimizer = make_optimizer(inner, config)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        if accelerator.distributed_type == DistributedType.DEEPSPEED and accum > 1:
-            raise ValueError("under DeepSpeed set gradient_accumulation_steps in the DeepSpeed config and keep "
-                             "--gradient-accumulation-steps 1 (DeepSpeed steps inside backward)")
-        warnings.warn(f"{accelerator.distributed_type} is not exercised by causal_adapter's CPU test-suite: "
-                      "check that a saved checkpoint reloads (CausalModel.from_pretrained) before relying on it",
-                      stacklevel=2)
+    _check_distributed_type(accelerator, accum)
     model, optimizer = accelerator.prepare(inner, optimizer)
     eval_model = accelerator.unwrap_model(model)
-    inner = _unwrap(eval_model)
+    inner = unwrap_model(eval_model)
     device = accelerator.device
     trainable = [p for _, p in inner.trainable_parameters()]
 
@@ -745,7 +478,7 @@ def train(
     if config.resume_from_checkpoint == "latest" and resumed_from is None and is_main:
         print(f"no checkpoint in {out_dir}: starting from scratch", file=sys.stderr)
     if resumed_from is not None:
-        history = _load_checkpoint(resumed_from, inner, optimizer, scheduler, state, config, world, rank,
+        history = load_checkpoint(resumed_from, inner, optimizer, scheduler, state, config, world, rank,
                                    len(train_ds))
     log_path = out_dir / METRICS_LOG
     if is_main:
@@ -786,17 +519,11 @@ def train(
 
     def save_checkpoint() -> Path:
         path = out_dir / f"{CHECKPOINT_PREFIX}{state.global_step}"
-        rngs = gather_object([_rng_state()]) if world > 1 else [_rng_state()]
+        rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
         if is_main:
-            _write_checkpoint(path, inner, optimizer, scheduler, state, config, rngs, world, len(train_ds), history)
+            write_checkpoint(path, inner, optimizer, scheduler, state, config, rngs, world, len(train_ds), history)
             if config.save_total_limit:
-                for stale in out_dir.glob(".deleting-*"):  # left by a process killed mid-delete
-                    shutil.rmtree(stale, ignore_errors=True)
-                for old in list_checkpoints(out_dir)[:-config.save_total_limit]:
-                    # rename first (atomic): a kill mid-delete leaves no half checkpoint behind
-                    trash = old.with_name(f".deleting-{old.name}")
-                    old.rename(trash)
-                    shutil.rmtree(trash, ignore_errors=True)
+                remove_old_checkpoints(out_dir, config.save_total_limit)
         accelerator.wait_for_everyone()
         return path
 
@@ -831,7 +558,7 @@ def train(
                     accelerator.backward(out.loss / group)
                 running += torch.tensor([out.loss.item(), out.loss_cls.item(), out.loss_reg.item(), 1.0],
                                         dtype=torch.float64)
-                tokens += int((inputs["labels"][:, 1:] != -100).sum())
+                tokens += int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
             if config.max_grad_norm:
                 accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
             optimizer.step()
@@ -878,13 +605,7 @@ def train(
         last_eval_step = -1
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
-    if (eval_ds is not None and config.calibrate_scale and inner.action.b_noise_Y is not None and predictions
-            and predictions["y_true"]):
-        # a Cauchy's scale is its median absolute deviation: match it on held-out residuals
-        resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
-        scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale, 1e-6)
-        with torch.no_grad():
-            inner.action.b_noise_Y.fill_(scale)
+    if eval_ds is not None and config.calibrate_scale and _calibrate_regression_scale(inner, predictions):
         run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
     adapter_dir = out_dir / ADAPTER_SUBDIR
     plot_path = None
@@ -907,6 +628,52 @@ def train(
     )
 
 
+
+def _pad_token_id(ntok, inner) -> int:
+    """The padding id of the batches: the tokenizer's, else the backbone config's, else 0."""
+    if ntok is not None:
+        return ntok.pad_token_id
+    pad_id = getattr(inner.backbone.config, "pad_token_id", None)
+    return 0 if pad_id is None else int(pad_id)
+
+
+def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
+    """(micro-batches per epoch, total optimizer steps, warmup steps) of a run over `shard_size`
+    examples per process."""
+    batches_per_epoch = math.ceil(shard_size / config.per_device_train_batch_size)
+    updates_per_epoch = math.ceil(batches_per_epoch / config.gradient_accumulation_steps)
+    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    return batches_per_epoch, total_steps, warmup
+
+
+def _check_distributed_type(accelerator, accum: int) -> None:
+    """DeepSpeed / FSDP: refuse accumulation outside DeepSpeed's config; warn that they are untested here."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        if accelerator.distributed_type == DistributedType.DEEPSPEED and accum > 1:
+            raise ValueError("under DeepSpeed set gradient_accumulation_steps in the DeepSpeed config and keep "
+                             "--gradient-accumulation-steps 1 (DeepSpeed steps inside backward)")
+        warnings.warn(f"{accelerator.distributed_type} is not exercised by causal_adapter's CPU test-suite: "
+                      "check that a saved checkpoint reloads (CausalModel.from_pretrained) before relying on it",
+                      stacklevel=3)
+
+
+def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
+    """Set |b_noise_Y| so that the (independent) regression scale equals the median absolute validation
+    residual: a Cauchy's scale is its median absolute deviation. False (nothing done) without an
+    independent scale or validation values."""
+    if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
+        return False
+    resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
+    scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
+                DEFAULT_SCALE_FLOOR)
+    with torch.no_grad():
+        inner.action.b_noise_Y.fill_(scale)
+    return True
+
+
 def _reset_log(path: Path, keep_until: int | None) -> None:
     """Fresh run: empty the log. Resume from step k: keep the records of steps <= k."""
     lines = []
@@ -920,216 +687,10 @@ def _reset_log(path: Path, keep_until: int | None) -> None:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
-def _write_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState, config: TrainConfig,
-                      rngs: list[dict], world: int, n_train: int, history: list[dict]) -> None:
-    meta, tensors = inner.adapter_metadata(), inner.adapter_state_dict()
-    opt_state, sched_state = optimizer.state_dict(), scheduler.state_dict()
-    trainer_state = {
-        "global_step": state.global_step, "epoch": state.epoch, "batches_in_epoch": state.batches_in_epoch,
-        "total_steps": state.total_steps, "batches_per_epoch": state.batches_per_epoch, "num_processes": world,
-        "per_device_train_batch_size": config.per_device_train_batch_size,
-        "gradient_accumulation_steps": config.gradient_accumulation_steps, "seed": config.seed,
-        "train_examples": n_train, "train_config": config.to_dict(), "log_history": history,
-    }
-
-    def write(tmp: Path) -> None:
-        write_adapter_files(tmp, meta, tensors)
-        torch.save(opt_state, tmp / "optimizer.pt")
-        torch.save(sched_state, tmp / "scheduler.pt")
-        for r, s in enumerate(rngs):
-            (tmp / f"rng_state_{r}.json").write_text(json.dumps(s))
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
-
-    atomic_write_dir(path, write)
-
-
-def _load_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState, config: TrainConfig,
-                     world: int, rank: int, n_train: int) -> list[dict]:
-    ts = json.loads((path / TRAINER_STATE).read_text())
-    meta, tensors = read_adapter_files(path)
-    if meta.get("num_token_id") != inner.num_token_id or meta.get("vocab_size") != inner.vocab_size:
-        raise ValueError(f"checkpoint {str(path)!r} was made for num_token_id={meta.get('num_token_id')}, "
-                         f"vocab_size={meta.get('vocab_size')}; this model has num_token_id={inner.num_token_id}, "
-                         f"vocab_size={inner.vocab_size}")
-    inner.load_adapter_state_dict(tensors)
-    saved = meta.get("adapter_config", {})
-    if saved.get("value_loc") is not None:
-        inner.set_value_units(saved["value_loc"], saved["value_scale"], saved.get("value_decimals"))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
-    mismatch = {k: (ts.get(k), v) for k, v in (
-        ("num_processes", world), ("per_device_train_batch_size", config.per_device_train_batch_size),
-        ("gradient_accumulation_steps", config.gradient_accumulation_steps), ("seed", config.seed),
-        ("train_examples", n_train), ("total_steps", state.total_steps)) if ts.get(k) != v}
-    if mismatch:
-        warnings.warn(f"resuming from {str(path)!r} with different settings {mismatch} (checkpoint, now): "
-                      "the run will not be identical to an uninterrupted one", stacklevel=3)
-    state.global_step, state.epoch, state.batches_in_epoch = ts["global_step"], ts["epoch"], ts["batches_in_epoch"]
-    if state.batches_in_epoch >= state.batches_per_epoch:
-        state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-    rng_file = path / f"rng_state_{rank}.json"
-    if rng_file.is_file():
-        _set_rng_state(json.loads(rng_file.read_text()))
-    else:
-        warnings.warn(f"{rng_file} missing: random streams (dropout) restart from the seed", stacklevel=3)
-    return list(ts.get("log_history", []))
-
-
-# ============================================================================ plot
-def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike) -> Path | None:
-    """PNG with the training curves (train/eval losses, eval metrics) and the validation values
-    (data order) with loc_Y and its 50% / 90% Cauchy interval bands. Returns None (quietly) without matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    from .cauchy import cauchy_icdf
-
-    train = [h for h in history if h.get("split") == "train"]
-    evals = [h for h in history if h.get("split") == "eval"]
-    fig = Figure(figsize=(16, 4.6))
-    FigureCanvasAgg(fig)
-    ax1, ax2, ax3 = fig.subplots(1, 3)
-    for key, style in (("loss_cls", "-"), ("loss_reg", "--")):
-        if train:
-            ax1.plot([h["step"] for h in train], [h[key] for h in train], style, label=f"train {key}")
-        pts = [(h["step"], h[key]) for h in evals if h.get(key) is not None]
-        if pts:
-            ax1.plot(*zip(*pts), style + "o", label=f"eval {key}")
-    ax1.set_yscale("symlog")
-    ax1.set_xlabel("step")
-    ax1.set_title("losses")
-    ax1.legend(fontsize=8)
-    for key in ("accuracy", "num_recall", "num_f1", "coverage_50", "coverage_90"):
-        pts = [(h["step"], h[key]) for h in evals if h.get(key) is not None]
-        if pts:
-            ax2.plot(*zip(*pts), "o-", label=key)
-    for h in history:  # the final evaluation after the scale calibration
-        if h.get("split") == "eval_calibrated":
-            for key, color in (("coverage_50", "tab:red"), ("coverage_90", "tab:purple")):
-                if h.get(key) is not None:
-                    ax2.plot([h["step"]], [h[key]], "*", color=color, ms=12, label=f"{key} (calibrated)")
-    ax2.set_ylim(-0.02, 1.02)
-    ax2.set_xlabel("step")
-    ax2.set_title("validation metrics")
-    ax2.legend(fontsize=8)
-    if predictions and predictions["y_true"]:
-        # in data order (time order for the built-in series): the truth, loc_Y and its interval bands
-        y = torch.tensor(predictions["y_true"], dtype=torch.float64)
-        loc = torch.tensor(predictions["loc"], dtype=torch.float64)
-        scale = torch.tensor(predictions["scale"], dtype=torch.float64)
-        x = torch.arange(len(y)).numpy()
-        for q, alpha in ((0.9, 0.18), (0.5, 0.35)):
-            lo = cauchy_icdf(torch.tensor((1 - q) / 2, dtype=torch.float64), loc, scale)
-            hi = cauchy_icdf(torch.tensor((1 + q) / 2, dtype=torch.float64), loc, scale)
-            ax3.fill_between(x, lo.numpy(), hi.numpy(), color="tab:blue", alpha=alpha, lw=0,
-                             label=f"{round(100 * q)}% interval")
-        ax3.plot(x, loc.numpy(), "-", color="tab:blue", lw=1.2, label="loc_Y (prediction)")
-        ax3.plot(x, y.numpy(), "ko", ms=3, label="true value")
-        span = float(y.max() - y.min()) or 1.0
-        ax3.set_ylim(float(y.min()) - 0.6 * span, float(y.max()) + 0.6 * span)
-        ax3.set_xlabel("validation example (data order)")
-        ax3.set_ylabel("value")
-        ax3.legend(fontsize=8)
-    ax3.set_title("validation: value at <NUM> with its intervals")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    return path
-
 
 # ============================================================================ command line
 #: what a training run writes into its output directory (a new run refuses to replace them without --overwrite)
 RUN_OUTPUTS = (ADAPTER_SUBDIR, METRICS_LOG, FINAL_METRICS, PLOT_NAME, CHECKPOINT_PREFIX + "*")
-
-
-def build_arg_parser(prog: str = "causal-adapter train"):
-    """`transformers.HfArgumentParser` over `TrainConfig`: one flag per field (dashes or underscores,
-    ``--no-x`` for booleans, no abbreviations), plus ``--config FILE``, ``--overwrite`` and ``--debug``."""
-    import argparse
-
-    from transformers import HfArgumentParser
-
-    from .cli import DEBUG_HELP, ShortErrorsMixin
-
-    class TrainArgumentParser(ShortErrorsMixin, HfArgumentParser):
-        pass
-
-    ap = TrainArgumentParser(TrainConfig, prog=prog, allow_abbrev=False,
-                             description="Fine-tune a causal adapter on a Qwen checkpoint (works under "
-                                         "`accelerate launch`). Every flag is a TrainConfig field.")
-    for action in ap._actions:  # --help and errors show the dashed spelling first, as the other commands
-        action.option_strings.sort(key=lambda s: ("_" in s, s not in ("--base", "--dtype")))
-    for f in dataclasses.fields(TrainConfig):
-        if f.default is False:  # HfArgumentParser adds --no-x only to the booleans that default to True
-            ap.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                            help=argparse.SUPPRESS)
-    ap.add_argument("--config", metavar="FILE", default=None,
-                    help="json or yaml file of TrainConfig fields; flags on the command line override it")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the outputs of a previous run in --output-dir instead of refusing")
-    ap.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    return ap
-
-
-def read_config_file(path: str | os.PathLike, parser=None) -> dict[str, Any]:
-    """The TrainConfig fields of a json / yaml file (keys with underscores or dashes); errors name
-    the file and the problem."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config {str(path)!r}: no such file")
-    text = p.read_text(encoding="utf-8")
-    if p.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"line {mark.line + 1}: " if mark is not None else ""
-            raise ValueError(f"--config {str(path)!r}: {where}not valid YAML ({getattr(e, 'problem', e)})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {str(path)!r} must hold a mapping of TrainConfig fields, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    allowed = set(fields) | ({a.dest for a in parser._actions} - {"help", "config"} if parser is not None else set())
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(f"--config {str(path)!r}: unknown keys {unknown}; the keys are TrainConfig field names "
-                         "(causal-adapter train --help)")
-    for k, v in data.items():
-        if k in fields and isinstance(v, str) and "list" in str(fields[k].type):
-            data[k] = [v]
-    return data
-
-
-def parse_train_args(argv: Sequence[str] | None = None):
-    """(TrainConfig, namespace of the other flags) from a command line, through HfArgumentParser;
-    ``--config FILE`` supplies the defaults. A bad value raises ValueError; a bad flag exits (2)."""
-    from .cli import CliParser
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ap = build_arg_parser()
-    pre = CliParser(prog=ap.prog, add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        ap.set_defaults(**read_config_file(known.config, ap))
-    config, extras, rest = ap.parse_args_into_dataclasses(argv, return_remaining_strings=True,
-                                                          look_for_args_file=False)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return config, extras
-
-
-def config_from_args(args) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
 def main(argv: list[str] | None = None) -> int:

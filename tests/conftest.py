@@ -1,4 +1,5 @@
-"""Shared fixtures: the real Qwen3 tokenizer and small random Qwen2/Qwen3 models (fixed seeds)."""
+"""Shared fixtures: the real Qwen3 tokenizer, small random Qwen2/Qwen3 models (fixed seeds) and the
+comparison of adapter tensors."""
 import os
 
 import pytest
@@ -24,3 +25,18 @@ def small_vocab_qwen(arch="qwen2", vocab_size=320, dtype=torch.float32, seed=0, 
 
     kw.setdefault("hidden_size", 32)
     return build_tiny_qwen(arch, vocab_size=vocab_size, dtype=dtype, seed=seed, **kw)
+
+
+def adapter_tensors(model):
+    """A detached copy of the adapter's tensors (`adapter_state_dict`)."""
+    return {k: v.detach().clone() for k, v in model.adapter_state_dict().items()}
+
+
+def assert_same_tensors(a, b, exact=True):
+    """The same names, and equal tensors (bit for bit, or close with ``exact=False``)."""
+    assert set(a) == set(b)
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], msg=k)

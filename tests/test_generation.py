@@ -8,8 +8,9 @@ import torch
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.assets import build_tiny_qwen
-from causal_adapter.generation import GenerationOutput, NumberStreamer, _Heads, generate
+from causal_adapter.generation import GenerationOutput, NumberStreamer, generate
 from causal_adapter.numbers import NumberTokenizer, find_numbers, format_number
+from causal_adapter.scoring import OvRScorer
 from conftest import small_vocab_qwen
 
 NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)
@@ -259,7 +260,7 @@ def test_pruned_ovr_argmax_equals_full_argmax(spread):
         model.action.num_row.mul_(3.0)
         model.action.thresholds.add_(torch.randn(6000, generator=g))
         model.action.b_cls.add_(torch.randn(6000, generator=g) * 2)
-    heads = _Heads(model, ovr_pruning=True, cache_abs_weight=False)
+    heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
     B, Cdim = 16, 48
     loc_U = torch.randn(B, Cdim, generator=g) * 3
     base_scale = torch.rand(B, 1, generator=g) * 10 + 0.1

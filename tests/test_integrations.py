@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
 from causal_adapter.artifacts import CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME
 from causal_adapter.data import NumericCollator
-from conftest import small_vocab_qwen
+from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
 
 V, NUM, H = 320, 300, 32
 LORA = LoraSettings(r=4, target_modules=["q_proj", "v_proj"])
@@ -52,19 +52,6 @@ def base_bytes(model) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
-
-
-def adapter_tensors(model):
-    return {k: v.detach().clone() for k, v in model.adapter_state_dict().items()}
-
-
-def assert_same(a, b, exact=True):
-    assert set(a) == set(b)
-    for k in a:
-        if exact:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            torch.testing.assert_close(a[k], b[k], msg=k)
 
 
 def assert_adapter_only(directory: Path, model):
@@ -118,12 +105,12 @@ def test_trainer_adapter_only_checkpoints_resume_and_final_load(tmp_path, tie, l
         assert size < base_bytes(model) / 5, (size, base_bytes(model))
     # the final checkpoint loads with CausalModel.from_pretrained and equals the trained adapter
     loaded = CausalModel.from_pretrained(tiny_base(tie=tie), ckpts[-1])
-    assert_same(adapter_tensors(loaded), final)
+    assert_same_tensors(adapter_tensors(loaded), final)
     # resume from checkpoint-2 in a fresh model: ends with the same adapter as the uninterrupted run
     model2 = tiny_model(tie=tie, lora=lora)
     trainer2 = make_trainer(model2, tmp_path / "run")
     trainer2.train(resume_from_checkpoint=str(ckpts[0]))
-    assert_same(adapter_tensors(model2), final, exact=False)
+    assert_same_tensors(adapter_tensors(model2), final, exact=False)
     assert result.global_step == 4
 
 
@@ -138,7 +125,7 @@ def test_trainer_save_model_keeps_checkpoints_and_best_model_reloads(tmp_path):
     assert best.name == f"checkpoint-{min(evals, key=evals.get)}"
     # load_best_model_at_end put the best checkpoint's adapter into the model (here checkpoint-2: the
     # toy eval loss rises after it, so the model was really reloaded)
-    assert_same(adapter_tensors(model), adapter_tensors(CausalModel.from_pretrained(tiny_base(), best)))
+    assert_same_tensors(adapter_tensors(model), adapter_tensors(CausalModel.from_pretrained(tiny_base(), best)))
     last = adapter_tensors(CausalModel.from_pretrained(tiny_base(), tmp_path / "run" / "checkpoint-4"))
     assert best.name == "checkpoint-4" or not torch.equal(adapter_tensors(model)["action.b_cls"], last["action.b_cls"])
     trainer.save_model()  # into output_dir, which holds the checkpoints: they stay
@@ -146,7 +133,7 @@ def test_trainer_save_model_keeps_checkpoints_and_best_model_reloads(tmp_path):
     assert (out / "checkpoint-2" / WEIGHTS_NAME).is_file() and (out / "checkpoint-4" / WEIGHTS_NAME).is_file()
     assert (out / CONFIG_NAME).is_file() and (out / "README.md").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".causal_adapter.tmp")]
-    assert_same(adapter_tensors(CausalModel.from_pretrained(tiny_base(), out)), adapter_tensors(model))
+    assert_same_tensors(adapter_tensors(CausalModel.from_pretrained(tiny_base(), out)), adapter_tensors(model))
 
 
 # ============================================================================ accelerate
@@ -185,7 +172,7 @@ def test_accelerate_save_state_load_state_adapter_only(tmp_path, tie, lora):
     opt.step()
     assert not torch.equal(adapter_tensors(model)["action.b_cls"], saved["action.b_cls"])
     acc.load_state(str(tmp_path / "state"))
-    assert_same(adapter_tensors(model), saved)
+    assert_same_tensors(adapter_tensors(model), saved)
     for k, v in opt_state.items():
         assert torch.equal(opt.state_dict()["state"][0][k], v)
     # strict: a state directory without the adapter, or an adapter of another shape, is refused
@@ -249,7 +236,7 @@ def test_peft_loaders_read_the_lora_part_and_never_meet_our_schema(tmp_path, loc
         assert not torch.allclose(plain, want)  # the LoRA did change the backbone
     # our own loader reads our files (LoRA included) from the same directory
     again = CausalModel.from_pretrained(AutoModelForCausalLM.from_pretrained(local_base_dir), tmp_path / "lora")
-    assert_same(adapter_tensors(again), adapter_tensors(model))
+    assert_same_tensors(adapter_tensors(again), adapter_tensors(model))
 
 
 def test_legacy_directories_with_peft_file_names_still_load(tmp_path):
@@ -260,7 +247,7 @@ def test_legacy_directories_with_peft_file_names_still_load(tmp_path):
     (old / LEGACY_CONFIG_NAME).write_bytes((tmp_path / "a" / CONFIG_NAME).read_bytes())
     (old / LEGACY_WEIGHTS_NAME).write_bytes((tmp_path / "a" / WEIGHTS_NAME).read_bytes())
     loaded = CausalModel.from_pretrained(tiny_base(), old)
-    assert_same(adapter_tensors(loaded), adapter_tensors(model))
+    assert_same_tensors(adapter_tensors(loaded), adapter_tensors(model))
     # a real peft adapter directory is named as such, not misread
     os.remove(tmp_path / "a" / CONFIG_NAME)
     with pytest.raises(FileNotFoundError, match="holds a peft LORA adapter, not a causal_adapter one"):
@@ -315,7 +302,7 @@ def test_from_pretrained_like_peft(tmp_path, local_base_dir):
     by_path = CausalModel.from_pretrained(str(local_base_dir), tmp_path / "a", torch_dtype=torch.bfloat16)
     assert by_path.W_cls.dtype == torch.bfloat16 and by_path.action.b_cls.dtype == torch.float32
     by_record = CausalModel.from_pretrained(None, tmp_path / "a", device_map="cpu")
-    assert_same(adapter_tensors(by_record), adapter_tensors(model))
+    assert_same_tensors(adapter_tensors(by_record), adapter_tensors(model))
     cast = CausalModel.from_pretrained(tiny_base("qwen3"), tmp_path / "a", dtype="float64")
     assert cast.W_cls.dtype == torch.float64
     with pytest.raises(OSError, match="cannot load the base model 'nobody/no-such-base'"):
@@ -426,7 +413,7 @@ def test_train_on_a_streaming_dataset_with_exact_resume(tmp_path):
                                       resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2")),
                     train_dataset=stream())
     assert resumed.resumed_from is not None and part.global_step == 4
-    assert_same(adapter_tensors(resumed.model), adapter_tensors(full.model))
+    assert_same_tensors(adapter_tensors(resumed.model), adapter_tensors(full.model))
     with pytest.raises(ValueError, match="streaming train_dataset.*set max_steps > 0"):
         train(tiny_model(), TrainConfig(output_dir=str(tmp_path / "x"), cpu=True, plot=False, progress=False),
               train_dataset=stream())
@@ -498,9 +485,9 @@ def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
     assert res["world"] == 2 and "action.b_cls" in res["sharded"] and "abduction.loc.weight" in res["sharded"]
     assert res["losses"][-1] < res["losses"][0] - 0.01, res["losses"]
     a, b = (load_file(str(tmp_path / f"full_rank{r}.safetensors")) for r in (0, 1))
-    assert_same(a, b)  # the replicas agree
+    assert_same_tensors(a, b)  # the replicas agree
     loaded = CausalModel.from_pretrained(tiny_base(), tmp_path / "adapter")
-    assert_same(adapter_tensors(loaded), a)
+    assert_same_tensors(adapter_tensors(loaded), a)
     assert_adapter_only(tmp_path / "adapter", loaded)
 
 
@@ -517,4 +504,4 @@ def test_saving_into_a_shared_directory_replaces_only_our_files(tmp_path):
     save_adapter_into(frozen, d)  # no LoRA now: the stale peft view goes, the rest stays
     assert not (d / "adapter_config.json").exists() and not (d / "adapter_model.safetensors").exists()
     assert (d / "checkpoint-1").is_dir() and (d / "notes.txt").read_text() == "mine"
-    assert_same(adapter_tensors(CausalModel.from_pretrained(tiny_base(), d)), adapter_tensors(frozen))
+    assert_same_tensors(adapter_tensors(CausalModel.from_pretrained(tiny_base(), d)), adapter_tensors(frozen))

@@ -17,12 +17,12 @@ from causal_adapter import loss as loss_module
 from causal_adapter.loss import (
     COMPILE_ENV,
     COMPILE_MIN_ELEMENTS,
-    _chunk_sizes,
-    _use_compiled,
+    chunk_sizes,
     fused_ovr_loss,
     gated_regression_loss,
     num_probability,
     reference_ovr_loss,
+    use_compiled,
 )
 
 mpmath.mp.dps = 40
@@ -134,15 +134,15 @@ def test_compiled_kernel_follows_the_scale_floor(grads):
 def test_compile_is_automatic_for_large_float32_problems_on_cuda_only(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     big = COMPILE_MIN_ELEMENTS // 151936 + 1
-    assert _use_compiled(None, torch.float32, big, 151936, "cuda")
-    assert not _use_compiled(None, torch.float32, big - 2, 151936, "cuda")
-    assert not _use_compiled(None, torch.float32, big, 151936, "cpu")  # opt-in on CPU (README)
-    assert not _use_compiled(True, torch.float64, big, 151936, "cpu")  # float64 stays exact (eager)
-    assert _use_compiled(True, torch.float32, 1, 10, "cpu") and not _use_compiled(False, torch.float32, big, 151936, "cuda")
+    assert use_compiled(None, torch.float32, big, 151936, "cuda")
+    assert not use_compiled(None, torch.float32, big - 2, 151936, "cuda")
+    assert not use_compiled(None, torch.float32, big, 151936, "cpu")  # opt-in on CPU (README)
+    assert not use_compiled(True, torch.float64, big, 151936, "cpu")  # float64 stays exact (eager)
+    assert use_compiled(True, torch.float32, 1, 10, "cpu") and not use_compiled(False, torch.float32, big, 151936, "cuda")
     monkeypatch.setenv(COMPILE_ENV, "0")
-    assert not _use_compiled(None, torch.float32, big, 151936, "cuda")
+    assert not use_compiled(None, torch.float32, big, 151936, "cuda")
     monkeypatch.setenv(COMPILE_ENV, "1")
-    assert _use_compiled(None, torch.float32, 1, 10, "cpu")
+    assert use_compiled(None, torch.float32, 1, 10, "cpu")
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(tmp_path):
@@ -365,13 +365,13 @@ def test_extreme_inputs_bf16_finite():
 
 
 def test_chunk_sizes_adapt_to_budget_and_shapes():
-    T, Vc = _chunk_sizes(8192, 151936, 896, 4, 1, None, None, None)
+    T, Vc = chunk_sizes(8192, 151936, 896, 4, 1, None, None, None)
     assert T <= 2048 and 4096 <= Vc <= 8192
-    T2, Vc2 = _chunk_sizes(8192, 151936, 896, 4, 1, None, None, 16)
+    T2, Vc2 = chunk_sizes(8192, 151936, 896, 4, 1, None, None, 16)
     assert T2 * Vc2 * 25 <= 16 * 2**20 and T2 * Vc2 < T * Vc
-    assert _chunk_sizes(7, 151936, 896, 4, 1, None, None, None)[0] == 7  # few rows
-    assert _chunk_sizes(100, 50, 8, 4, 1, None, None, None)[1] == 50  # tiny vocab
-    assert _chunk_sizes(100, 5000, 8, 4, 1, 1000, 30, None) == (30, 1000)  # explicit
+    assert chunk_sizes(7, 151936, 896, 4, 1, None, None, None)[0] == 7  # few rows
+    assert chunk_sizes(100, 50, 8, 4, 1, None, None, None)[1] == 50  # tiny vocab
+    assert chunk_sizes(100, 5000, 8, 4, 1, 1000, 30, None) == (30, 1000)  # explicit
 
 
 # ---- <NUM> probability and gated regression --------------------------------------------

@@ -29,7 +29,7 @@ from causal_adapter.train import (
     prepare_datasets,
     train,
 )
-from conftest import small_vocab_qwen
+from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)
@@ -80,16 +80,6 @@ def quick_config(tmp_path, name="run", **kw):
     kw.setdefault("per_device_train_batch_size", 4)
     kw.setdefault("max_steps", 3)
     return TrainConfig(output_dir=str(tmp_path / name), plot=False, progress=False, logging_steps=1, **kw)
-
-
-def adapter_tensors(model):
-    return {k: v.detach().clone() for k, v in model.adapter_state_dict().items()}
-
-
-def assert_same_tensors(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def free_port():

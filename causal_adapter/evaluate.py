@@ -1,0 +1,40 @@
+"""Adapter evaluation (`causal-adapter eval`): a saved adapter on a corpus split or data files,
+with the constant and persistence baselines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .assets import load_base
+from .metrics import evaluate_dataset, format_metrics_table
+
+
+def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwen2", dtype: str = "float32",
+                     corpus: str = "sunspots", split: str = "test", data_files: list[str] | None = None,
+                     batch_size: int = 16, output: str | None = None, tiny_hidden_size: int = 64,
+                     tiny_layers: int = 2, text_column: str = "text", prompt_column: str = "prompt",
+                     completion_column: str = "completion") -> str:
+    """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table."""
+    from .corpora import build_corpus
+    from .data import load_text_dataset, tokenize_dataset
+    from .model import CausalModel
+    from .numbers import NumberTokenizer
+
+    base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
+    model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
+    if data_files:
+        columns = (text_column, prompt_column, completion_column)
+        raw, train_targets = load_text_dataset(data_files, string_columns=columns), None
+    else:
+        dd = build_corpus(corpus)
+        raw, train_targets = dd[split], list(dd["train"]["target"])
+    metrics = evaluate_dataset(model, tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column),
+                               ntok.pad_token_id, batch_size=batch_size,
+                               train_targets=train_targets)
+    table = format_metrics_table(metrics, title=f"{corpus if not data_files else 'files'} {split}")
+    if output:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics, indent=2) if path.suffix == ".json" else table + "\n")
+    return table

@@ -1,0 +1,189 @@
+"""The deterministic mode's scorer: argmax_k P_k over the OvR probabilities of the whole vocabulary,
+exact, with candidate pruning (`OvRScorer`, used by `generation.generate`).
+
+Cost of the deterministic mode. P needs scale_S = |W_cls| scale_U' over all V rows: a second
+V x H product per token (plus |W_cls| itself, a V x H temporary, if taken naively). The argmax
+avoids it exactly: with per-row norms ||W_k||_1, ||W_k||_2 (one pass over W_cls, cached across
+calls while the weight is unchanged),
+scale_S_k lies in [lo_k, hi_k] (min/max and Cauchy-Schwarz bounds, widened by a rounding
+margin), which bounds t_k = (loc_S_k - C_k) / scale_S_k; only the rows whose upper bound
+reaches the best lower bound (usually a handful) get their exact scale_S_k, and the argmax
+over them is the argmax over all V (``ovr_pruning=True``). The bounds are tight when scale_U'
+is nearly uniform over its C dimensions (as at initialisation, W_scale = 0); when it is uneven
+(coefficient of variation over ~5%, less for nearly flat logits) more than V/8 rows survive and the full
+product is computed: by chunks of |W_cls| through one reused buffer (no V x H temporary; costs
+about one more V x H product per token), or from a copy of |W_cls| kept for the call
+(``cache_abs_weight=True``: V x H extra memory, in W_cls's dtype, i.e. half of it for bf16).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .cauchy import ovr_probability
+from .heads import linear_in_dtype
+
+_ABS_CHUNK_ROWS = 2048  # rows of |W_cls| per chunk (a few MB: stays in cache, reused buffer)
+# id(W_cls) -> (weakref to it, (version, data_ptr, dtype, shape), norms [2, V]); a few entries
+_NORM_CACHE: dict[int, tuple] = {}
+
+
+class OvRScorer:
+    """The action head's token scores at one position per row, with per-call caches (row norms,
+    optional |W_cls|): the deterministic mode's exact argmax_k P_k with candidate pruning, and
+    the probability of a chosen row.
+
+    Args:
+        model: the `CausalModel` (its action head and shared W_cls).
+        ovr_pruning: prune the rows that cannot hold the argmax (exact; module docstring).
+        cache_abs_weight: keep a copy of |W_cls| for the call instead of chunking through a buffer.
+    """
+
+    def __init__(self, model, *, ovr_pruning: bool, cache_abs_weight: bool):
+        self.model = model
+        self.action = model.action
+        self.W_cls = model.W_cls
+        self.V, self.H = self.W_cls.shape
+        self.num_token_id = model.num_token_id
+        self.num_row = self.action.num_row
+        self.thresholds = self.action.thresholds
+        self.scale_floor = self.action.scale_floor
+        self.dtype = self.action.b_cls.dtype
+        self.ovr_pruning = ovr_pruning
+        self.cache_abs_weight = cache_abs_weight
+        self._abs_W: Tensor | None = None
+        self._buf: Tensor | None = None
+        self._norms: Tensor | None = None
+        self._rho: float | None = None  # median ||W_k||_2 / ||W_k||_1
+        # rounding margin of a computed scale_S_k = sum_j |W_kj| s_j (positive terms: relative error
+        # <= H * unit roundoff per accumulation; bf16/fp16 weights also round s and the result)
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        delta = self.H * torch.finfo(acc).eps
+        if self.W_cls.dtype not in (torch.float32, torch.float64):
+            delta += 2 * torch.finfo(self.W_cls.dtype).eps
+        self.delta = delta + 1e-6 if acc == torch.float32 else delta + 1e-12
+
+    # -- scores of all rows ------------------------------------------------------------
+    def loc_scores(self, loc_U: Tensor) -> Tensor:
+        """loc_S = W_cls loc_U + b_cls over all V rows (the <NUM> row from num_row): [B, C] -> [B, V]."""
+        return self.action.override_num_column(linear_in_dtype(loc_U, self.W_cls) + self.action.b_cls, loc_U)
+
+    def abs_scores(self, scale_Up: Tensor, idx: Tensor | None = None) -> Tensor:
+        """scale_S = max(|W_cls| scale_U', floor) for the rows `idx` (None = all): [B, C] -> [B, n]."""
+        if idx is not None:
+            out = linear_in_dtype(scale_Up, self.W_cls.index_select(0, idx).abs())
+        elif self.cache_abs_weight:
+            if self._abs_W is None:
+                self._abs_W = self.W_cls.abs()
+            out = linear_in_dtype(scale_Up, self._abs_W)
+        else:  # by chunks of rows through one reused buffer: no V x H temporary, no page faults
+            out = scale_Up.new_empty(scale_Up.shape[0], self.V)
+            if self._buf is None:
+                self._buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=self.W_cls.dtype,
+                                        device=self.W_cls.device)
+            for c in range(0, self.V, _ABS_CHUNK_ROWS):
+                n = min(_ABS_CHUNK_ROWS, self.V - c)
+                out[:, c:c + n] = linear_in_dtype(scale_Up, torch.abs(self.W_cls[c:c + n], out=self._buf[:n]))
+        out = self.action.override_num_column(out, scale_Up, scale=True, ids=idx)
+        return out.clamp_min(self.scale_floor)
+
+    def _thresholds_at(self, idx: Tensor | None) -> Tensor:
+        """C_k for the rows `idx` (None = all; a scalar threshold as it is)."""
+        if idx is None or self.thresholds.dim() == 0:
+            return self.thresholds
+        return self.thresholds.index_select(0, idx)
+
+    # -- one row per batch element ---------------------------------------------------
+    def row_probability(self, ids: Tensor, loc_S_rows: Tensor, scale_Up: Tensor) -> Tensor:
+        """P of the row ids[b] for each b, given its loc_S: [B]."""
+        W = self.action.effective_rows(ids, self.W_cls)
+        scale = (scale_Up * W.abs()).sum(-1).clamp_min(self.scale_floor)
+        return ovr_probability(loc_S_rows, scale, self._thresholds_at(ids))
+
+    def row_locations(self, loc_U: Tensor, ids: Tensor) -> Tensor:
+        """loc_S of the row ids[b] for each b: [B]."""
+        W = self.action.effective_rows(ids, self.W_cls)
+        return (loc_U * W).sum(-1) + self.action.b_cls.index_select(0, ids)
+
+    # -- deterministic: argmax_k P_k -------------------------------------------------
+    def _row_norms(self) -> Tensor:
+        """[2, V]: ||W_k||_1 and ||W_k||_2 of every row of the effective W_cls. One pass over W_cls,
+        cached across calls for the same, unmodified weight (keyed on its version counter)."""
+        if self._norms is None:
+            W = self.W_cls
+            key = (W._version, W.data_ptr(), W.dtype, tuple(W.shape))
+            hit = _NORM_CACHE.get(id(W))
+            if hit is not None and hit[0]() is W and hit[1] == key:
+                norms = hit[2]
+            else:
+                norms = torch.empty(2, self.V, dtype=torch.float32 if W.dtype != torch.float64 else W.dtype,
+                                    device=W.device)
+                buf = torch.empty(min(_ABS_CHUNK_ROWS, self.V), self.H, dtype=W.dtype, device=W.device)
+                for c in range(0, self.V, _ABS_CHUNK_ROWS):
+                    n = min(_ABS_CHUNK_ROWS, self.V - c)
+                    b = torch.abs(W[c:c + n], out=buf[:n])
+                    norms[0, c:c + n] = b.sum(-1, dtype=norms.dtype)
+                    torch.mul(b, b, out=b)
+                    norms[1, c:c + n] = b.sum(-1, dtype=norms.dtype).sqrt_()
+                for stale in [i for i, e in _NORM_CACHE.items() if e[0]() is None] + list(_NORM_CACHE)[:-3]:
+                    _NORM_CACHE.pop(stale, None)
+                _NORM_CACHE[id(W)] = (weakref.ref(W), key, norms)
+            norms = norms.to(self.dtype, copy=True)
+            if self.num_row is not None:
+                r = self.num_row.detach()
+                norms[0, self.num_token_id], norms[1, self.num_token_id] = r.abs().sum(), r.norm()
+            self._norms = norms
+        return self._norms
+
+    def _candidates(self, z: Tensor, scale_Up: Tensor) -> Tensor | None:
+        """Rows that can hold argmax_k t_k, t_k = z_k / scale_S_k (union over the batch), or None
+        when the bounds leave more than V/8 of them.
+
+        scale_S_k = max(sum_j |W_kj| s_j, floor) lies in [lo_k, hi_k] with, per batch row, the
+        tighter of two bounds: min/max  s_min ||W_k||_1 <= . <= s_max ||W_k||_1, and
+        Cauchy-Schwarz  |sum_j |W_kj| (s_j - s_mean)| <= ||W_k||_2 ||s - s_mean||_2.
+        Both are a [B, 2] x [2, V] product with (||W_k||_1, ||W_k||_2); the margin 3 delta covers
+        the rounding of the computed scale_S, of the norms and of the bounds themselves. t is monotone in
+        scale_S, so t_k lies between z_k / lo_k and z_k / hi_k.
+        """
+        norms = self._row_norms()
+        s = scale_Up
+        s_mean = s.mean(-1, keepdim=True)
+        s_min = s.amin(-1, keepdim=True)
+        s_max = s.amax(-1, keepdim=True)
+        r = (s - s_mean).norm(dim=-1, keepdim=True)
+        if self._rho is None:
+            self._rho = float((norms[1] / norms[0].clamp_min(1e-30)).median())
+        d2 = 3 * self.delta  # rounding of the computed scale_S, of the norms and of the bounds
+        zero = torch.zeros_like(r)
+        cs_lo = r * self._rho < s_mean - s_min
+        cs_hi = r * self._rho < s_max - s_mean
+        coef_lo = torch.where(cs_lo, torch.cat([s_mean * (1 - d2), -r * (1 + d2)], 1),
+                              torch.cat([s_min * (1 - d2), zero], 1))
+        coef_hi = torch.where(cs_hi, torch.cat([s_mean * (1 + d2), r * (1 + d2)], 1),
+                              torch.cat([s_max * (1 + d2), zero], 1))
+        lo = (coef_lo @ norms).clamp_min_(self.scale_floor)
+        hi = (coef_hi @ norms).clamp_min_(self.scale_floor)
+        q_lo = z / lo
+        q_hi = torch.div(z, hi, out=hi)
+        t_hi = torch.maximum(q_lo, q_hi)
+        bar = torch.minimum(q_lo, q_hi, out=q_lo).amax(-1, keepdim=True)
+        idx = (t_hi >= bar).any(0).nonzero().squeeze(1)
+        if idx.numel() > max(64, self.V // 8):
+            return None
+        return idx
+
+    def ovr_argmax(self, loc_S: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
+        """(argmax_k P_k, its P) per row: [B, V], [B, C] -> [B], [B]."""
+        if self.ovr_pruning:
+            z = loc_S - self.thresholds
+            idx = self._candidates(z, scale_Up)
+            if idx is not None:
+                P = ovr_probability(loc_S.index_select(1, idx), self.abs_scores(scale_Up, idx), self._thresholds_at(idx))
+                j = P.argmax(-1)
+                return idx[j], P.gather(1, j.unsqueeze(1)).squeeze(1)
+        P = ovr_probability(loc_S, self.abs_scores(scale_Up), self.thresholds)
+        tok = P.argmax(-1)
+        return tok, P.gather(1, tok.unsqueeze(1)).squeeze(1)
