@@ -55,8 +55,8 @@ import torch
 
 CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes")
 SEASON = {"co2": 12}
-VARIANTS = ("constant", "persistence", "seasonal_naive", "linear", "ridge_probe", "causal_frozen", "causal_lora",
-            "digit_lora")
+VARIANTS = ("constant", "persistence", "seasonal_naive", "linear", "probe_raw_unit_d", "probe_std_unit_d",
+            "ridge_probe", "causal_frozen", "causal_lora", "digit_lora")
 LABELS = {
     "constant": "constant (train median)",
     "persistence": "persistence (last value)",
@@ -67,6 +67,13 @@ LABELS = {
     "causal_lora": "causal adapter + LoRA",
     "digit_lora": "digit-token LoRA fine-tune (greedy)",
 }
+#: ``--input-ablation``: the ridge probe with the seeds' input path (raw symlog values, |d| = 1)
+ABLATIONS = {
+    "probe_raw_unit_d": dict(standardize_inputs=False, direction_norm=1.0),
+    "probe_std_unit_d": dict(standardize_inputs=True, direction_norm=1.0),
+}
+LABELS.update({"probe_raw_unit_d": "ridge probe, raw values in phi, |d| = 1 (the seeds')",
+               "probe_std_unit_d": "ridge probe, standardised values in phi, |d| = 1"})
 SCHEDULER = "cosine"
 WARMUP_RATIO = 0.05
 MAX_GRAD_NORM = 1.0
@@ -175,16 +182,17 @@ def run_simple(corpus: str, splits, constant: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- ridge probe
-def run_probe(args, splits, tokenizer) -> dict:
-    """Ridge on the frozen base's features (the causal adapter's loc_U at init, in its value units)."""
+def run_probe(args, splits, tokenizer, **input_path) -> dict:
+    """Ridge on the frozen base's features (the causal adapter's loc_U at init, in its value units).
+    `input_path`: CausalAdapterConfig overrides of the input side (the ``--input-ablation`` rows)."""
     from causal_adapter import CausalAdapterConfig, get_causal_model
     from causal_adapter.data import NumericCollator, tokenize_dataset
     from causal_adapter.numbers import NumberTokenizer
     from causal_adapter.value_fit import fit_value_units, num_label_features
 
     loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
-    model = get_causal_model(_base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale),
-                             tokenizer=tokenizer)
+    model = get_causal_model(_base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale,
+                                                              **input_path), tokenizer=tokenizer)
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     collate = NumericCollator(ntok.pad_token_id)
     feats = {}
@@ -445,6 +453,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden-size", type=int, default=None, help="hidden size of the tiny base (default 64)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the tiny base (default 2)")
     ap.add_argument("--output", default="numeric_quality.md", help="markdown tables; the JSON goes beside it (.json)")
+    ap.add_argument("--input-ablation", action="store_true", help="also the ridge probe with raw values in phi "
+                    "and with |d| = 1 (the measurements behind standardize_inputs and direction_norm)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
@@ -476,6 +486,9 @@ def run_corpus(args, corpus: str, tokenizer, work: Path) -> tuple[dict, float]:
          f"test {len(splits['test'])} rows; train median {constant:g}")
     results = run_simple(corpus, splits, constant)
     results["ridge_probe"] = run_probe(args, splits, tokenizer)
+    if args.input_ablation:  # the input-side choices, measured with the same probe
+        for name, kw in ABLATIONS.items():
+            results[name] = run_probe(args, splits, tokenizer, **kw)
     for lora in (False, True):
         name = "causal_lora" if lora else "causal_frozen"
         results[name] = run_causal(args, lora, splits, tokenizer, work / corpus)
