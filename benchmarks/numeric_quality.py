@@ -103,6 +103,11 @@ def _base(args):
     return build_tiny_qwen(args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.base_seed)
 
 
+def input_path(args) -> dict:
+    """CausalAdapterConfig overrides of ``--input-path``."""
+    return dict(standardize_inputs=False, direction_norm=1.0) if args.input_path == "seeds" else {}
+
+
 def score(preds, targets, scales=None) -> dict:
     """MAE, median AE and, with Cauchy scales, 50%/90% coverage, mean 90% width and mean NLL."""
     from causal_adapter.cauchy import cauchy_nll
@@ -227,7 +232,10 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
         weight_decay=0.0, add_eos_token=True, seed=args.seed, output_dir=str(work_dir / name),
         logging_steps=max(1, args.steps // 5), plot=False, progress=False, cpu=True,
     )
-    model = get_causal_model(_base(args), config.adapter_config(), tokenizer=tokenizer)
+    adapter_config = config.adapter_config()
+    for k, v in input_path(args).items():
+        setattr(adapter_config, k, v)
+    model = get_causal_model(_base(args), adapter_config, tokenizer=tokenizer)
     t0 = time.perf_counter()
     result = train(model, config, tokenizer=tokenizer, train_dataset=splits["train"],
                    eval_dataset=splits["validation"])
@@ -453,6 +461,9 @@ def parse_args(argv=None):
     ap.add_argument("--hidden-size", type=int, default=None, help="hidden size of the tiny base (default 64)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the tiny base (default 2)")
     ap.add_argument("--output", default="numeric_quality.md", help="markdown tables; the JSON goes beside it (.json)")
+    ap.add_argument("--input-path", choices=["default", "seeds"], default="default",
+                    help="'seeds': every causal adapter and the probe use the seeds' input path (raw values in "
+                    "phi, |d| = 1) instead of the defaults (standardised values, |d| at the embedding scale)")
     ap.add_argument("--input-ablation", action="store_true", help="also the ridge probe with raw values in phi "
                     "and with |d| = 1 (the measurements behind standardize_inputs and direction_norm)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
@@ -485,7 +496,7 @@ def run_corpus(args, corpus: str, tokenizer, work: Path) -> tuple[dict, float]:
     _log(f"== {corpus}: train {len(splits['train'])}, validation {len(splits['validation'])}, "
          f"test {len(splits['test'])} rows; train median {constant:g}")
     results = run_simple(corpus, splits, constant)
-    results["ridge_probe"] = run_probe(args, splits, tokenizer)
+    results["ridge_probe"] = run_probe(args, splits, tokenizer, **input_path(args))
     if args.input_ablation:  # the input-side choices, measured with the same probe
         for name, kw in ABLATIONS.items():
             results[name] = run_probe(args, splits, tokenizer, **kw)

@@ -74,6 +74,9 @@ def test_history_and_ridge_helpers(nq):
     X = torch.tensor([[0.0], [1.0], [2.0], [3.0]], dtype=torch.float64)
     w = nq.ridge_fit(X, 2 * X[:, 0] + 1, 0.0)
     torch.testing.assert_close(w, torch.tensor([2.0, 1.0], dtype=torch.float64))
+    assert nq.input_path(nq.parse_args(["--quick", "--input-path", "seeds"])) == dict(standardize_inputs=False,
+                                                                                       direction_norm=1.0)
+    assert nq.input_path(nq.parse_args(["--quick"])) == {}
     s = nq.score([1.0, 2.0], [1.5, 4.0], scales=[1.0, 1.0])
     assert s["mae"] == pytest.approx(1.25) and s["coverage_50"] == 0.5 and s["coverage_90"] == 1.0
 
