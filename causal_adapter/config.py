@@ -84,6 +84,9 @@ class CausalAdapterConfig:
     b_noise_Y_init: initial |b_noise_Y| (standardised value units).
     value_decimals: decimals of a generated value's text (None = 6 significant digits); `train()`
         sets it to the most decimals seen in the training targets.
+    value_calibration: the split-conformal calibration map of the value intervals
+        (`causal_adapter.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
+        None = the raw Cauchy intervals.
     """
 
     causal_size: int | None = None
@@ -109,6 +112,7 @@ class CausalAdapterConfig:
     regression_scale: str = "independent"
     b_noise_Y_init: float = 1.0
     value_decimals: int | None = None
+    value_calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -161,6 +165,8 @@ class CausalAdapterConfig:
                                                 or not isinstance(self.value_decimals, int)
                                                 or not 0 <= self.value_decimals <= 12):
             raise ValueError(f"value_decimals must be an integer in [0, 12] or None, got {self.value_decimals!r}")
+        if self.value_calibration is not None:
+            _validate_calibration(self.value_calibration)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.lora is not None:
@@ -185,3 +191,16 @@ class CausalAdapterConfig:
     @classmethod
     def from_json(cls, text: str) -> "CausalAdapterConfig":
         return cls.from_dict(json.loads(text))
+
+
+def _validate_calibration(calibration: Any) -> None:
+    bad = ValueError(f"value_calibration must be {{'n': count, 'scores': sorted finite non-negative floats}}, "
+                     f"got {str(calibration)[:120]}")
+    if not isinstance(calibration, dict) or set(calibration) != {"n", "scores"}:
+        raise bad
+    n, scores = calibration["n"], calibration["scores"]
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or not isinstance(scores, list) or not scores:
+        raise bad
+    if len(scores) > n or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0
+                              for s in scores) or any(a > b for a, b in zip(scores, scores[1:])):
+        raise bad

@@ -25,6 +25,7 @@ from .data import IGNORE_INDEX
 from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
                        resolve_lora_settings, text_config)
 from .heads import AbductionHead, ActionHead, NumericEmbedding
+from .intervals import interval
 from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
 
 _LORA_PREFIX = "lora."
@@ -152,6 +153,13 @@ class CausalModel(nn.Module):
         if value_decimals is not None:
             self.config.value_decimals = int(value_decimals)
         self.action.set_value_units(value_loc, value_scale)
+
+    def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True
+                       ) -> tuple[Tensor, Tensor]:
+        """(lower, upper) of the central `level` interval of the value, shapes of loc_Y. calibrated=True
+        uses the adapter's split-conformal map (`config.value_calibration`) when it has one;
+        calibrated=False (or no map) gives the raw Cauchy interval loc_Y -+ tan(pi level / 2) scale_Y."""
+        return interval(loc_Y, scale_Y, level, self.config.value_calibration if calibrated else None)
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self) -> None:

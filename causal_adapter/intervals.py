@@ -1,0 +1,76 @@
+"""Prediction intervals for a value Y ~ Cauchy(loc_Y, scale_Y) (SPEC 2, "Calibration map").
+
+* raw: the central Cauchy interval, loc_Y +- tan(pi q / 2) scale_Y;
+* calibrated: loc_Y +- c_q scale_Y, with c_q the split-conformal quantile of the normalised
+  validation residuals |y - loc_Y| / scale_Y with the (n + 1) correction: the ceil((n + 1) q)-th
+  smallest of n scores. A level past n / (n + 1) has no finite conformal quantile: c_q = inf.
+
+The calibration map is a small dict stored in `CausalAdapterConfig.value_calibration` (hence in
+the adapter's config file): ``{"n": n, "scores": [...]}``, the sorted scores, thinned to at most
+`MAX_SCORES` evenly spaced order statistics (interpolated between) for large validation sets.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+#: most order statistics kept in a calibration map (the config file stays small)
+MAX_SCORES = 1001
+
+
+def check_level(level: float) -> float:
+    level = float(level)
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"an interval level must be in (0, 1), got {level!r}")
+    return level
+
+
+def cauchy_multiplier(level: float) -> float:
+    """Half-width of the central `level` interval of a standard Cauchy: tan(pi level / 2)."""
+    return math.tan(math.pi * check_level(level) / 2.0)
+
+
+def fit_calibration(y: Sequence[float] | Tensor, loc: Sequence[float] | Tensor, scale: Sequence[float] | Tensor,
+                    max_scores: int = MAX_SCORES) -> dict | None:
+    """The calibration map of validation targets `y` [n] under predictions (loc, scale) [n], or None
+    when no finite score exists."""
+    y, loc, scale = (torch.as_tensor(t, dtype=torch.float64).reshape(-1) for t in (y, loc, scale))
+    scores = ((y - loc).abs() / scale).sort().values
+    scores = scores[torch.isfinite(scores)]
+    n = int(scores.numel())
+    if n == 0:
+        return None
+    if n > max_scores:  # evenly spaced order statistics, both ends kept
+        idx = torch.linspace(0, n - 1, max_scores, dtype=torch.float64).round().long()
+        scores = scores[idx]
+    return {"n": n, "scores": [float(s) for s in scores]}
+
+
+def conformal_multiplier(calibration: dict, level: float) -> float:
+    """c_q of `calibration` for `level`: the ceil((n + 1) q)-th smallest score (inf past n / (n + 1))."""
+    level = check_level(level)
+    n, scores = int(calibration["n"]), calibration["scores"]
+    k = math.ceil((n + 1) * level)
+    if k > n:
+        return math.inf
+    if len(scores) == n:
+        return float(scores[k - 1])
+    pos = (k - 1) / max(n - 1, 1) * (len(scores) - 1)  # thinned: interpolate the order statistics
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(scores) - 1)
+    return float(scores[lo] + (pos - lo) * (scores[hi] - scores[lo]))
+
+
+def multiplier(level: float, calibration: dict | None = None) -> float:
+    """The calibrated c_q when a calibration map is given, else the raw Cauchy tan(pi q / 2)."""
+    return conformal_multiplier(calibration, level) if calibration else cauchy_multiplier(level)
+
+
+def interval(loc: Tensor, scale: Tensor, level: float, calibration: dict | None = None) -> tuple[Tensor, Tensor]:
+    """(lower, upper) of the central `level` interval: loc -+ c_q scale (shapes of loc / scale)."""
+    c = multiplier(level, calibration)
+    half = scale * c if math.isfinite(c) else torch.full_like(scale, math.inf)
+    return loc - half, loc + half

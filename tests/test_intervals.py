@@ -1,0 +1,48 @@
+"""Interval multipliers: raw Cauchy and split-conformal with the (n + 1) correction."""
+import math
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig
+from causal_adapter.intervals import conformal_multiplier, fit_calibration, interval, multiplier
+
+
+def test_raw_cauchy_interval_has_its_nominal_coverage():
+    g = torch.Generator().manual_seed(0)
+    y = torch.tan(math.pi * (torch.rand(200_000, generator=g, dtype=torch.float64) - 0.5)) * 3.0 + 5.0
+    for level in (0.5, 0.8, 0.9, 0.95):
+        lo, hi = interval(torch.full_like(y, 5.0), torch.full_like(y, 3.0), level)
+        assert abs(float(((y >= lo) & (y <= hi)).double().mean()) - level) < 0.005
+
+
+def test_conformal_multiplier_is_the_n_plus_1_order_statistic():
+    calib = fit_calibration([1.0, 2.0, 3.0, 4.0], [0.0] * 4, [1.0] * 4)
+    assert calib == {"n": 4, "scores": [1.0, 2.0, 3.0, 4.0]}
+    assert conformal_multiplier(calib, 0.5) == 3.0  # ceil(5 * 0.5) = 3rd smallest
+    assert conformal_multiplier(calib, 0.8) == 4.0
+    assert conformal_multiplier(calib, 0.81) == math.inf  # past n / (n + 1)
+    assert multiplier(0.5) == pytest.approx(1.0)  # tan(pi / 4)
+
+
+def test_conformal_coverage_on_fresh_draws_with_a_wrong_scale():
+    # residuals from a normal with sd 2, predicted scale 1 (wrong family, wrong width): conformal fixes both
+    g = torch.Generator().manual_seed(1)
+    cal = torch.randn(5000, generator=g, dtype=torch.float64) * 2.0
+    test = torch.randn(100_000, generator=g, dtype=torch.float64) * 2.0
+    calib = fit_calibration(cal, torch.zeros_like(cal), torch.ones_like(cal))
+    assert len(calib["scores"]) <= 1001 and calib["n"] == 5000
+    for level in (0.5, 0.8, 0.9, 0.95):
+        lo, hi = interval(torch.zeros_like(test), torch.ones_like(test), level, calib)
+        assert abs(float(((test >= lo) & (test <= hi)).double().mean()) - level) < 0.02
+
+
+def test_calibration_map_round_trips_through_the_config_and_is_validated():
+    calib = fit_calibration([0.5, -1.0, 2.0], [0.0] * 3, [1.0] * 3)
+    cfg = CausalAdapterConfig(value_calibration=calib)
+    assert CausalAdapterConfig.from_json(cfg.to_json()).value_calibration == calib
+    for bad in ({"n": 3}, {"n": 0, "scores": [1.0]}, {"n": 2, "scores": [2.0, 1.0]}, {"n": 1, "scores": [float("nan")]}):
+        with pytest.raises(ValueError, match="value_calibration"):
+            CausalAdapterConfig(value_calibration=bad)
+    with pytest.raises(ValueError, match="level"):
+        multiplier(1.0)
