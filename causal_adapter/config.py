@@ -84,6 +84,10 @@ class CausalAdapterConfig:
     b_noise_Y_init: initial |b_noise_Y| (standardised value units).
     value_decimals: decimals of a generated value's text (None = 6 significant digits); `train()`
         sets it to the most decimals seen in the training targets.
+    autocast_adapter_dtype: on a bf16/fp16 base, the adapter's weights (heads and LoRA) are float32,
+        as peft's `get_peft_model(autocast_adapter_dtype=True)` does (optimizer updates and the
+        GradScaler need them); False keeps the base's dtype (half the adapter memory, bf16-precise
+        heads). Saved tensors have this dtype. Adapters written before this field load as True.
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
@@ -113,6 +117,7 @@ class CausalAdapterConfig:
     b_noise_Y_init: float = 1.0
     value_decimals: int | None = None
     value_calibration: dict | None = None
+    autocast_adapter_dtype: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -167,6 +172,8 @@ class CausalAdapterConfig:
             raise ValueError(f"value_decimals must be an integer in [0, 12] or None, got {self.value_decimals!r}")
         if self.value_calibration is not None:
             _validate_calibration(self.value_calibration)
+        if not isinstance(self.autocast_adapter_dtype, bool):
+            raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.lora is not None:

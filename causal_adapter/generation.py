@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
+from .heads import full_precision
 from .scoring import OvRScorer
 
 MODES = ("softmax", "deterministic", "causal")
@@ -416,37 +417,38 @@ def generate(
                 shared_eps = _draw_eps(B, C, hdtype, device, gen)
         for t in range(T):
             z = out.last_hidden_state[:, -1]
-            loc_U, scale_U = model.abduction(z)
-            scale_Up = model.action.noisy_scale(scale_U)
-            loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
-            if mode == "causal":
-                eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
-                u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
-                decision, y = model.action.decision_scores(u, scorer.W_cls)
-                if t < min_new_tokens and eos:
-                    decision[:, eos_t] = -math.inf
-                tok = decision.argmax(-1)
-                val = y
-                prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
-                if eps_all is not None:
-                    eps_all[:, t] = eps
-            else:
-                loc_S = scorer.loc_scores(loc_U)
-                if t < min_new_tokens and eos:
-                    loc_S[:, eos_t] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
-                val = loc_Y
-                if mode == "deterministic":
-                    tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
+            with full_precision(z.device):  # the heads as in forward, whatever autocast is active
+                loc_U, scale_U = model.abduction(z)
+                scale_Up = model.action.noisy_scale(scale_U)
+                loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
+                if mode == "causal":
+                    eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
+                    u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
+                    decision, y = model.action.decision_scores(u, scorer.W_cls)
+                    if t < min_new_tokens and eos:
+                        decision[:, eos_t] = -math.inf
+                    tok = decision.argmax(-1)
+                    val = y
+                    prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
+                    if eps_all is not None:
+                        eps_all[:, t] = eps
                 else:
-                    scores = loc_S
-                    if warpers is not None and len(warpers):
-                        scores = warpers(sequences[:, :S + t], scores)
-                    if do_sample:
-                        probs = torch.softmax(scores, -1)
-                        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                    loc_S = scorer.loc_scores(loc_U)
+                    if t < min_new_tokens and eos:
+                        loc_S[:, eos_t] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
+                    val = loc_Y
+                    if mode == "deterministic":
+                        tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
                     else:
-                        tok = scores.argmax(-1)
-                    prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+                        scores = loc_S
+                        if warpers is not None and len(warpers):
+                            scores = warpers(sequences[:, :S + t], scores)
+                        if do_sample:
+                            probs = torch.softmax(scores, -1)
+                            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                        else:
+                            tok = scores.argmax(-1)
+                        prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
             tok = torch.where(finished, pad_id, tok)
             val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
             exact_all[:, t] = val

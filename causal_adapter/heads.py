@@ -5,8 +5,9 @@ AbductionHead     z -> (loc_U, scale_U): a Cauchy distribution over the individu
 ActionHead        U -> OvR token scores (loc_S, scale_S) through the SHARED lm_head weight,
                   and a Cauchy regression (loc_Y, scale_Y) for the value of a <NUM>.
 
-All heads compute in `dtype` (float32 for a bf16/fp16 backbone, else the backbone's dtype);
-the shared W_cls is cast per use, never copied into the adapter.
+All heads compute in `dtype` (float32 for a bf16/fp16 backbone, else the backbone's dtype) with
+autocast switched off (`full_precision`): a bf16 autocast region around the model does not reach them.
+The shared W_cls is cast per use by chunks of rows, never copied into the adapter.
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+def full_precision(device: torch.device | str):
+    """Context in which the heads and losses run: autocast off on `device`'s type, so that every
+    matmul computes in its operands' own dtype (float32 heads stay float32 under a bf16 autocast)."""
+    return torch.autocast(device_type=torch.device(device).type, enabled=False)
 
 
 def inverse_softplus(y: float) -> float:
@@ -215,9 +222,21 @@ def _idx(k: int, like: Tensor) -> Tensor:
     return torch.tensor([k], device=like.device)
 
 
+#: rows of a lower-precision W cast to x's dtype at a time in `linear_in_dtype` (a few MB)
+LINEAR_CHUNK_ROWS = 4096
+
+
 def linear_in_dtype(x: Tensor, W: Tensor) -> Tensor:
-    """x @ W.T in x's dtype. A lower-precision W (bf16) is not copied to fp32 (that would be a
-    V x H copy per call): x is cast down for the matmul, as the base model itself computes."""
+    """x @ W.T in x's dtype, [..., H] x [V, H] -> [..., V]. A lower-precision W (bf16) is cast up
+    by chunks of LINEAR_CHUNK_ROWS rows: the product is as accurate as x's dtype (casting x down
+    to bf16 instead makes loc_S bf16-precise: ~3e-3 relative, measured in docs/mixed_precision.md)
+    and no V x H copy of W is made."""
     if W.dtype == x.dtype:
         return F.linear(x, W)
-    return F.linear(x.to(W.dtype), W).to(x.dtype)
+    V = W.shape[0]
+    if V <= LINEAR_CHUNK_ROWS:
+        return F.linear(x, W.to(x.dtype))
+    out = x.new_empty(*x.shape[:-1], V)
+    for c in range(0, V, LINEAR_CHUNK_ROWS):
+        out[..., c:c + LINEAR_CHUNK_ROWS] = F.linear(x, W[c:c + LINEAR_CHUNK_ROWS].to(x.dtype))
+    return out

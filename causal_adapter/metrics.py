@@ -35,6 +35,7 @@ from torch import Tensor
 
 from .cauchy import cauchy_icdf, ovr_probability
 from .data import IGNORE_INDEX
+from .heads import full_precision
 from .integrations import unwrap_model
 
 INTERVAL_LEVELS = (0.5, 0.9)
@@ -91,7 +92,8 @@ class MetricAccumulator:
             self.sum_cls += float(output.loss_cls) * n
             self.sum_reg += float(output.loss_reg) * max(1, n_num)
             self.n_num_labels += n_num
-            preds, nll = self._predict(model, output, keep, y)
+            with full_precision(y.device):  # the scores as the model's forward computes them
+                preds, nll = self._predict(model, output, keep, y)
             self.correct += int((preds == y).sum())
             pred_num = preds == self.num_token_id
             self.tp += int((pred_num & is_num).sum())

@@ -24,7 +24,7 @@ from .config import CausalAdapterConfig
 from .data import IGNORE_INDEX
 from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
                        resolve_lora_settings, text_config)
-from .heads import AbductionHead, ActionHead, NumericEmbedding
+from .heads import AbductionHead, ActionHead, NumericEmbedding, full_precision
 from .intervals import interval
 from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
 
@@ -53,9 +53,12 @@ class CausalOutput(ModelOutput):
     past_key_values: Any = None
 
 
-def _head_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Heads keep full precision on a bf16/fp16 backbone; an fp64 backbone gets fp64 heads.
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+def _head_dtype(dtype: torch.dtype, autocast_adapter_dtype: bool = True) -> torch.dtype:
+    # Heads keep full precision on a bf16/fp16 backbone (unless asked to keep the base dtype);
+    # an fp64 backbone gets fp64 heads.
+    if dtype in (torch.float32, torch.float64) or not autocast_adapter_dtype:
+        return dtype
+    return torch.float32
 
 
 def check_supported(model: nn.Module) -> None:
@@ -118,7 +121,7 @@ class CausalModel(nn.Module):
                 f"causal_size={C} must equal the backbone hidden size {H}: W_cls is the backbone's own "
                 "lm_head weight (shared, not copied), which acts on H-dimensional vectors"
             )
-        dtype, device = _head_dtype(W.dtype), W.device
+        dtype, device = _head_dtype(W.dtype, config.autocast_adapter_dtype), W.device
         gen = torch.Generator().manual_seed(config.seed)  # CPU generator: same init on every device
         for p in backbone.parameters():
             p.requires_grad_(False)
@@ -164,6 +167,7 @@ class CausalModel(nn.Module):
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self) -> None:
         from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import cast_adapter_dtype
 
         s = self.config.lora
         lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
@@ -176,6 +180,8 @@ class CausalModel(nn.Module):
             what = f"target_modules {list(s.target_modules)}" + (
                 f" / target_parameters {list(s.target_parameters)}" if s.target_parameters else "")
             raise ValueError(f"LoRA {what} do not match the backbone: {e}") from None
+        # as peft's get_peft_model: bf16/fp16 LoRA weights become float32 (AdamW, GradScaler need them)
+        cast_adapter_dtype(self.backbone, "default", autocast_adapter_dtype=self.config.autocast_adapter_dtype)
 
     @property
     def decoder(self) -> nn.Module:
@@ -327,15 +333,18 @@ class CausalModel(nn.Module):
                 use_cache=use_cache,
             )
         z = out.last_hidden_state
-        loc_U, scale_U = self.abduction(z)
-        scale_Up = self.action.noisy_scale(scale_U)
-        loc_Y, scale_Y = self.action.regression(loc_U, scale_Up)
-        result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
-                              past_key_values=out.past_key_values if use_cache else None)
-        if return_scores:
-            result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
-        if labels is not None:
-            result.loss, result.loss_cls, result.loss_reg = self.loss(loc_U, scale_Up, loc_Y, scale_Y, labels, label_values)
+        # heads and losses in their own dtype whatever autocast the caller runs (bf16 loc_Y near 400 moves in steps of 2)
+        with full_precision(z.device):
+            loc_U, scale_U = self.abduction(z)
+            scale_Up = self.action.noisy_scale(scale_U)
+            loc_Y, scale_Y = self.action.regression(loc_U, scale_Up)
+            result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
+                                  past_key_values=out.past_key_values if use_cache else None)
+            if return_scores:
+                result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
+            if labels is not None:
+                result.loss, result.loss_cls, result.loss_reg = self.loss(loc_U, scale_Up, loc_Y, scale_Y, labels,
+                                                                          label_values)
         return result
 
     def loss(self, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, scale_Y: Tensor, labels: Tensor,

@@ -454,7 +454,8 @@ def train(
 
     resumed_from = resolve_resume(config)
     if resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
-        fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main, eval_ds=eval_ds)
+        with accelerator.autocast():  # the features as training's forward computes them (bf16 backbone)
+            fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main, eval_ds=eval_ds)
 
     bs, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
     sampler = EpochSampler(len(train_ds), world, rank, seed=config.seed)
@@ -601,7 +602,8 @@ def train(
     # ---------------------------------------------------------------- end
     if config.regression_init == "ridge" and features_trained(inner):
         # the features moved under the head (LoRA, W_loc, d): the least-squares probe again, on them
-        fit_value_head(inner, config, train_ds, collator, device, verbose=is_main, eval_ds=eval_ds)
+        with accelerator.autocast():
+            fit_value_head(inner, config, train_ds, collator, device, verbose=is_main, eval_ds=eval_ds)
         last_eval_step = -1
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()

@@ -1,0 +1,123 @@
+"""Mixed precision (issue 19 items 1, 2, 6): heads and losses do not depend on autocast, adapter
+weights in float32 on a bf16/fp16 base, the fused loss's GEMM precision option, host syncs and the
+compiled kernel's fallback."""
+import warnings
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
+from causal_adapter import loss as loss_module
+from causal_adapter.heads import linear_in_dtype
+from causal_adapter.loss import fused_ovr_loss, reference_ovr_loss
+from conftest import small_vocab_qwen
+
+NUM = 300  # <NUM> row of the small-vocabulary models (vocab 320)
+
+
+def numeric_batch(seed=0, B=2, S=24, loc=400.0, spread=150.0):
+    """input_ids with <NUM> at every third position (values around `loc`), labels = input_ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 290, (B, S), generator=g)
+    ids[:, 1::3] = NUM
+    values = torch.where(ids == NUM, loc + spread * torch.randn(B, S, generator=g), torch.zeros(B, S))
+    return ids, values
+
+
+def bf16_model(lora=True, **cfg):
+    base = small_vocab_qwen(dtype=torch.bfloat16, seed=2)
+    cfg.setdefault("num_token_id", NUM)
+    cfg.setdefault("learnable_threshold", True)
+    if lora:
+        cfg["lora"] = LoraSettings(r=4, alpha=8)
+    model = get_causal_model(base, CausalAdapterConfig(**cfg))
+    model.set_value_units(400.0, 150.0)
+    return model
+
+
+def run(model, ids, values, autocast_dtype=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        out = model(ids, values, labels=ids)
+    out.loss.backward()
+    return out, {n: p.grad.detach().double().clone() for n, p in model.trainable_parameters()}
+
+
+def cosine(a, b):
+    a, b = a.flatten(), b.flatten()
+    return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def test_bf16_autocast_matches_no_autocast():
+    """A bf16 base under bf16 autocast: every adapter gradient within cosine 0.999 of the run without
+    autocast (the <NUM> row was 0.90 with bf16 heads), loc_Y within 1% of value_scale."""
+    model = bf16_model()
+    ids, values = numeric_batch()
+    ref, ref_grads = run(model, ids, values)
+    amp, amp_grads = run(model, ids, values, torch.bfloat16)
+    for t in (amp.loss, amp.loc_U, amp.scale_U, amp.loc_Y, amp.scale_Y):
+        assert t.dtype == torch.float32
+    assert (amp.loc_Y - ref.loc_Y).abs().max() <= 0.01 * 150.0
+    assert set(amp_grads) == set(ref_grads) and any(n.startswith("backbone.") for n in ref_grads)
+    worst = min((cosine(amp_grads[n], g), n) for n, g in ref_grads.items() if g.abs().sum() > 0)
+    assert worst[0] >= 0.999, worst
+    assert "action.num_row" in ref_grads
+
+
+def test_fp16_autocast_with_grad_scaler():
+    """fp16 base + CPU fp16 autocast: finite loss, and torch's GradScaler unscales the float32 adapter
+    gradients (it refuses fp16 gradients, which a LoRA kept in the base dtype gives)."""
+    base = small_vocab_qwen(dtype=torch.float16, seed=2)
+    ids, values = numeric_batch()
+    for keep_dtype in (False, True):
+        model = get_causal_model(base if not keep_dtype else small_vocab_qwen(dtype=torch.float16, seed=2),
+                                 CausalAdapterConfig(num_token_id=NUM, lora=LoraSettings(r=4, alpha=8),
+                                                     autocast_adapter_dtype=not keep_dtype))
+        params = [p for _, p in model.trainable_parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(ids, values, labels=ids)
+        assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
+        scaler.scale(out.loss).backward()
+        if keep_dtype:
+            with pytest.raises(ValueError, match="FP16 gradients"):
+                scaler.unscale_(opt)
+        else:
+            assert {p.dtype for p in params} == {torch.float32}
+            scaler.step(opt)
+            scaler.update()
+
+
+def test_lora_weights_float32_on_bf16_base_and_option_keeps_base_dtype(tmp_path):
+    model = bf16_model()
+    lora = {n: p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and set(lora.values()) == {torch.float32}
+    assert model.abduction.loc.weight.dtype == torch.float32
+    kept = bf16_model(autocast_adapter_dtype=False)
+    assert {p.dtype for _, p in kept.trainable_parameters()} == {torch.bfloat16}
+    ids, values = numeric_batch()
+    out = kept(ids, values, labels=ids)
+    assert torch.isfinite(out.loss)
+    # the saved dtype is the adapter's; the option round-trips and old adapters (without it) load as True
+    kept.save_pretrained(tmp_path / "kept")
+    again = type(kept).from_pretrained(small_vocab_qwen(dtype=torch.bfloat16, seed=2), tmp_path / "kept")
+    assert again.config.autocast_adapter_dtype is False and again.action.b_cls.dtype == torch.bfloat16
+    cfg = CausalAdapterConfig(autocast_adapter_dtype=False)
+    assert CausalAdapterConfig.from_json(cfg.to_json()) == cfg
+    legacy = {k: v for k, v in CausalAdapterConfig().to_dict().items() if k != "autocast_adapter_dtype"}
+    assert CausalAdapterConfig.from_dict(legacy).autocast_adapter_dtype is True
+    with pytest.raises(ValueError, match="autocast_adapter_dtype"):
+        CausalAdapterConfig(autocast_adapter_dtype="yes")
+
+
+def test_linear_in_dtype_is_float32_accurate_on_a_bf16_weight(monkeypatch):
+    """x float32 @ W bf16: as accurate as float32 (W upcast by chunks), not bf16-rounded."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(1000, 64, generator=g).bfloat16()
+    x = torch.randn(3, 64, generator=g) * 30
+    exact = x.double() @ W.double().T
+    monkeypatch.setattr("causal_adapter.heads.LINEAR_CHUNK_ROWS", 256)  # several chunks
+    got = linear_in_dtype(x, W)
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
