@@ -14,6 +14,7 @@ gives the same value and gradients without ever holding more than one [T, Vc] bl
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -36,6 +37,11 @@ MIN_VOCAB_CHUNK, MAX_VOCAB_CHUNK = 256, 8192
 # 35 s on 2 CPU cores, then cached on disk) costs more than it saves.
 COMPILE_MIN_ELEMENTS = 2**24
 COMPILE_ENV = "CAUSAL_ADAPTER_COMPILE_LOSS"  # "0": never compile the block kernel, "1": always
+# Precision of the block GEMMs of a float32 fused loss (docs/mixed_precision.md has the accuracy cost):
+# "fp32" true float32 (default until a GPU measures the speed), "tf32" TF32 tensor cores on CUDA,
+# "bf16" bf16-rounded operands with float32 accumulation.
+GEMM_PRECISIONS = ("fp32", "tf32", "bf16")
+GEMM_ENV = "CAUSAL_ADAPTER_LOSS_GEMM"  # overrides the default gemm_precision
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +122,7 @@ class _Plan:
     recompute: bool  # forward computes the loss only; backward redoes the chunks
     exclude: Tensor | None  # W rows that get no gradient (replaced by row_override)
     compiled: bool = False  # elementwise part of a block as one torch.compile'd kernel
+    gemm: str = "fp32"  # GEMM_PRECISIONS
 
 
 def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
@@ -135,8 +142,8 @@ def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget
     return T, max(1, min(Vc, V))
 
 
-def _block_terms(Z: Tensor, S: Tensor, R: Tensor, B1: Tensor, B2: Tensor, Nf: Tensor, grads: bool) -> float:
-    """Sum of log(1 - P) over one [t, v] block, all columns taken as non-targets.
+def _block_terms(Z: Tensor, S: Tensor, R: Tensor, B1: Tensor, B2: Tensor, Nf: Tensor, grads: bool) -> Tensor:
+    """Sum of log(1 - P) over one [t, v] block, all columns taken as non-targets (0-dim, on the device).
 
     Z holds z = loc_S - C, S the floored scale s; R, B1, B2, Nf are scratch of the same
     shape. If `grads`, S is overwritten with pi * d/dz and Z with -pi * d/ds of -log(1 - P):
@@ -152,7 +159,7 @@ def _block_terms(Z: Tensor, S: Tensor, R: Tensor, B1: Tensor, B2: Tensor, Nf: Te
     torch.neg(R, out=B1).log1p_()  # log(1-P) where z < 0
     torch.log(R, out=B2)  # log(1-P) where z >= 0
     torch.lerp(B2, B1, Nf, out=B2)  # exact select for weights 0/1 (torch.where is not vectorised)
-    total = float(B2.sum())
+    total = B2.sum()
     if grads:
         torch.sub(1.0, R, out=B1)
         q = torch.lerp(R, B1, Nf, out=R)  # 1 - P = theta / pi
@@ -218,14 +225,16 @@ _compile_error: list[str] = []  # set once when torch.compile failed: eager from
 
 
 def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: Tensor, grads: bool) -> bool:
-    """Run `_block_kernel` compiled; False (buffers untouched) if torch.compile is unusable."""
+    """Run `_block_kernel` compiled; False if torch.compile is unusable (the first failure warns once, and
+    every later call returns False at once). A failure may have written into the buffers: the caller
+    recomputes the block before the eager kernel."""
     if _compile_error:
         return False
-    fn = _compiled_kernels.get(Zb.device.type)
-    if fn is None:
-        logger.info("compiling the OvR block kernel with torch.compile (once; cached on disk)")
-        fn = _compiled_kernels[Zb.device.type] = torch.compile(_block_kernel, dynamic=True, fullgraph=True)
-    try:
+    try:  # torch.compile is lazy: compiling happens at the first call, inside this try
+        fn = _compiled_kernels.get(Zb.device.type)
+        if fn is None:
+            logger.info("compiling the OvR block kernel with torch.compile (once; cached on disk)")
+            fn = _compiled_kernels[Zb.device.type] = torch.compile(_block_kernel, dynamic=True, fullgraph=True)
         fn(Zb, Sb, Lb, numel, floor, grads)
     except Exception as e:  # no C++ compiler / Triton, unsupported platform, ...
         _compile_error.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
@@ -234,6 +243,15 @@ def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: 
                       RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def resolve_gemm_precision(gemm_precision: str | None) -> str:
+    """The argument, else $CAUSAL_ADAPTER_LOSS_GEMM, else "fp32"; a ValueError names the choices."""
+    value = gemm_precision or os.environ.get(GEMM_ENV) or "fp32"
+    if value not in GEMM_PRECISIONS:
+        source = "gemm_precision" if gemm_precision else GEMM_ENV
+        raise ValueError(f"{source} must be one of {GEMM_PRECISIONS}, got {value!r}")
+    return value
 
 
 def use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
@@ -251,111 +269,135 @@ def use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_t
     return bool(compile) and not _compile_error
 
 
+def _round_tf32(x: Tensor) -> Tensor:
+    """float32 -> the nearest float32 with TF32's 10-bit mantissa (ties away from zero, as cvt.rna)."""
+    return ((x.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _gemm_operand(x: Tensor, gemm: str) -> Tensor:
+    """A block GEMM's operand as the chosen precision reads it: bf16-rounded ("bf16"), TF32-rounded
+    ("tf32" off CUDA: the same numbers TF32 tensor cores read; on CUDA the hardware rounds), else x.
+    The product then accumulates in float32, as TF32 / bf16 tensor-core GEMMs do."""
+    if gemm == "bf16":
+        return x.to(torch.bfloat16).to(x.dtype)
+    if gemm == "tf32" and x.device.type != "cuda":
+        return _round_tf32(x)
+    return x
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(on: bool):
+    """TF32 GEMMs on CUDA inside the block (restored after)."""
+    if not on:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _floor_bounds(su_c: Tensor, W: Tensor, tok, vch, dt, need_rows: bool) -> tuple[list[float], list[float]]:
+    """(min_c scale_Up per token chunk, min_k sum_c |W_kc| per vocab chunk), read in ONE host sync:
+    scale_S >= min_c(scale_Up_i) * sum_c |W_kc| lets whole blocks skip the floor mask (only blocks
+    touching near-zero W rows pay for it). Without `need_rows` (compiled kernel: it masks itself) the
+    row bounds are 0."""
+    parts = [su_c[a:e].min() for a, e in tok]
+    if need_rows:
+        parts += [W[v0:v1].abs().sum(1, dtype=dt).min() for v0, v1 in vch]
+    vals = torch.stack(parts).tolist() if parts else []
+    return vals[:len(tok)], vals[len(tok):] if need_rows else [0.0] * len(vch)
+
+
 def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     """One sweep over [n, V] in [T, Vc] blocks.
 
-    Returns (sum over rows of sum_k log-terms, grads) where the loss is -sum/n and grads is
-    (g_lu, g_su, g_W, g_b, g_thr) of the MEAN loss (None where not needed).
+    Returns (sum over rows of sum_k log-terms as a 0-dim device tensor, grads) where the loss is
+    -sum/n and grads is (g_lu, g_su, g_W, g_b, g_thr) of the MEAN loss (None where not needed).
     Every column is first treated as a non-target (term log(1 - P)); each row's target
-    column is then corrected with an O(n C) gather (term log P - log(1 - P)).
+    column is then corrected with an O(n C) gather (term log P - log(1 - P)). One host sync in all
+    (`_floor_bounds`): the block sums accumulate on the device.
     """
     need_lu, need_su, need_W, need_b, need_thr = needs
     grads = any(needs)
     n, C = lu.shape
     V = W.shape[0]
-    dt, floor = plan.dtype, plan.floor
+    dt, floor, gemm = plan.dtype, plan.floor, plan.gemm if plan.dtype == torch.float32 else "fp32"
     T, Vc = plan.token_chunk, plan.vocab_chunk
     thr_vec = thr.numel() > 1
     inv = 1.0 / max(1, n)
     lu_c, su_c = lu.to(dt), su.to(dt)
+    lu_g, su_g = _gemm_operand(lu_c, gemm), _gemm_operand(su_c, gemm)
+    dev = lu.device
 
     g_lu = torch.zeros_like(lu_c) if need_lu else None
     g_su = torch.zeros_like(su_c) if need_su else None
     g_W = torch.zeros_like(W) if need_W else None
-    colsum = torch.zeros(V, dtype=dt, device=lu.device) if (need_b or (need_thr and thr_vec)) else None
-    gz_total = torch.zeros((), dtype=dt, device=lu.device) if (need_thr and not thr_vec) else None
-    total = 0.0  # python float (fp64) accumulator of the block sums
+    colsum = torch.zeros(V, dtype=dt, device=dev) if (need_b or (need_thr and thr_vec)) else None
+    gz_total = torch.zeros((), dtype=dt, device=dev) if (need_thr and not thr_vec) else None
+    total = torch.zeros((), dtype=torch.float64 if dev.type != "mps" else dt, device=dev)
 
     tok = [(t0, min(n, t0 + T)) for t0 in range(0, n, T)]
-    # min_c scale_Up per token chunk: scale_S >= min_c(scale_Up_i) * sum_c |W_kc| lets whole
-    # blocks skip the floor mask (only blocks touching near-zero W rows pay for it).
-    smin = [float(su_c[a:e].min()) for a, e in tok]
-    flat = [torch.empty(T * Vc, dtype=dt, device=lu.device) for _ in range(6 if n else 0)]
-    floor_t = torch.tensor(floor, dtype=dt, device=lu.device)
-    mask_flat = torch.empty(T * Vc, dtype=torch.bool, device=lu.device) if n else None
+    vch = [(v0, min(V, v0 + Vc)) for v0 in range(0, V if n else 0, Vc)]
+    compiled = plan.compiled
+    smin, rowmins = _floor_bounds(su_c, W, tok, vch, dt, need_rows=not compiled)
+    flat = [torch.empty(T * Vc, dtype=dt, device=dev) for _ in range(6 if n else 0)]
+    floor_t = torch.tensor(floor, dtype=dt, device=dev)
+    mask_flat = torch.empty(T * Vc, dtype=torch.bool, device=dev) if n else None
     if need_W and n:  # trainable W: per-chunk accumulators of loc and |W| gradients, reused
-        acc_flat = torch.empty(2, Vc * C, dtype=dt, device=lu.device)
+        acc_flat = torch.empty(2, Vc * C, dtype=dt, device=dev)
 
-    for v0 in range(0, V if n else 0, Vc):
-        v1 = min(V, v0 + Vc)
+    for (v0, v1), rowmin in zip(vch, rowmins):
         v = v1 - v0
         Wc = W[v0:v1].to(dt)
         aWc = Wc.abs()  # |W| per chunk, never for the whole matrix
+        Wg, aWg = _gemm_operand(Wc, gemm), _gemm_operand(aWc, gemm)
         off = _column_offset(b, thr, slice(v0, v1), dt).expand(v)  # addmm's bias
-        # (the compiled kernel applies the floor mask itself: skip this reduction there)
-        rowmin = 0.0 if plan.compiled else float(aWc.sum(1).min())
         if need_W:
             accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2))
         for (t0, t1), sm in zip(tok, smin):
-            l, si = lu_c[t0:t1], su_c[t0:t1]
+            l, si = lu_g[t0:t1], su_g[t0:t1]
             Z, S, R, B1, B2, Nf = (buf[: (t1 - t0) * v].view(t1 - t0, v) for buf in flat)
-            torch.addmm(off, l, Wc.T, out=Z)  # z = loc_S - C
-            torch.mm(si, aWc.T, out=S)  # raw scale_S
+            torch.addmm(off, l, Wg.T, out=Z)  # z = loc_S - C
+            torch.mm(si, aWg.T, out=S)  # raw scale_S
             Fm = None
-            if plan.compiled and _run_compiled_kernel(flat[0], flat[1], flat[2], Z.numel(), floor_t, grads):
-                total += float(R.sum())  # (the floor mask is already applied)
+            if compiled and _run_compiled_kernel(flat[0], flat[1], flat[2], Z.numel(), floor_t, grads):
+                total.add_(R.sum())  # (the floor mask is already applied)
             else:
+                if compiled:  # the kernel failed (and may have written into the block): eager from here on
+                    compiled = False
+                    torch.addmm(off, l, Wg.T, out=Z)
+                    torch.mm(si, aWg.T, out=S)
                 if not (sm > 0 and sm * rowmin >= 2 * floor):
                     Fm = mask_flat[: Z.numel()].view_as(Z)
                     torch.ge(S, floor, out=Fm)  # where the floor is inactive (clamp_min's grad mask)
                     S.clamp_min_(floor)
-                total += _block_terms(Z, S, R, B1, B2, Nf, grads)
+                total.add_(_block_terms(Z, S, R, B1, B2, Nf, grads))
             if not grads:
                 continue
             gz, gsn = S, Z  # pi * dL/dz and -pi * dL/ds of L = -log(1 - P), in place
             if Fm is not None:
                 gsn.mul_(Fm)
+            gz, gsn = _gemm_operand(gz, gemm), _gemm_operand(gsn, gemm)
             a = inv / math.pi
             if need_lu:
-                g_lu[t0:t1].addmm_(gz, Wc, alpha=a)
+                g_lu[t0:t1].addmm_(gz, Wg, alpha=a)
             if need_su:
-                g_su[t0:t1].addmm_(gsn, aWc, alpha=-a)
+                g_su[t0:t1].addmm_(gsn, aWg, alpha=-a)
             if colsum is not None:
-                colsum[v0:v1].add_(gz.sum(0), alpha=a)
+                colsum[v0:v1].add_(S.sum(0), alpha=a)
             if gz_total is not None:
-                gz_total.add_(gz.sum(), alpha=a)
+                gz_total.add_(S.sum(), alpha=a)
             if need_W:
                 accL.addmm_(gz.T, l, alpha=a)
                 accS.addmm_(gsn.T, si, alpha=-a)
         if need_W:  # d|W|/dW = sign(W)
             g_W[v0:v1] = accL.addcmul_(torch.sign(Wc), accS)
 
-    # Target column of each row: add log P - log(1 - P) (O(n C), nothing [n, V]).
-    for t0, t1 in tok:
-        l, si, yt = lu_c[t0:t1], su_c[t0:t1], y[t0:t1]
-        Wy = W[yt].to(dt)
-        aWy = Wy.abs()
-        z = (l * Wy).sum(1) + _column_offset(b, thr, yt, dt)
-        s_raw = (si * aWy).sum(1)
-        s = s_raw.clamp_min(floor)
-        log_p, log_1mp = ovr_log_probs(z, s)
-        total += float((log_p - log_1mp).sum())
-        if not grads:
-            continue
-        gz, gs = ovr_log_probs_grads(z, s, -inv, inv)  # of (-log P + log(1 - P)) / n
-        gs = gs * (s_raw >= floor)
-        if need_lu:
-            g_lu[t0:t1].addcmul_(gz[:, None], Wy)
-        if need_su:
-            g_su[t0:t1].addcmul_(gs[:, None], aWy)
-        if colsum is not None:
-            colsum.index_add_(0, yt, gz)
-        if gz_total is not None:
-            gz_total.add_(gz.sum())
-        if need_W:
-            gw = gz[:, None] * l + torch.sign(Wy) * (gs[:, None] * si)
-            g_W.index_add_(0, yt, gw.to(W.dtype))
-
+    total.add_(_target_columns(lu_c, su_c, W, b, thr, y, tok, floor, inv, grads,
+                               g_lu, g_su, g_W, colsum, gz_total))
     if not grads:
         return total, None
     if need_W and plan.exclude is not None:
@@ -369,6 +411,38 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     return total, (g_lu, g_su, g_W, g_b, g_thr)
 
 
+def _target_columns(lu_c, su_c, W, b, thr, y, tok, floor, inv, grads, g_lu, g_su, g_W, colsum, gz_total) -> Tensor:
+    """Target column of each row: the sum of log P - log(1 - P) (0-dim, on the device), O(n C),
+    nothing [n, V]; adds its gradients into the accumulators given (None = not needed)."""
+    dt = lu_c.dtype
+    total = torch.zeros((), dtype=dt, device=lu_c.device)
+    for t0, t1 in tok:
+        l, si, yt = lu_c[t0:t1], su_c[t0:t1], y[t0:t1]
+        Wy = W[yt].to(dt)
+        aWy = Wy.abs()
+        z = (l * Wy).sum(1) + _column_offset(b, thr, yt, dt)
+        s_raw = (si * aWy).sum(1)
+        s = s_raw.clamp_min(floor)
+        log_p, log_1mp = ovr_log_probs(z, s)
+        total += (log_p - log_1mp).sum()
+        if not grads:
+            continue
+        gz, gs = ovr_log_probs_grads(z, s, -inv, inv)  # of (-log P + log(1 - P)) / n
+        gs = gs * (s_raw >= floor)
+        if g_lu is not None:
+            g_lu[t0:t1].addcmul_(gz[:, None], Wy)
+        if g_su is not None:
+            g_su[t0:t1].addcmul_(gs[:, None], aWy)
+        if colsum is not None:
+            colsum.index_add_(0, yt, gz)
+        if gz_total is not None:
+            gz_total.add_(gz.sum())
+        if g_W is not None:
+            gw = gz[:, None] * l + torch.sign(Wy) * (gs[:, None] * si)
+            g_W.index_add_(0, yt, gw.to(W.dtype))
+    return total
+
+
 class _FusedOvR(torch.autograd.Function):
     """Chunked OvR loss. Default: forward also computes the gradients (one sweep, four or
     six GEMMs per block) and backward only scales them by grad_output. Recompute mode
@@ -380,12 +454,13 @@ class _FusedOvR(torch.autograd.Function):
     def forward(ctx, lu, su, W, b, thr, y, plan: _Plan):
         needs = tuple(ctx.needs_input_grad[:5])
         eager = not plan.recompute and any(needs)
-        total, grads = _ovr_pass(lu, su, W, b, thr, y, plan, needs if eager else (False,) * 5)
+        with _tf32_matmuls(plan.gemm == "tf32" and lu.is_cuda):
+            total, grads = _ovr_pass(lu, su, W, b, thr, y, plan, needs if eager else (False,) * 5)
         ctx.grads = grads
         ctx.plan = plan
         ctx.save_for_backward(lu, su, W, b, thr, y)
         n = max(1, lu.shape[0])
-        return torch.tensor(-total / n, dtype=plan.dtype, device=lu.device)
+        return (total / -n).to(plan.dtype)  # stays on the device: no host sync
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -394,10 +469,10 @@ class _FusedOvR(torch.autograd.Function):
                                "double backward); use reference_ovr_loss for higher-order gradients")
         grads, ctx.grads = ctx.grads, None  # hand them out once (autograd can then steal them)
         if grads is None:
-            _, grads = _ovr_pass(*ctx.saved_tensors, ctx.plan, tuple(ctx.needs_input_grad[:5]))
-        scale = float(grad_out)
-        if scale != 1.0:
-            grads = tuple(None if g is None else g.mul_(scale) for g in grads)
+            with _tf32_matmuls(ctx.plan.gemm == "tf32" and grad_out.is_cuda):
+                _, grads = _ovr_pass(*ctx.saved_tensors, ctx.plan, tuple(ctx.needs_input_grad[:5]))
+        # times grad_out on the device (reading it to skip a multiplication by 1 would be a host sync)
+        grads = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in grads)
         g_lu, g_su, g_W, g_b, g_thr = grads
         return g_lu, g_su, g_W, g_b, g_thr, None, None
 
@@ -437,6 +512,7 @@ def fused_ovr_loss(
     memory_budget_mb: float | None = None,
     recompute: bool = False,
     compile: bool | None = None,
+    gemm_precision: str | None = None,
 ) -> Tensor:
     """Same value and gradients as `reference_ovr_loss`, never materialising [N, V].
 
@@ -453,7 +529,12 @@ def fused_ovr_loss(
     compiled once per process, cached on disk; falls back to eager with a warning).
     None (default): on CUDA for float32 when N x V >= COMPILE_MIN_ELEMENTS, never on CPU;
     the environment variable CAUSAL_ADAPTER_COMPILE_LOSS=0/1 overrides the default.
-    Computes in float32 (float64 for float64 activations). Returns a 0-dim tensor.
+    gemm_precision: the block GEMMs of a float32 loss, one of GEMM_PRECISIONS: "fp32" (true float32),
+    "tf32" (TF32 tensor cores on CUDA; elsewhere emulated by rounding the operands: the accuracy, not the
+    speed), "bf16" (operands rounded to bf16, float32 accumulation; emulated: the accuracy cost only).
+    None: $CAUSAL_ADAPTER_LOSS_GEMM, else "fp32" (the speed default awaits a GPU measurement).
+    Computes in float32 (float64 for float64 activations, always exact GEMMs). Returns a 0-dim tensor
+    on the device, with no host sync beyond one per sweep.
     """
     lu, su, y = _flatten_rows(loc_U, scale_Up, labels, ignore_index)
     dt = _compute_dtype(lu, su)
@@ -467,7 +548,8 @@ def fused_ovr_loss(
     w_temps = 1 + (W.dtype != dt) + 3 * bool(want_grads and W.requires_grad)
     T, Vc = chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
     idx = None if row_override is None else row_override[0].to(lu.device)
-    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx, use_compiled(compile, dt, n, V, lu.device.type))
+    plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx,
+                 use_compiled(compile, dt, n, V, lu.device.type), resolve_gemm_precision(gemm_precision))
     loss = _FusedOvR.apply(lu, su, W, b_cls, thr, y, plan)
     if row_override is not None:
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
