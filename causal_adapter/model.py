@@ -243,10 +243,6 @@ class CausalModel(nn.Module):
             if isinstance(t, Tensor) and t.device != emb_device:
                 raise ValueError(f"{name} is on device {t.device} but the model's embedding is on {emb_device}: "
                                  "move the inputs with .to(model.device)")
-        bad_ids = (input_ids < 0) | (input_ids >= self.vocab_size)
-        if bad_ids.any():
-            i = _first_bad(bad_ids)
-            raise ValueError(f"input_ids must be in [0, {self.vocab_size}); got {input_ids[i].item()} at index {i}")
         for name, t in (("numeric_values", numeric_values), ("labels", labels), ("label_values", label_values)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
@@ -254,40 +250,39 @@ class CausalModel(nn.Module):
                 and attention_mask.shape != input_ids.shape):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
                              f"{tuple(input_ids.shape)}")
+        problems = self._value_problems(input_ids, numeric_values, labels, label_values, attention_mask)
+        # one host sync for all of them (each .any() would be one); the details only on failure
+        flags = torch.stack([mask.any() for mask, _ in problems]).tolist()
+        for (mask, message), bad in zip(problems, flags):
+            if bad:
+                raise ValueError(message(_first_bad(mask)))
+
+    def _value_problems(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
+                        label_values: Tensor | None, attention_mask: Tensor | None) -> list:
+        """[(bad-position mask, index -> error message)] of `check_inputs`' value checks, in order."""
+        V, num, ign = self.vocab_size, self.num_token_id, IGNORE_INDEX
+        problems = [((input_ids < 0) | (input_ids >= V),
+                     lambda i: f"input_ids must be in [0, {V}); got {input_ids[i].item()} at index {i}")]
         for name, t in (("numeric_values", numeric_values), ("label_values", label_values)):
-            if t is not None and not torch.isfinite(t).all():
-                raise ValueError(f"{name} contains NaN or inf (first at index {_first_bad(~torch.isfinite(t))})")
+            if t is not None:
+                problems.append((~torch.isfinite(t), lambda i, name=name: f"{name} contains NaN or inf (first at index {i})"))
         if numeric_values is not None:
-            stray = (numeric_values != 0) & (input_ids != self.num_token_id)
-            if stray.any():
-                raise ValueError(
-                    f"numeric_values is non-zero at a position whose token is not <NUM> "
-                    f"(id {self.num_token_id}), first at index {_first_bad(stray)}"
-                )
-        if labels is not None:
-            bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
-            if bad.any():
-                i = _first_bad(bad)
-                raise ValueError(
-                    f"labels must be -100 or in [0, {self.vocab_size}); got {labels[i].item()} at index {i}"
-                )
-            if attention_mask is not None and attention_mask.shape == labels.shape:
-                padded = (labels != IGNORE_INDEX) & (attention_mask == 0)
-                if padded.any():
-                    i = _first_bad(padded)
-                    raise ValueError(
-                        f"labels has a target ({labels[i].item()}) at index {i} where attention_mask is 0 "
-                        "(padding): set labels to -100 at padded positions (NumericCollator does)"
-                    )
-            if label_values is not None:
-                stray = (label_values != 0) & (labels != IGNORE_INDEX) & (labels != self.num_token_id)
-                if stray.any():
-                    i = _first_bad(stray)
-                    raise ValueError(
-                        f"label_values is non-zero ({label_values[i].item()}) at index {i} whose label "
-                        f"{labels[i].item()} is not <NUM> (id {self.num_token_id}): label_values must be aligned "
-                        "with labels (not shifted)"
-                    )
+            problems.append(((numeric_values != 0) & (input_ids != num), lambda i: (
+                f"numeric_values is non-zero at a position whose token is not <NUM> (id {num}), first at index {i}")))
+        if labels is None:
+            return problems
+        problems.append(((labels != ign) & ((labels < 0) | (labels >= V)), lambda i: (
+            f"labels must be -100 or in [0, {V}); got {labels[i].item()} at index {i}")))
+        if attention_mask is not None and attention_mask.shape == labels.shape:
+            problems.append(((labels != ign) & (attention_mask == 0), lambda i: (
+                f"labels has a target ({labels[i].item()}) at index {i} where attention_mask is 0 "
+                "(padding): set labels to -100 at padded positions (NumericCollator does)")))
+        if label_values is not None:
+            problems.append(((label_values != 0) & (labels != ign) & (labels != num), lambda i: (
+                f"label_values is non-zero ({label_values[i].item()}) at index {i} whose label "
+                f"{labels[i].item()} is not <NUM> (id {num}): label_values must be aligned "
+                "with labels (not shifted)")))
+        return problems
 
     def _check_placement(self) -> None:
         """The heads must sit on the device of W_cls and share one dtype (a partial .to() is refused)."""

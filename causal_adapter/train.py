@@ -537,7 +537,7 @@ def train(
         run_eval()
     model.train()
     running = torch.zeros(4, dtype=torch.float64)  # loss, loss_cls, loss_reg, micro-batches
-    tokens, train_time = 0, 0.0  # labelled tokens and seconds of training steps since the last log
+    tokens, train_time = torch.zeros((), dtype=torch.long, device=device), 0.0  # labelled tokens, seconds since the last log
     last_train_loss = None
     it = None
     try:
@@ -553,13 +553,16 @@ def train(
                 sync = j == group - 1
                 with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                     out = model(**inputs)
-                    if not torch.isfinite(out.loss):
-                        raise FloatingPointError(f"non-finite loss {out.loss.item()} at step {state.global_step + 1} "
-                                                 f"(loss_cls={out.loss_cls.item()}, loss_reg={out.loss_reg.item()})")
+                    # the micro-batch's one host sync: the three losses together
+                    losses = torch.stack([out.loss, out.loss_cls, out.loss_reg]).detach().to("cpu", torch.float64)
+                    if not torch.isfinite(losses).all():
+                        loss, loss_cls, loss_reg = losses.tolist()
+                        raise FloatingPointError(f"non-finite loss {loss} at step {state.global_step + 1} "
+                                                 f"(loss_cls={loss_cls}, loss_reg={loss_reg})")
                     accelerator.backward(out.loss / group)
-                running += torch.tensor([out.loss.item(), out.loss_cls.item(), out.loss_reg.item(), 1.0],
-                                        dtype=torch.float64)
-                tokens += int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+                running[:3] += losses
+                running[3] += 1
+                tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
             if config.max_grad_norm:
                 accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
             optimizer.step()
@@ -576,10 +579,10 @@ def train(
             logs: dict = {}
             step = state.global_step
             if step % max(1, config.logging_steps) == 0 or step == total_steps:
-                stats, tok, dt = running, tokens, train_time
+                stats, tok, dt = running, int(tokens), train_time
                 if world > 1:
                     stats = accelerator.reduce(running.to(device), reduction="sum").cpu()
-                    tok = int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
+                    tok = int(accelerator.reduce(tokens.clone(), "sum").item())
                     dt = accelerator.reduce(torch.tensor(train_time, device=device), "mean").item()
                 n = max(1.0, float(stats[3]))
                 logs = {"split": "train", "step": step, "epoch": round(state.epoch_float, 4),
@@ -589,7 +592,7 @@ def train(
                 log(logs)
                 bar.set_postfix(loss=f"{logs['loss']:.4g}")
                 running.zero_()
-                tokens, train_time = 0, 0.0
+                tokens, train_time = tokens.zero_(), 0.0
             if eval_ds is not None and config.eval_steps and step % config.eval_steps == 0:
                 logs = {**logs, "eval": run_eval()}
             if config.save_steps and (step % config.save_steps == 0 or step == total_steps):

@@ -121,3 +121,127 @@ def test_linear_in_dtype_is_float32_accurate_on_a_bf16_weight(monkeypatch):
     got = linear_in_dtype(x, W)
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+# --------------------------------------------------------------------------- fused loss (item 6)
+def loss_problem(n=40, V=600, C=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lu = torch.randn(n, C, generator=g, dtype=torch.float64) * 3
+    su = torch.rand(n, C, generator=g, dtype=torch.float64) + 0.5
+    W = torch.randn(V, C, generator=g, dtype=torch.float64) * 0.3
+    W[7] = 0  # a zero row: the floor mask is needed in its block
+    b = torch.randn(V, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (n,), generator=g)
+    return lu, su, W, b, y
+
+
+def loss_and_grads(fn, lu, su, W, b, y, dtype=torch.float32, **kw):
+    xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (lu, su, W, b)]
+    loss = fn(*xs, torch.tensor(0.5, dtype=dtype), y, **kw)
+    loss.backward()
+    return loss.detach(), [x.grad for x in xs]
+
+
+class SyncCounter:
+    """Counts the Python-visible host syncs of tensors (bool/float/int/item/tolist)."""
+
+    METHODS = ("__bool__", "__float__", "__int__", "item", "tolist")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.METHODS:
+            orig = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _orig=orig, **k):
+                self.count += 1
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_fused_loss_one_host_sync_per_step(monkeypatch):
+    """32 blocks ([T, Vc] = [10, 150] over [40, 600]): the loss and gradients equal the reference, with
+    at most 2 host syncs for forward + backward (was one per block and per token chunk)."""
+    lu, su, W, b, y = loss_problem()
+    ref_loss, ref_grads = loss_and_grads(reference_ovr_loss, lu, su, W, b, y, dtype=torch.float64)
+    counter = SyncCounter(monkeypatch)
+    loss, grads = loss_and_grads(fused_ovr_loss, lu, su, W, b, y, token_chunk=10, vocab_chunk=150, compile=False)
+    assert counter.count <= 2, counter.count
+    monkeypatch.undo()
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-6 * r.abs().max().item())
+
+
+def test_check_inputs_one_host_sync_and_clear_errors(monkeypatch):
+    model = get_causal_model(small_vocab_qwen(), CausalAdapterConfig(num_token_id=NUM))
+    ids, values = numeric_batch()
+    mask = torch.ones_like(ids)
+    counter = SyncCounter(monkeypatch)
+    model.check_inputs(ids, values, ids, values, mask)
+    assert counter.count == 1
+    monkeypatch.undo()
+    bad = ids.clone()
+    bad[1, 4] = 999
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, 320\); got 999 at index \(1, 4\)"):
+        model.check_inputs(bad, values, ids, values, mask)
+    padded = mask.clone()
+    padded[0, 5] = 0
+    with pytest.raises(ValueError, match=r"labels has a target .* at index \(0, 5\) where attention_mask is 0"):
+        model.check_inputs(ids, values, ids, values, padded)
+
+
+@pytest.mark.parametrize("where", ["compile", "first_call"])
+def test_compiled_kernel_failure_falls_back_with_one_warning(monkeypatch, where):
+    """torch.compile raising, or the compiled kernel failing at its first call after writing into the
+    block: the loss and gradients equal the eager ones, the run goes on, one RuntimeWarning in all."""
+    lu, su, W, b, y = loss_problem()
+    kw = dict(token_chunk=10, vocab_chunk=150)
+    eager_loss, eager_grads = loss_and_grads(fused_ovr_loss, lu, su, W, b, y, compile=False, **kw)
+    monkeypatch.setattr(loss_module, "_compile_error", [])
+    monkeypatch.setattr(loss_module, "_compiled_kernels", {})
+    calls = []
+
+    def failing_kernel(Zb, Sb, Lb, numel, floor, grads):
+        calls.append(1)
+        Zb.fill_(float("nan"))  # a partial write before the failure
+        Sb.fill_(-1.0)
+        raise RuntimeError("simulated Triton launch failure")
+
+    def fake_compile(fn, **kwargs):
+        if where == "compile":
+            raise RuntimeError("simulated: no C++ compiler")
+        return failing_kernel
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the second call goes eager at once
+            loss, grads = loss_and_grads(fused_ovr_loss, lu, su, W, b, y, compile=True, **kw)
+            torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+            for g, r in zip(grads, eager_grads):
+                torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning) and "torch.compile" in str(w.message)]
+    assert len(runtime) == 1 and "simulated" in str(runtime[0].message)
+    assert len(calls) == (1 if where == "first_call" else 0)
+    assert loss_module._compile_error
+
+
+def test_gemm_precision_option(monkeypatch):
+    """fp32 is the default; tf32 / bf16 round the block GEMMs' operands (float32 accumulation): close to
+    the float32 loss, not equal to it; a bad value names the choices; the environment sets the default."""
+    lu, su, W, b, y = loss_problem()
+    ref_loss, ref_grads = loss_and_grads(fused_ovr_loss, lu, su, W, b, y, dtype=torch.float64)
+    base, _ = loss_and_grads(fused_ovr_loss, lu, su, W, b, y)
+    assert torch.equal(base, loss_and_grads(fused_ovr_loss, lu, su, W, b, y, gemm_precision="fp32")[0])
+    for p, tol in (("tf32", 2e-3), ("bf16", 2e-2)):
+        loss, grads = loss_and_grads(fused_ovr_loss, lu, su, W, b, y, gemm_precision=p)
+        assert not torch.equal(loss, base)
+        assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+        for g, r in zip(grads, ref_grads):
+            assert cosine(g.double(), r) >= 0.9999
+    monkeypatch.setenv(loss_module.GEMM_ENV, "bf16")
+    assert torch.equal(loss_and_grads(fused_ovr_loss, lu, su, W, b, y)[0],
+                       loss_and_grads(fused_ovr_loss, lu, su, W, b, y, gemm_precision="bf16")[0])
+    with pytest.raises(ValueError, match="gemm_precision must be one of"):
+        fused_ovr_loss(lu.float(), su.float(), W.float(), b.float(), 0.5, y, gemm_precision="fp16")
