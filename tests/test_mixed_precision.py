@@ -245,3 +245,28 @@ def test_gemm_precision_option(monkeypatch):
                        loss_and_grads(fused_ovr_loss, lu, su, W, b, y, gemm_precision="bf16")[0])
     with pytest.raises(ValueError, match="gemm_precision must be one of"):
         fused_ovr_loss(lu.float(), su.float(), W.float(), b.float(), 0.5, y, gemm_precision="fp16")
+
+
+def test_train_bf16_fits_the_ridge_in_the_training_autocast(tmp_path, monkeypatch):
+    """train(mixed_precision="bf16"): the ridge warm start's features come from the forward under the
+    same autocast as the training steps (bf16 backbone, float32 heads); LoRA stays float32; finite."""
+    from causal_adapter import value_fit
+    from causal_adapter.train import train
+    from test_train import quick_config, small_model, synthetic_dataset
+
+    seen = []
+    features = value_fit.num_label_features
+
+    def recording(model, *a, **k):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        X, t = features(model, *a, **k)
+        seen.append(X.dtype)
+        return X, t
+
+    monkeypatch.setattr(value_fit, "num_label_features", recording)
+    model = small_model(lora=True)
+    result = train(model, quick_config(tmp_path, mixed_precision="bf16", cpu=True, max_steps=2),
+                   train_dataset=synthetic_dataset(), eval_dataset=synthetic_dataset(8, seed=1))
+    assert seen[:2] == [True, torch.float64]
+    assert result.train_loss is not None and torch.isfinite(torch.tensor(result.train_loss))
+    assert {p.dtype for n, p in result.model.named_parameters() if "lora_" in n} == {torch.float32}
