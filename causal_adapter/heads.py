@@ -11,6 +11,7 @@ The shared W_cls is cast per use by chunks of rows, never copied into the adapte
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,7 +22,10 @@ from torch import Tensor, nn
 def full_precision(device: torch.device | str):
     """Context in which the heads and losses run: autocast off on `device`'s type, so that every
     matmul computes in its operands' own dtype (float32 heads stay float32 under a bf16 autocast)."""
-    return torch.autocast(device_type=torch.device(device).type, enabled=False)
+    kind = torch.device(device).type
+    if not torch.amp.is_autocast_available(kind):  # e.g. meta tensors: no autocast to switch off
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, enabled=False)
 
 
 def inverse_softplus(y: float) -> float:
