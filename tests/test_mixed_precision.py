@@ -250,6 +250,8 @@ def test_gemm_precision_option(monkeypatch):
 def test_train_bf16_fits_the_ridge_in_the_training_autocast(tmp_path, monkeypatch):
     """train(mixed_precision="bf16"): the ridge warm start's features come from the forward under the
     same autocast as the training steps (bf16 backbone, float32 heads); LoRA stays float32; finite."""
+    from accelerate.state import AcceleratorState
+
     from causal_adapter import value_fit
     from causal_adapter.train import train
     from test_train import quick_config, small_model, synthetic_dataset
@@ -265,8 +267,11 @@ def test_train_bf16_fits_the_ridge_in_the_training_autocast(tmp_path, monkeypatc
 
     monkeypatch.setattr(value_fit, "num_label_features", recording)
     model = small_model(lora=True)
-    result = train(model, quick_config(tmp_path, mixed_precision="bf16", cpu=True, max_steps=2),
-                   train_dataset=synthetic_dataset(), eval_dataset=synthetic_dataset(8, seed=1))
+    try:
+        result = train(model, quick_config(tmp_path, mixed_precision="bf16", cpu=True, max_steps=2),
+                       train_dataset=synthetic_dataset(), eval_dataset=synthetic_dataset(8, seed=1))
+    finally:  # accelerate keeps bf16 in its process-wide state: a later train() would inherit it
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert seen[:2] == [True, torch.float64]
     assert result.train_loss is not None and torch.isfinite(torch.tensor(result.train_loss))
     assert {p.dtype for n, p in result.model.named_parameters() if "lora_" in n} == {torch.float32}
