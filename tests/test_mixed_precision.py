@@ -160,8 +160,8 @@ class SyncCounter:
 
 
 def test_fused_loss_one_host_sync_per_step(monkeypatch):
-    """32 blocks ([T, Vc] = [10, 150] over [40, 600]): the loss and gradients equal the reference, with
-    at most 2 host syncs for forward + backward (was one per block and per token chunk)."""
+    """16 blocks ([T, Vc] = [10, 150] over [40, 600]): the loss and gradients equal the reference, with
+    at most 2 host syncs for forward + backward (30 before: per block, per chunk, grad_out)."""
     lu, su, W, b, y = loss_problem()
     ref_loss, ref_grads = loss_and_grads(reference_ovr_loss, lu, su, W, b, y, dtype=torch.float64)
     counter = SyncCounter(monkeypatch)
