@@ -343,11 +343,8 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     vch = [(v0, min(V, v0 + Vc)) for v0 in range(0, V if n else 0, Vc)]
     compiled = plan.compiled
     smin, rowmins = _floor_bounds(su_c, W, tok, vch, dt, need_rows=not compiled)
-    flat = [torch.empty(T * Vc, dtype=dt, device=dev) for _ in range(6 if n else 0)]
+    flat, mask_flat, acc_flat = _block_buffers(n, T, Vc, C, dt, dev, need_W)
     floor_t = torch.tensor(floor, dtype=dt, device=dev)
-    mask_flat = torch.empty(T * Vc, dtype=torch.bool, device=dev) if n else None
-    if need_W and n:  # trainable W: per-chunk accumulators of loc and |W| gradients, reused
-        acc_flat = torch.empty(2, Vc * C, dtype=dt, device=dev)
 
     for (v0, v1), rowmin in zip(vch, rowmins):
         v = v1 - v0
@@ -355,8 +352,7 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
         aWc = Wc.abs()  # |W| per chunk, never for the whole matrix
         Wg, aWg = _gemm_operand(Wc, gemm), _gemm_operand(aWc, gemm)
         off = _column_offset(b, thr, slice(v0, v1), dt).expand(v)  # addmm's bias
-        if need_W:
-            accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2))
+        accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2)) if need_W else (None, None)
         for (t0, t1), sm in zip(tok, smin):
             l, si = lu_g[t0:t1], su_g[t0:t1]
             Z, S, R, B1, B2, Nf = (buf[: (t1 - t0) * v].view(t1 - t0, v) for buf in flat)
@@ -377,22 +373,10 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
                 total.add_(_block_terms(Z, S, R, B1, B2, Nf, grads))
             if not grads:
                 continue
-            gz, gsn = S, Z  # pi * dL/dz and -pi * dL/ds of L = -log(1 - P), in place
             if Fm is not None:
-                gsn.mul_(Fm)
-            gz, gsn = _gemm_operand(gz, gemm), _gemm_operand(gsn, gemm)
-            a = inv / math.pi
-            if need_lu:
-                g_lu[t0:t1].addmm_(gz, Wg, alpha=a)
-            if need_su:
-                g_su[t0:t1].addmm_(gsn, aWg, alpha=-a)
-            if colsum is not None:
-                colsum[v0:v1].add_(S.sum(0), alpha=a)
-            if gz_total is not None:
-                gz_total.add_(S.sum(), alpha=a)
-            if need_W:
-                accL.addmm_(gz.T, l, alpha=a)
-                accS.addmm_(gsn.T, si, alpha=-a)
+                Z.mul_(Fm)
+            _add_block_grads(S, Z, Wg, aWg, l, si, slice(t0, t1), slice(v0, v1), inv / math.pi, gemm,
+                             (g_lu, g_su, colsum, gz_total, accL, accS))
         if need_W:  # d|W|/dW = sign(W)
             g_W[v0:v1] = accL.addcmul_(torch.sign(Wc), accS)
 
@@ -403,12 +387,39 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     if need_W and plan.exclude is not None:
         g_W[plan.exclude] = 0  # those rows are replaced: their gradient goes to the override
     g_b = colsum.to(b.dtype) if need_b else None
-    g_thr = None
-    if need_thr:  # dz/dC = -1
-        g_thr = (-(colsum if thr_vec else gz_total)).to(thr.dtype).reshape(thr.shape)
-    g_lu = g_lu.to(lu.dtype) if need_lu else None
-    g_su = g_su.to(su.dtype) if need_su else None
-    return total, (g_lu, g_su, g_W, g_b, g_thr)
+    g_thr = (-(colsum if thr_vec else gz_total)).to(thr.dtype).reshape(thr.shape) if need_thr else None  # dz/dC = -1
+    return total, (g_lu.to(lu.dtype) if need_lu else None, g_su.to(su.dtype) if need_su else None, g_W, g_b, g_thr)
+
+
+def _add_block_grads(gz: Tensor, gsn: Tensor, Wg: Tensor, aWg: Tensor, l: Tensor, si: Tensor, rows: slice,
+                     cols: slice, a: float, gemm: str, acc: tuple) -> None:
+    """Add one [t, v] block's gradients into the accumulators acc = (g_lu, g_su, colsum, gz_total,
+    accL, accS) (None = not needed): gz = pi * dL/dz and gsn = -pi * dL/ds of the block (floor mask
+    applied), Wg / aWg the chunk's W and |W| and l / si the token chunk's loc_U and scale_U' as the
+    GEMMs read them, a = 1 / (n pi)."""
+    g_lu, g_su, colsum, gz_total, accL, accS = acc
+    if colsum is not None:  # (sums, not GEMMs: from the exact gz)
+        colsum[cols].add_(gz.sum(0), alpha=a)
+    if gz_total is not None:
+        gz_total.add_(gz.sum(), alpha=a)
+    gz, gsn = _gemm_operand(gz, gemm), _gemm_operand(gsn, gemm)
+    if g_lu is not None:
+        g_lu[rows].addmm_(gz, Wg, alpha=a)
+    if g_su is not None:
+        g_su[rows].addmm_(gsn, aWg, alpha=-a)
+    if accL is not None:
+        accL.addmm_(gz.T, l, alpha=a)
+        accS.addmm_(gsn.T, si, alpha=-a)
+
+
+def _block_buffers(n, T, Vc, C, dt, dev, need_W):
+    """Reused scratch of a sweep: six [T * Vc] float buffers, a bool floor mask and, for a trainable W,
+    the per-vocabulary-chunk accumulators [2, Vc * C] of its loc and |W| gradients (None when n = 0)."""
+    if not n:
+        return [], None, None
+    flat = [torch.empty(T * Vc, dtype=dt, device=dev) for _ in range(6)]
+    mask = torch.empty(T * Vc, dtype=torch.bool, device=dev)
+    return flat, mask, torch.empty(2, Vc * C, dtype=dt, device=dev) if need_W else None
 
 
 def _target_columns(lu_c, su_c, W, b, thr, y, tok, floor, inv, grads, g_lu, g_su, g_W, colsum, gz_total) -> Tensor:
