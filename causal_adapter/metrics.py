@@ -130,7 +130,7 @@ class MetricAccumulator:
                 for i in range(0, lu.shape[0], SCORE_CHUNK_ROWS)
             )
         preds, nll = [], 0.0
-        thresholds = model.action.thresholds
+        thresholds = model.action.threshold_scores()
         for loc_S, scale_S, rows in chunks:
             preds.append(ovr_probability(loc_S, scale_S, thresholds).argmax(-1))
             nll += float(torch.nn.functional.cross_entropy(loc_S.float(), y[rows], reduction="sum"))

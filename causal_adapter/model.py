@@ -389,6 +389,8 @@ class CausalModel(nn.Module):
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"adapter tensors do not match this model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        # adapters written before the 1-element scalars (b_reg, b_noise_Y, a scalar threshold) hold them 0-d
+        state = {k: t.reshape(1) if t.dim() == 0 and expected[k].shape == (1,) else t for k, t in state.items()}
         for k, v in expected.items():
             if state[k].shape != v.shape:
                 raise ValueError(f"adapter tensor {k!r} has shape {tuple(state[k].shape)}, the model expects {tuple(v.shape)}")
