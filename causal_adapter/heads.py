@@ -78,8 +78,9 @@ class AbductionHead(nn.Module):
             self.scale.bias.fill_(inverse_softplus(gamma0))
 
     def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0)."""
-        z = z.to(self.loc.weight.dtype)
+        """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0), on the heads' device (z may come from
+        another one when the backbone is split over devices)."""
+        z = z.to(self.loc.weight.device, self.loc.weight.dtype)
         return self.loc(z), F.softplus(self.scale(z))
 
 

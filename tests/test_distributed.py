@@ -136,3 +136,61 @@ def test_adapter_saved_with_0d_scalars_still_loads(tmp_path):
     a, b = (m(ids, vals, return_scores=True) for m in (model.eval(), loaded))
     for k in ("loc_Y", "scale_Y", "loc_S", "scale_S"):
         assert torch.equal(a[k], b[k]), k
+
+
+# ============================================================================ several devices
+def split_model(head_device: str):
+    """Embedding and body on the CPU, an untied lm_head (hence the heads, which sit with W_cls) on
+    `head_device`: the placement of `from_pretrained(..., device_map=...)` across two devices."""
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.lm_head.to(head_device)
+    return get_causal_model(base, CausalAdapterConfig(num_token_id=300, fused_loss=False))
+
+
+def test_split_placement_inputs_go_to_the_embedding_not_to_lm_head():
+    """Shapes only (lm_head on the meta device): what can be checked without a second device. Before,
+    generate put prompts on model.device (lm_head's) and check_inputs refused them."""
+    from causal_adapter.generation import _resolve_inputs
+
+    model = split_model("meta")
+    assert model.input_device == torch.device("cpu") and model.device.type == "meta"
+    assert model.action.b_cls.device.type == model.abduction.loc.weight.device.type == "meta"
+    ids, vals, mask = _resolve_inputs(model, None, [[1, 2, 300, 4]], [[0.0, 0.0, 3.5, 0.0]], None, None)
+    assert ids.device == vals.device == mask.device == torch.device("cpu")
+    model.check_inputs(ids, vals, ids, vals, mask)  # raised before: the prompts were on lm_head's device
+    with pytest.raises(ValueError, match="input_ids is on device meta but the model's embedding is on cpu"):
+        model.check_inputs(ids.to("meta"), None, None, None)
+
+
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two accelerators (unverified here: docs/distributed.md)")
+def test_split_over_two_gpus_forward_loss_generate_save_load(tmp_path):
+    """Body on cuda:0, lm_head + heads on cuda:1: the same loss, gradients and generation as on one device."""
+    torch.manual_seed(0)
+    one = get_causal_model(small_vocab_qwen(tie_word_embeddings=False).to("cuda:0"),
+                           CausalAdapterConfig(num_token_id=300))
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.model.to("cuda:0")
+    base.lm_head.to("cuda:1")
+    two = get_causal_model(base, CausalAdapterConfig(num_token_id=300))  # the heads join lm_head
+    assert two.input_device == torch.device("cuda:0") and two.device == torch.device("cuda:1")
+    ids = torch.tensor([[1, 2, 300, 4, 5, 300, 7]], device="cuda:0")
+    vals = torch.tensor([[0.0, 0.0, 3.5, 0.0, 0.0, -2.0, 0.0]], device="cuda:0")
+    a, b = one(ids, vals, labels=ids), two(ids, vals, labels=ids)
+    torch.testing.assert_close(a.loss, b.loss.to("cuda:0"))
+    a.loss.backward()
+    b.loss.backward()
+    torch.testing.assert_close(one.abduction.loc.weight.grad, two.abduction.loc.weight.grad.to("cuda:0"))
+    ga = one.generate(input_ids=ids, numeric_values=vals, max_new_tokens=4, mode="causal", seed=0)
+    gb = two.generate(input_ids=ids, numeric_values=vals, max_new_tokens=4, mode="causal", seed=0)
+    assert torch.equal(ga.sequences.cpu(), gb.sequences.cpu())
+    two.save_pretrained(tmp_path)
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.model.to("cuda:0")
+    base.lm_head.to("cuda:1")
+    loaded = CausalModel.from_pretrained(base, tmp_path)
+    assert loaded.device == torch.device("cuda:1")
+    assert_same_tensors(adapter_tensors(loaded), adapter_tensors(two))
