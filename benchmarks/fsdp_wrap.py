@@ -3,6 +3,7 @@
     python benchmarks/fsdp_wrap.py                                   # fsdp.yaml (FSDP1), bf16 base
     python benchmarks/fsdp_wrap.py --config examples/accelerate_configs/fsdp2.yaml
     python benchmarks/fsdp_wrap.py --dtype float32 --out /tmp/fsdp   # keep the files
+    python benchmarks/fsdp_wrap.py --lora fp32                       # LoRA too (weights in fp32)
 
 `accelerate launch --config_file <config>` starts 2 processes running this file with `--worker`.
 Each builds a tiny random Qwen2 (base in `--dtype`, heads fp32), calls `accelerator.prepare(model,
@@ -79,16 +80,21 @@ def toy_batch(rank: int) -> dict:
     return NumericCollator(0)(rows[rank * 4:(rank + 1) * 4])
 
 
-def worker(out: Path, dtype: torch.dtype) -> None:
+def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
-    from causal_adapter import CausalAdapterConfig, get_causal_model
+    from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
     from causal_adapter.integrations import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
 
     accelerator = Accelerator()
     use_fsdp_on_cpu(accelerator)
-    model = get_causal_model(tiny_base(dtype), CausalAdapterConfig(num_token_id=NUM_TOKEN_ID))
+    settings = LoraSettings(r=4, target_modules=["q_proj", "v_proj"]) if lora != "none" else None
+    model = get_causal_model(tiny_base(dtype), CausalAdapterConfig(num_token_id=NUM_TOKEN_ID, lora=settings))
+    if lora == "fp32":  # LoRA weights upcast, as peft's get_peft_model does (autocast_adapter_dtype)
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
     model.set_value_units(1234.0, 10.0)
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(str(kw["numeric_values"].dtype)), with_kwargs=True)
@@ -116,7 +122,8 @@ def worker(out: Path, dtype: torch.dtype) -> None:
     accelerator.end_training()
 
 
-def launch(config: Path, dtype: str, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(config: Path, dtype: str, out: Path, lora: str = "none", timeout: float = 300
+           ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file <CPU copy of config>` of this file's worker (2 gloo processes)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -124,7 +131,7 @@ def launch(config: Path, dtype: str, out: Path, timeout: float = 300) -> subproc
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(config, out)),
-           "--main_process_port", str(port), __file__, "--worker", "--dtype", dtype, "--out", str(out)]
+           "--main_process_port", str(port), __file__, "--worker", "--dtype", dtype, "--out", str(out), "--lora", lora]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -135,13 +142,13 @@ def launch(config: Path, dtype: str, out: Path, timeout: float = 300) -> subproc
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def check(config: Path, dtype: str, out: Path) -> tuple[bool, str]:
+def check(config: Path, dtype: str, out: Path, lora: str = "none") -> tuple[bool, str]:
     """Launch, then verify the run's files; (ok, reason)."""
     from safetensors.torch import load_file
 
     from causal_adapter import CausalModel
 
-    proc = launch(config, dtype, out)
+    proc = launch(config, dtype, out, lora)
     if proc.returncode != 0:
         return False, "launch failed: " + proc.stderr.strip().splitlines()[-1][:300]
     res = json.loads((out / "result.json").read_text())
@@ -163,15 +170,17 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=REPO / "examples/accelerate_configs/fsdp.yaml")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the base's dtype")
     ap.add_argument("--out", type=Path, default=None, help="keep the run's files here")
+    ap.add_argument("--lora", default="none", choices=["none", "base-dtype", "fp32"],
+                    help="LoRA r=4 on q_proj/v_proj, its weights in the base's dtype or in fp32")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.out, getattr(torch, args.dtype))
+        return worker(args.out, getattr(torch, args.dtype), args.lora)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        ok, why = check(args.config, args.dtype, out)
-    print(f"{args.config.name} base={args.dtype}: {why}")
+        ok, why = check(args.config, args.dtype, out, args.lora)
+    print(f"{args.config.name} base={args.dtype} lora={args.lora}: {why}")
     print(f"RESULT fsdp_accelerate_wrap={'ok' if ok else 'failed'}")
     sys.exit(0 if ok else 1)
 
