@@ -44,6 +44,7 @@ def _fsdp_base(dtype):
     return tiny_base(dtype)
 
 
+@pytest.mark.slow  # ~25-50 s: two interpreters importing transformers
 def test_fsdp1_accelerate_wrap_of_fsdp_yaml_bf16_base_fp32_heads(tmp_path):
     """accelerate's own FullyShardedDataParallel(model, use_orig_params=True, auto_wrap_policy=...,
     ignored_modules=...) for fsdp.yaml, a bf16 base (one FSDP1 unit could not hold it with fp32 heads)."""
