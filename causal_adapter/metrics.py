@@ -79,7 +79,7 @@ class MetricAccumulator:
         """Add one batch. `output` is the model's CausalOutput for `batch` (computed with
         `labels`, so loss_cls / loss_reg are set); `model` is the CausalModel (wrappers allowed)."""
         model = unwrap_model(model)
-        heads = output.loc_U.device  # the outputs' device: labels and values join them (device_map splits)
+        heads = output.loc_Y.device  # the outputs' device: labels and values join them (device_map splits)
         labels = batch["labels"].to(heads)
         shifted = labels[:, 1:]
         keep = shifted != IGNORE_INDEX
