@@ -202,7 +202,7 @@ def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, nt
         raise ValueError(f"inputs must be a str, a list of str, a tensor of ids or a dict, got {type(inputs).__name__}")
     if input_ids is None:
         raise ValueError("nothing to generate from: pass a prompt (str / list of str with tokenizer=) or input_ids")
-    dev = model.device
+    dev = model.input_device  # the embedding's (lm_head and the heads may sit on another device)
     input_ids = torch.as_tensor(input_ids, device=dev, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
@@ -353,8 +353,8 @@ def generate(
     input_ids, numeric_values, attention_mask = _resolve_inputs(
         model, inputs, input_ids, numeric_values, attention_mask, ntok)
     eos, pad_id = _default_ids(model, eos_token_id, pad_token_id, ntok)
-    device = input_ids.device
-    gen = _make_generator(seed, generator, device)
+    device, hdev = input_ids.device, model.device  # the embedding's, the heads'
+    gen = _make_generator(seed, generator, hdev)  # draws (eps, multinomial) are made with the heads
     scorer = OvRScorer(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
     hdtype = scorer.dtype
     B, S = input_ids.shape
@@ -414,7 +414,7 @@ def generate(
             cache = out.past_key_values
             last_pos = position_ids[:, -1:]
             if mode == "causal" and shared_individual:
-                shared_eps = _draw_eps(B, C, hdtype, device, gen)
+                shared_eps = _draw_eps(B, C, hdtype, hdev, gen)
         for t in range(T):
             z = out.last_hidden_state[:, -1]
             with full_precision(z.device):  # the heads as in forward, whatever autocast is active
@@ -422,11 +422,11 @@ def generate(
                 scale_Up = model.action.noisy_scale(scale_U)
                 loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
                 if mode == "causal":
-                    eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, device, gen)
+                    eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, hdev, gen)
                     u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
                     decision, y = model.action.decision_scores(u, scorer.W_cls)
                     if t < min_new_tokens and eos:
-                        decision[:, eos_t] = -math.inf
+                        decision[:, eos_t.to(hdev)] = -math.inf
                     tok = decision.argmax(-1)
                     val = y
                     prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
@@ -435,20 +435,21 @@ def generate(
                 else:
                     loc_S = scorer.loc_scores(loc_U)
                     if t < min_new_tokens and eos:
-                        loc_S[:, eos_t] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
+                        loc_S[:, eos_t.to(hdev)] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
                     val = loc_Y
                     if mode == "deterministic":
                         tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
                     else:
                         scores = loc_S
                         if warpers is not None and len(warpers):
-                            scores = warpers(sequences[:, :S + t], scores)
+                            scores = warpers(sequences[:, :S + t].to(hdev), scores)
                         if do_sample:
                             probs = torch.softmax(scores, -1)
                             tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                         else:
                             tok = scores.argmax(-1)
                         prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+            tok, val, prob = tok.to(device), val.to(device), prob.to(device)  # back with the sequences
             tok = torch.where(finished, pad_id, tok)
             val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
             exact_all[:, t] = val

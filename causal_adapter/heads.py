@@ -89,8 +89,9 @@ class AbductionHead(nn.Module):
             self.scale.bias.fill_(inverse_softplus(gamma0))
 
     def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0)."""
-        z = z.to(self.loc.weight.dtype)
+        """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0), on the heads' device (z may come from
+        another one when the backbone is split over devices)."""
+        z = z.to(self.loc.weight.device, self.loc.weight.dtype)
         return self.loc(z), F.softplus(self.scale(z))
 
 
@@ -122,7 +123,9 @@ class ActionHead(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.b_noise = nn.Parameter(torch.full((causal_size,), float(b_noise_init), **kw))
         self.b_cls = nn.Parameter(torch.zeros(vocab_size, **kw))
-        thresholds = torch.full((vocab_size,) if threshold_mode == "vector" else (), float(threshold_init), **kw)
+        # a scalar threshold (and b_reg, b_noise_Y) is a 1-element vector, not a 0-d tensor: FSDP refuses 0-d
+        # parameters; each use reshapes it to 0-d, so the broadcasting is that of a scalar
+        thresholds = torch.full((vocab_size if threshold_mode == "vector" else 1,), float(threshold_init), **kw)
         if learnable_threshold:
             self.thresholds = nn.Parameter(thresholds)
         else:
@@ -133,9 +136,9 @@ class ActionHead(nn.Module):
             self.num_row = None
         w_reg = torch.randn(causal_size, generator=generator, dtype=torch.float64) / math.sqrt(causal_size)
         self.w_reg = nn.Parameter(w_reg.to(**kw))
-        self.b_reg = nn.Parameter(torch.zeros((), **kw))
+        self.b_reg = nn.Parameter(torch.zeros(1, **kw))
         if regression_scale == "independent":
-            self.b_noise_Y = nn.Parameter(torch.tensor(float(b_noise_Y_init), **kw))
+            self.b_noise_Y = nn.Parameter(torch.full((1,), float(b_noise_Y_init), **kw))
         else:
             self.b_noise_Y = None
 
@@ -159,7 +162,12 @@ class ActionHead(nn.Module):
         return idx, self.num_row.unsqueeze(0)
 
     def num_threshold(self) -> Tensor:
-        return self.thresholds if self.thresholds.dim() == 0 else self.thresholds[self.num_token_id]
+        """C_<NUM>, 0-d."""
+        return self.thresholds.reshape(()) if self.thresholds.numel() == 1 else self.thresholds[self.num_token_id]
+
+    def threshold_scores(self) -> Tensor:
+        """The thresholds as scores broadcast against: 0-d (scalar mode) or [V]."""
+        return self.thresholds.reshape(()) if self.thresholds.numel() == 1 else self.thresholds
 
     def num_weight(self, W_cls: Tensor) -> Tensor:
         """The <NUM> row of the effective W_cls, [C]."""
@@ -202,9 +210,9 @@ class ActionHead(nn.Module):
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
         """[..., C] -> loc_Y [...], scale_Y [...] in value units."""
-        loc_Y = self.to_value(loc_U @ self.w_reg + self.b_reg)
+        loc_Y = self.to_value(loc_U @ self.w_reg + self.b_reg.reshape(()))
         if self.b_noise_Y is not None:
-            scale_Y = self.b_noise_Y.abs().expand(loc_Y.shape)
+            scale_Y = self.b_noise_Y.abs().reshape(()).expand(loc_Y.shape)
         else:
             scale_Y = scale_Up @ self.w_reg.abs()
         return loc_Y, (self.value_scale * scale_Y).clamp_min(self.scale_floor)
@@ -219,7 +227,7 @@ class ActionHead(nn.Module):
     def decision_scores(self, u: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
         """Noise-free action for a sampled individual u [..., C]: (s - C_k) [..., V] and y [...]."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
-        return s - self.thresholds, self.to_value(u @ self.w_reg + self.b_reg)
+        return s - self.threshold_scores(), self.to_value(u @ self.w_reg + self.b_reg.reshape(()))
 
 
 def _idx(k: int, like: Tensor) -> Tensor:

@@ -80,7 +80,8 @@ class MetricAccumulator:
         """Add one batch. `output` is the model's CausalOutput for `batch` (computed with
         `labels`, so loss_cls / loss_reg are set); `model` is the CausalModel (wrappers allowed)."""
         model = unwrap_model(model)
-        labels = batch["labels"]
+        heads = output.loc_Y.device  # the outputs' device: labels and values join them (device_map splits)
+        labels = batch["labels"].to(heads)
         shifted = labels[:, 1:]
         keep = shifted != IGNORE_INDEX
         n = int(keep.sum())
@@ -104,7 +105,7 @@ class MetricAccumulator:
             values = batch.get("label_values")
             if values is None:
                 values = batch["numeric_values"]
-            y_true = values[:, 1:][keep][is_num].to(torch.float64)
+            y_true = values.to(heads)[:, 1:][keep][is_num].to(torch.float64)
             loc = output.loc_Y[:, :-1][keep][is_num].to(torch.float64)
             scale = output.scale_Y[:, :-1][keep][is_num].to(torch.float64)
             for i, q in enumerate(self.levels):
@@ -132,7 +133,7 @@ class MetricAccumulator:
                 for i in range(0, lu.shape[0], SCORE_CHUNK_ROWS)
             )
         preds, nll = [], 0.0
-        thresholds = model.action.thresholds
+        thresholds = model.action.threshold_scores()
         for loc_S, scale_S, rows in chunks:
             preds.append(ovr_probability(loc_S, scale_S, thresholds).argmax(-1))
             nll += float(torch.nn.functional.cross_entropy(loc_S.float(), y[rows], reduction="sum"))
@@ -232,7 +233,7 @@ def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricA
     restored) and add them to `accumulator` (a new one by default), which is returned."""
     inner = unwrap_model(model)
     acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight)
-    device = torch.device(device) if device is not None else inner.device
+    device = torch.device(device) if device is not None else inner.input_device
     was_training = model.training
     model.eval()
     try:

@@ -199,7 +199,14 @@ class CausalModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """The heads' device: lm_head's (W_cls). z, labels and values are moved there."""
         return self.W_cls.device
+
+    @property
+    def input_device(self) -> torch.device:
+        """The input embedding's device: input_ids, numeric_values and attention_mask go there (with
+        `device_map`, the embedding and lm_head may sit on different devices)."""
+        return self.backbone.get_input_embeddings().weight.device
 
     def backbone_needs_grad(self) -> bool:
         """False -> the backbone runs under no_grad (frozen, fixed d): no activations kept."""
@@ -219,7 +226,8 @@ class CausalModel(nn.Module):
             wide = torch.promote_types(numeric_values.dtype, torch.float32)
             std = (numeric_values.to(wide) - self.config.value_loc) / self.config.value_scale
             numeric_values = torch.where(input_ids == self.num_token_id, std, torch.zeros_like(std))
-        return embeds + self.numeric_embedding(numeric_values).to(embeds.dtype)
+        phi = self.numeric_embedding(numeric_values.to(self.numeric_embedding.direction.device))
+        return embeds + phi.to(embeds.device, embeds.dtype)  # d sits with the heads, maybe elsewhere
 
     def check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
                      label_values: Tensor | None, attention_mask: Tensor | None = None,
@@ -237,12 +245,14 @@ class CausalModel(nn.Module):
             )
         self._check_placement()
         check_text_only(self.backbone, input_ids)
-        emb_device = self.backbone.get_input_embeddings().weight.device
+        emb_device = self.input_device
         for name, t in (("input_ids", input_ids), ("numeric_values", numeric_values), ("labels", labels),
                         ("label_values", label_values), ("attention_mask", attention_mask)):
-            if isinstance(t, Tensor) and t.device != emb_device:
+            # labels and values may also sit with the heads (where the loss moves them)
+            if isinstance(t, Tensor) and t.device != emb_device and not (name.startswith("label") and
+                                                                        t.device == self.device):
                 raise ValueError(f"{name} is on device {t.device} but the model's embedding is on {emb_device}: "
-                                 "move the inputs with .to(model.device)")
+                                 "move the inputs with .to(model.input_device)")
         for name, t in (("numeric_values", numeric_values), ("labels", labels), ("label_values", label_values)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
@@ -345,13 +355,15 @@ class CausalModel(nn.Module):
     def loss(self, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, scale_Y: Tensor, labels: Tensor,
              label_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """L = L_cls + lambda L_reg over positions predicting labels[:, 1:] (SPEC 3)."""
-        labels = labels[:, 1:].reshape(-1)
+        labels = labels.to(loc_U.device)[:, 1:].reshape(-1)  # to the heads' device (device_map splits)
         keep = labels != IGNORE_INDEX  # ignored rows never enter the heads' loss
         labels = labels[keep]
         C = loc_U.shape[-1]
         loc_U = loc_U[:, :-1].reshape(-1, C)[keep]
         scale_Up = scale_Up[:, :-1].reshape(-1, C)[keep]
         loc_Y, scale_Y = loc_Y[:, :-1].reshape(-1)[keep], scale_Y[:, :-1].reshape(-1)[keep]
+        if label_values is not None:
+            label_values = label_values.to(loc_U.device)
         if label_values is None:
             values = torch.zeros_like(loc_Y)
         elif label_values.dtype == torch.float64 and loc_Y.dtype != torch.float64:
@@ -393,6 +405,8 @@ class CausalModel(nn.Module):
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"adapter tensors do not match this model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        # adapters written before the 1-element scalars (b_reg, b_noise_Y, a scalar threshold) hold them 0-d
+        state = {k: t.reshape(1) if t.dim() == 0 and expected[k].shape == (1,) else t for k, t in state.items()}
         for k, v in expected.items():
             if state[k].shape != v.shape:
                 raise ValueError(f"adapter tensor {k!r} has shape {tuple(state[k].shape)}, the model expects {tuple(v.shape)}")

@@ -48,7 +48,7 @@ class OvRScorer:
         self.V, self.H = self.W_cls.shape
         self.num_token_id = model.num_token_id
         self.num_row = self.action.num_row
-        self.thresholds = self.action.thresholds
+        self.thresholds = self.action.threshold_scores()  # 0-d (scalar mode) or [V]
         self.scale_floor = self.action.scale_floor
         self.dtype = self.action.b_cls.dtype
         self.ovr_pruning = ovr_pruning

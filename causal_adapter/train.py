@@ -426,6 +426,7 @@ def train(
 
     config = config or TrainConfig()
     accelerator = _make_accelerator(config)
+    _check_distributed_type(accelerator)
     is_main = accelerator.is_main_process
     world, rank = accelerator.num_processes, accelerator.process_index
     for msg in launch_warnings(world, config.expected_num_processes):
@@ -467,7 +468,6 @@ def train(
     optimizer = make_optimizer(inner, config)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps)
-    _check_distributed_type(accelerator, accum)
     model, optimizer = accelerator.prepare(inner, optimizer)
     eval_model = accelerator.unwrap_model(model)
     inner = unwrap_model(eval_model)
@@ -652,17 +652,26 @@ def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
     return batches_per_epoch, total_steps, warmup
 
 
-def _check_distributed_type(accelerator, accum: int) -> None:
-    """DeepSpeed / FSDP: refuse accumulation outside DeepSpeed's config; warn that they are untested here."""
+SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter.train / causal-adapter train), or DDP: accelerate "
+                       "launch with examples/accelerate_configs/multi_gpu_ddp.yaml (GPUs) or cpu_ddp.yaml (CPU)")
+
+
+def _check_distributed_type(accelerator) -> None:
+    """Refuse DeepSpeed and FSDP at start: this loop evaluates, refits the value head and checkpoints
+    through the unwrapped model and saves rank 0's optimizer state, which is one partition under
+    ZeRO-1/2/3 and FSDP (a silently wrong resume). FSDP has its own recipe (docs/distributed.md)."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        if accelerator.distributed_type == DistributedType.DEEPSPEED and accum > 1:
-            raise ValueError("under DeepSpeed set gradient_accumulation_steps in the DeepSpeed config and keep "
-                             "--gradient-accumulation-steps 1 (DeepSpeed steps inside backward)")
-        warnings.warn(f"{accelerator.distributed_type} is not exercised by causal_adapter's CPU test-suite: "
-                      "check that a saved checkpoint reloads (CausalModel.from_pretrained) before relying on it",
-                      stacklevel=3)
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        raise ValueError(f"causal_adapter.train does not support DeepSpeed (its checkpoints would hold rank 0's "
+                         f"partition of the optimizer state only); supported launchers: {SUPPORTED_LAUNCHERS}")
+    if kind == DistributedType.FSDP:
+        raise ValueError(f"causal_adapter.train does not support FSDP (evaluation, the value-head refit and "
+                         f"checkpoints use the unwrapped model); supported launchers: {SUPPORTED_LAUNCHERS}. For "
+                         "FSDP write the loop with accelerator.prepare + causal_adapter.integrations."
+                         "finish_fsdp_wrap + save_fsdp_adapter (examples/accelerate_configs/fsdp.yaml, "
+                         "docs/distributed.md)")
 
 
 def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:

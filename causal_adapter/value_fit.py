@@ -70,7 +70,7 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                 out = model(batch["input_ids"].to(device), batch["numeric_values"].to(device),
                             batch["attention_mask"].to(device))
                 pos = labels[:, 1:] == model.num_token_id
-                feats.append(out.loc_U[:, :-1][pos].double().cpu())
+                feats.append(out.loc_U[:, :-1][pos.to(out.loc_U.device)].double().cpu())  # heads may sit elsewhere
                 values = batch["label_values"] if "label_values" in batch else batch["numeric_values"]
                 targets.append(values.to(device)[:, 1:][pos].double().cpu())
                 n += int(pos.sum())

@@ -46,7 +46,7 @@ def verify_initialization(causal_model: nn.Module, base_model: nn.Module, input_
     logits, loc_S = base.logits.double(), out.loc_S.double()
     log_p_base, log_q = F.log_softmax(logits, -1), F.log_softmax(loc_S, -1)
     kl = (log_p_base.exp() * (log_p_base - log_q)).sum(-1).mean()
-    P = ovr_probability(out.loc_S, out.scale_S, causal_model.action.thresholds).double()
+    P = ovr_probability(out.loc_S, out.scale_S, causal_model.action.threshold_scores()).double()
     return InitReport(
         feature_diff=_rel(z, z_base),
         loc_diff=_rel(out.loc_U.double(), z),

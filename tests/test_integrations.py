@@ -482,7 +482,9 @@ def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
         raise
     assert proc.returncode == 0, err[-3000:]
     res = json.loads((tmp_path / "result.json").read_text())
-    assert res["world"] == 2 and "action.b_cls" in res["sharded"] and "abduction.loc.weight" in res["sharded"]
+    # the decoder layers are sharded; the heads stay replicated (ignored), their gradients averaged
+    assert res["world"] == 2 and any(".layers.0." in n for n in res["sharded"]), res["sharded"]
+    assert not any(n.startswith(("action.", "abduction.", "numeric_embedding.")) for n in res["sharded"])
     assert res["losses"][-1] < res["losses"][0] - 0.01, res["losses"]
     a, b = (load_file(str(tmp_path / f"full_rank{r}.safetensors")) for r in (0, 1))
     assert_same_tensors(a, b)  # the replicas agree

@@ -1,0 +1,197 @@
+"""FSDP through accelerate (2 gloo processes on CPU), the launchers causal_adapter.train refuses,
+1-element scalars (and adapters saved with 0-d ones), placement on several devices."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from causal_adapter import CausalAdapterConfig, CausalModel, get_causal_model
+from causal_adapter.artifacts import WEIGHTS_NAME, write_adapter_files
+from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "accelerate_configs"
+
+
+def run_fsdp_wrap(config: Path, dtype: str, out: Path) -> dict:
+    """benchmarks/fsdp_wrap.py: `accelerate launch --config_file <config>` (its CPU copy) of 2 workers that
+    prepare, train 4 steps and save the adapter; returns the rank-0 result."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fsdp_wrap.py"), "--config", str(config),
+                           "--dtype", dtype, "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "RESULT fsdp_accelerate_wrap=ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def check_replicas_and_reload(out: Path, dtype: torch.dtype) -> None:
+    a, b = (load_file(str(out / f"full_rank{r}.safetensors")) for r in (0, 1))
+    assert_same_tensors(a, b)  # the replicas agree
+    fresh = get_causal_model(_fsdp_base(dtype), CausalAdapterConfig(num_token_id=300))
+    moved = [k for k, v in adapter_tensors(fresh).items() if not torch.equal(v, a[k])]
+    assert {"abduction.loc.weight", "action.b_cls", "action.b_reg"} <= set(moved), moved  # trained
+    loaded = CausalModel.from_pretrained(_fsdp_base(dtype), out / "adapter")
+    assert_same_tensors(adapter_tensors(loaded), a)
+    assert sorted(p.name for p in (out / "adapter").iterdir()) == ["causal_adapter_config.json", WEIGHTS_NAME]
+
+
+def _fsdp_base(dtype):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from fsdp_wrap import tiny_base
+
+    return tiny_base(dtype)
+
+
+@pytest.mark.slow  # ~25-50 s: two interpreters importing transformers
+def test_fsdp1_accelerate_wrap_of_fsdp_yaml_bf16_base_fp32_heads(tmp_path):
+    """accelerate's own FullyShardedDataParallel(model, use_orig_params=True, auto_wrap_policy=...,
+    ignored_modules=...) for fsdp.yaml, a bf16 base (one FSDP1 unit could not hold it with fp32 heads)."""
+    res = run_fsdp_wrap(CONFIGS / "fsdp.yaml", "bfloat16", tmp_path)
+    assert res["wrapper"] == "FullyShardedDataParallel" and res["fsdp_version"] == 1
+    assert res["base_dtype"] == "torch.bfloat16" and res["head_dtype"] == "torch.float32"
+    assert res["values_dtype"] == [res["batch_values_dtype"]]  # not cast to bf16 by FSDP's mixed precision
+    check_replicas_and_reload(tmp_path, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_fsdp2_accelerate_wrap_of_fsdp2_yaml(tmp_path):
+    res = run_fsdp_wrap(CONFIGS / "fsdp2.yaml", "bfloat16", tmp_path)
+    assert res["wrapper"].startswith("FSDP") and res["fsdp_version"] == 2
+    assert res["values_dtype"] == [res["batch_values_dtype"]] and res["head_dtype"] == "torch.float32"
+    check_replicas_and_reload(tmp_path, torch.bfloat16)
+
+
+def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
+    """Without fsdp_ignored_modules the heads are flattened into FSDP's root unit: refused, naming the setting."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from causal_adapter.integrations import FSDP_IGNORED_MODULES, finish_fsdp_wrap
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        model = FSDP(get_causal_model(small_vocab_qwen(), CausalAdapterConfig(num_token_id=300)), use_orig_params=True,
+                     device_id=torch.device("cpu"))
+        with pytest.raises(ValueError, match="fsdp_ignored_modules.*" + FSDP_IGNORED_MODULES.replace("|", r"\|")):
+            finish_fsdp_wrap(model)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_train_refuses_deepspeed_and_fsdp_at_start_naming_the_launchers(tmp_path, kind):
+    """A real Accelerator whose state says what a DeepSpeed / FSDP launch sets (accelerate selects neither on CPU)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    from causal_adapter.train import _check_distributed_type
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        accelerator.state.distributed_type = getattr(DistributedType, kind)
+        with pytest.raises(ValueError, match=f"does not support {'DeepSpeed' if kind == 'DEEPSPEED' else 'FSDP'}"
+                                             r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml"):
+            _check_distributed_type(accelerator)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+# ============================================================================ 1-element scalars
+def test_scalar_parameters_are_one_element_and_broadcast_as_scalars():
+    model = get_causal_model(small_vocab_qwen(), CausalAdapterConfig(num_token_id=300, learnable_threshold=True))
+    zero_d = [n for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items() if t.dim() == 0]
+    assert zero_d == []  # FSDP refuses 0-d parameters
+    act = model.action
+    assert act.b_reg.shape == act.b_noise_Y.shape == act.thresholds.shape == (1,)
+    C = act.w_reg.shape[0]
+    u = torch.randn(C)
+    loc_Y, scale_Y = act.regression(u, torch.rand(C))
+    assert loc_Y.shape == scale_Y.shape == ()  # a single individual: scalars, as with 0-d b_reg / b_noise_Y
+    s, y = act.decision_scores(torch.randn(3, C), model.W_cls)
+    assert s.shape == (3, model.vocab_size) and y.shape == (3,) and act.num_threshold().shape == ()
+
+
+def test_adapter_saved_with_0d_scalars_still_loads(tmp_path):
+    """A real safetensors file in the old layout (b_reg, b_noise_Y, a scalar threshold 0-d) loads, same outputs."""
+    cfg = CausalAdapterConfig(num_token_id=300, learnable_threshold=True)
+    model = get_causal_model(small_vocab_qwen(), cfg)
+    with torch.no_grad():
+        model.action.b_reg.fill_(0.75)
+        model.action.b_noise_Y.fill_(2.5)
+        model.action.thresholds.fill_(-0.5)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    old = {k: v.reshape(()) if k in ("action.b_reg", "action.b_noise_Y", "action.thresholds") else v
+           for k, v in tensors.items()}
+    assert all(old[k].dim() == 0 for k in ("action.b_reg", "action.b_noise_Y", "action.thresholds"))
+    write_adapter_files(tmp_path, model.adapter_metadata(), old)  # the writer of the old versions (sha256 too)
+    assert load_file(str(tmp_path / WEIGHTS_NAME))["action.b_reg"].dim() == 0
+    loaded = CausalModel.from_pretrained(small_vocab_qwen(), tmp_path)
+    assert_same_tensors(adapter_tensors(loaded), adapter_tensors(model))
+    ids = torch.tensor([[1, 2, 300, 4]])
+    vals = torch.tensor([[0.0, 0.0, 3.5, 0.0]])
+    a, b = (m(ids, vals, return_scores=True) for m in (model.eval(), loaded))
+    for k in ("loc_Y", "scale_Y", "loc_S", "scale_S"):
+        assert torch.equal(a[k], b[k]), k
+
+
+# ============================================================================ several devices
+def split_model(head_device: str):
+    """Embedding and body on the CPU, an untied lm_head (hence the heads, which sit with W_cls) on
+    `head_device`: the placement of `from_pretrained(..., device_map=...)` across two devices."""
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.lm_head.to(head_device)
+    return get_causal_model(base, CausalAdapterConfig(num_token_id=300, fused_loss=False))
+
+
+def test_split_placement_inputs_go_to_the_embedding_not_to_lm_head():
+    """Shapes only (lm_head on the meta device): what can be checked without a second device. Before,
+    generate put prompts on model.device (lm_head's) and check_inputs refused them."""
+    from causal_adapter.generation import _resolve_inputs
+
+    model = split_model("meta")
+    assert model.input_device == torch.device("cpu") and model.device.type == "meta"
+    assert model.action.b_cls.device.type == model.abduction.loc.weight.device.type == "meta"
+    ids, vals, mask = _resolve_inputs(model, None, [[1, 2, 300, 4]], [[0.0, 0.0, 3.5, 0.0]], None, None)
+    assert ids.device == vals.device == mask.device == torch.device("cpu")
+    model.check_inputs(ids, vals, ids, vals, mask)  # raised before: the prompts were on lm_head's device
+    with pytest.raises(ValueError, match="input_ids is on device meta but the model's embedding is on cpu"):
+        model.check_inputs(ids.to("meta"), None, None, None)
+
+
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two accelerators (unverified here: docs/distributed.md)")
+def test_split_over_two_gpus_forward_loss_generate_save_load(tmp_path):
+    """Body on cuda:0, lm_head + heads on cuda:1: the same loss, gradients and generation as on one device."""
+    torch.manual_seed(0)
+    one = get_causal_model(small_vocab_qwen(tie_word_embeddings=False).to("cuda:0"),
+                           CausalAdapterConfig(num_token_id=300))
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.model.to("cuda:0")
+    base.lm_head.to("cuda:1")
+    two = get_causal_model(base, CausalAdapterConfig(num_token_id=300))  # the heads join lm_head
+    assert two.input_device == torch.device("cuda:0") and two.device == torch.device("cuda:1")
+    ids = torch.tensor([[1, 2, 300, 4, 5, 300, 7]], device="cuda:0")
+    vals = torch.tensor([[0.0, 0.0, 3.5, 0.0, 0.0, -2.0, 0.0]], device="cuda:0")
+    a, b = one(ids, vals, labels=ids), two(ids, vals, labels=ids)
+    torch.testing.assert_close(a.loss, b.loss.to("cuda:0"))
+    a.loss.backward()
+    b.loss.backward()
+    torch.testing.assert_close(one.abduction.loc.weight.grad, two.abduction.loc.weight.grad.to("cuda:0"))
+    ga = one.generate(input_ids=ids, numeric_values=vals, max_new_tokens=4, mode="causal", seed=0)
+    gb = two.generate(input_ids=ids, numeric_values=vals, max_new_tokens=4, mode="causal", seed=0)
+    assert torch.equal(ga.sequences.cpu(), gb.sequences.cpu())
+    two.save_pretrained(tmp_path)
+    base = small_vocab_qwen(tie_word_embeddings=False)
+    base.model.to("cuda:0")
+    base.lm_head.to("cuda:1")
+    loaded = CausalModel.from_pretrained(base, tmp_path)
+    assert loaded.device == torch.device("cuda:1")
+    assert_same_tensors(adapter_tensors(loaded), adapter_tensors(two))
