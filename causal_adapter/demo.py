@@ -32,6 +32,29 @@ def comparison_table(before: dict, after: dict, split: str = "test") -> str:
     return "\n".join(lines)
 
 
+def interval_summary(model, predictions: dict, levels=(0.5, 0.9)) -> dict:
+    """Coverage and width range of the intervals the adapter reports (`value_interval`: calibrated when it
+    has a calibration map, else raw Cauchy) on `predictions` (y_true / loc / scale lists)."""
+    import torch
+
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    out: dict = {"calibrated": model.config.value_calibration is not None, "n": int(y.numel())}
+    for q in levels:
+        n = round(100 * q)
+        lo, hi = model.value_interval(loc, scale, q)
+        width = hi - lo
+        out[f"coverage_{n}"] = float(((y >= lo) & (y <= hi)).double().mean()) if y.numel() else None
+        out[f"width_{n}"] = [float(width.min()), float(width.median()), float(width.max())] if y.numel() else None
+    return out
+
+
+def format_interval_summary(s: dict) -> str:
+    kind = "calibrated (split-conformal on validation)" if s["calibrated"] else "raw Cauchy (no calibration map)"
+    parts = [f"{n}%: coverage {s[f'coverage_{n}']:.2f}, width {s[f'width_{n}'][0]:.3g} to {s[f'width_{n}'][2]:.3g} "
+             f"(median {s[f'width_{n}'][1]:.3g})" for n in (50, 90) if s.get(f"coverage_{n}") is not None]
+    return f"      intervals on the test split, {kind}, n={s['n']}: " + "; ".join(parts)
+
+
 def describe_base(base_model, base: str | None) -> str:
     """One line saying what the base is (the embedded default has random weights)."""
     c = getattr(base_model.config, "get_text_config", lambda: base_model.config)()
@@ -76,6 +99,9 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     after, preds = evaluate_dataset(result.model, test, ntok.pad_token_id, batch_size=batch_size,
                                     train_targets=train_targets, return_predictions=True)
 
+    intervals = interval_summary(result.model, preds)
+    print(format_interval_summary(intervals))
+
     print(f"[4/5] reloading {result.adapter_dir} into a fresh base model")
     fresh_base, _ = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     reloaded = CausalModel.from_pretrained(fresh_base, result.adapter_dir, tokenizer=tokenizer)
@@ -103,7 +129,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     (out / "demo_metrics.md").write_text(table + "\n")
     summary = {"before": before, "after": after, "reload_identical": identical, "steps": steps,
                "adapter_dir": str(result.adapter_dir), "plot": str(result.plot_path) if result.plot_path else None,
-               "generated": gen.texts[0], "seconds": round(time.time() - t0, 1)}
+               "intervals": intervals, "generated": gen.texts[0], "seconds": round(time.time() - t0, 1)}
     (out / "demo_metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"\nadapter: {result.adapter_dir}\nplot: {result.plot_path}\nmetrics: {out / 'demo_metrics.md'}"
           f"\ntime: {time.time() - t0:.0f} s")

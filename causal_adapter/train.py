@@ -616,7 +616,8 @@ def train(
                  "num_processes": world, "adapter_dir": str(adapter_dir)}
         (out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")
         if config.plot:
-            plot_path = plot_training(history, predictions, out_dir / PLOT_NAME)
+            plot_path = plot_training(history, predictions, out_dir / PLOT_NAME,
+                                      calibration=inner.config.value_calibration)
     accelerator.wait_for_everyone()
     if accelerator.trackers:
         accelerator.end_training()
