@@ -66,6 +66,18 @@ def describe_base(base_model, base: str | None) -> str:
     return f"base: {base} ({size})"
 
 
+def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",
+                      seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
+    """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
+    TrainConfig fields."""
+    from .train_config import TrainConfig
+
+    return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
+                       per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
+                       eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine",
+                       **kw)
+
+
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: str | None = None,
              arch: str = "qwen2", seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2,
              lora: bool = False, dtype: str = "float32", tiny_hidden_size: int = 64, tiny_layers: int = 2) -> int:
@@ -73,7 +85,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     from .data import tokenize_dataset
     from .model import CausalModel, get_causal_model
     from .numbers import NumberTokenizer
-    from .train import TrainConfig, train
+    from .train import train
 
     t0 = time.time()
     out = Path(output_dir)
@@ -83,9 +95,8 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     corpus = build_corpus("sunspots")
     test = tokenize_dataset(corpus["test"], ntok)
     train_targets = list(corpus["train"]["target"])
-    config = TrainConfig(base_model=base, tiny_arch=arch, output_dir=str(out / "train"), max_steps=steps,
-                         per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
-                         eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine")
+    config = demo_train_config(str(out / "train"), steps, base=base, arch=arch, seed=seed, batch_size=batch_size,
+                               learning_rate=learning_rate, lora=lora)
     model = get_causal_model(base_model, config.adapter_config(), tokenizer=tokenizer)
     print(describe_base(base_model, base))
     print("baselines: constant = the median of the train years' values; persistence = the previous year's value")

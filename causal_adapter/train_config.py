@@ -98,6 +98,9 @@ class TrainConfig:
     previous_column: str = flag("previous", "previous-value column (persistence baseline; optional)")
     max_length: int | None = flag(None, "truncate examples to this many tokens", type=int)
     add_eos_token: bool = flag(False, "append EOS to every completion / text")
+    prompt_loss: str = flag("none", "'text': the prompt's text tokens of the training rows get the token loss too (the "
+                                    "layout around numbers, e.g. the separator after one); its numbers never train the "
+                                    "value head. 'none': completions only", choices=["none", "text"])
     max_train_samples: int | None = flag(None, "use only the first N training examples", type=int)
     max_eval_samples: int | None = flag(None, "use only the first N validation examples", type=int)
     # ---------------------------------------------------------------- optimisation
