@@ -70,7 +70,7 @@ def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = N
                       seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
     """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
     TrainConfig fields."""
-    from .train_config import TrainConfig
+    from .train import TrainConfig
 
     return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
                        per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
