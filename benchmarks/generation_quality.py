@@ -62,6 +62,33 @@ def generation_scores(model, tokenizer, rows, fallback: float, new_tokens: int, 
             "well_formed": sum(map(well_formed, out.texts)) / len(out.texts), "example": out.texts[0]}
 
 
+@torch.no_grad()
+def diagnose(model, tokenizer, prompt: str) -> dict:
+    """Why the token side does (not) learn: the top OvR probabilities at the last position of `prompt`
+    ending ":" and ": ", and the sizes the OvR probability depends on."""
+    from causal_adapter.cauchy import ovr_probability
+
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
+    k, act = model.num_token_id, model.action
+    for suffix in ("", " "):
+        enc = ntok([prompt + suffix])
+        out = model(enc["input_ids"], enc["numeric_values"], enc["attention_mask"], return_scores=True)
+        P = ovr_probability(out.loc_S[0, -1], out.scale_S[0, -1], act.thresholds)
+        top = P.topk(3)
+        names = [tokenizer.decode([i]) if i < len(tokenizer) else "<NUM>" for i in top.indices.tolist()]
+        print(f"  last position {(prompt + suffix)[-6:]!r}: top P " + ", ".join(
+            f"{n!r} {p:.2e}" for n, p in zip(names, top.values.tolist())) + f"; P(' ') {float(P[220]):.2e}, "
+            f"loc_Y {float(out.loc_Y[0, -1]):.4g}")
+    info = {"threshold": float(act.thresholds.reshape(-1)[0]), "b_cls_num": float(act.b_cls[k]),
+            "b_cls_space": float(act.b_cls[220]),
+            "num_row_norm": float(act.num_row.norm()) if act.num_row is not None else None,
+            "space_row_norm": float(model.W_cls[220].float().norm()),
+            "mean_scale_U": float(torch.nn.functional.softplus(model.abduction.scale.bias).mean()),
+            "mean_b_noise": float(act.b_noise.abs().mean())}
+    print("  " + ", ".join(f"{a} {b:.3g}" for a, b in info.items() if b is not None))
+    return info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -86,6 +113,8 @@ def main() -> None:
         t0 = time.perf_counter()
         model = train(model, config, tokenizer=tokenizer).model
         seconds = time.perf_counter() - t0
+    print(f"trained {args.steps} steps in {seconds:.0f} s; the first test prompt:")
+    diagnose(model, tokenizer, corpus["test"][0]["prompt"])
     fallback = statistics.median(corpus["train"]["target"])
     res: dict = {}
     for split in ("validation", "test"):

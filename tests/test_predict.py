@@ -143,3 +143,23 @@ def test_predict_command_errors_are_short_and_keep_the_previous_output(tmp_path,
     nocol = _jsonl(tmp_path / "nocol.jsonl", [{"body": "x 1:"}])
     assert main(["predict", str(adapter), *TINY32, "--data-file", str(nocol)]) == 1
     assert "--prompt-column / --text-column" in capsys.readouterr().err
+
+
+def test_demo_interval_summary_and_plot_use_the_calibration_map(tmp_path, saved):
+    from causal_adapter.demo import format_interval_summary, interval_summary
+    from causal_adapter.plotting import plot_training
+
+    _, model = saved
+    g = torch.Generator().manual_seed(1)
+    y = (torch.randn(400, generator=g, dtype=torch.float64) * 2.0).tolist()  # the map's own residual law
+    preds = {"y_true": y, "loc": [0.0] * 400, "scale": [1.0] * 400}
+    s = interval_summary(model, preds)
+    assert s["calibrated"] is True and s["n"] == 400
+    assert s["coverage_50"] == pytest.approx(0.5, abs=0.08) and s["coverage_90"] == pytest.approx(0.9, abs=0.05)
+    c90 = conformal_multiplier(model.config.value_calibration, 0.9)
+    assert s["width_90"] == pytest.approx([2 * c90] * 3)  # one scale: min = median = max
+    assert "calibrated (split-conformal" in format_interval_summary(s)
+    pytest.importorskip("matplotlib")
+    raw = plot_training([], preds, tmp_path / "raw.png")
+    cal = plot_training([], preds, tmp_path / "cal.png", calibration=model.config.value_calibration)
+    assert raw.read_bytes() != cal.read_bytes()
