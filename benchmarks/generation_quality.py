@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--gamma0", type=float, default=None, help="override the recipe's initial abduction scale")
     ap.add_argument("--threshold-init", type=float, default=None, help="override the recipe's OvR threshold")
     ap.add_argument("--freeze", nargs="*", default=None, help="override the recipe's frozen groups")
+    ap.add_argument("--prompt-loss", default=None, choices=["none", "text"], help="override the recipe's prompt_loss")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -103,13 +104,11 @@ def main() -> None:
     base, tokenizer = load_base(None)
     ntok = NumberTokenizer(tokenizer)
     corpus = build_corpus("sunspots")
-    extra = {k: v for k, v in (("gamma0", args.gamma0), ("freeze", args.freeze)) if v is not None}
+    extra = {k: v for k, v in (("gamma0", args.gamma0), ("threshold_init", args.threshold_init),
+                               ("freeze", args.freeze), ("prompt_loss", args.prompt_loss)) if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
         config = demo_train_config(tmp, args.steps, plot=False, progress=False, **extra)
-        adapter_config = config.adapter_config()
-        if args.threshold_init is not None:
-            adapter_config.threshold_init = args.threshold_init
-        model = get_causal_model(base, adapter_config, tokenizer=tokenizer)
+        model = get_causal_model(base, config.adapter_config(), tokenizer=tokenizer)
         t0 = time.perf_counter()
         model = train(model, config, tokenizer=tokenizer).model
         seconds = time.perf_counter() - t0
