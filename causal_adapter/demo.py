@@ -66,16 +66,22 @@ def describe_base(base_model, base: str | None) -> str:
     return f"base: {base} ({size})"
 
 
+#: the demo's token-side settings (docs/predict.md, chosen on the validation split by
+#: benchmarks/generation_quality.py): a threshold and an initial scale that 200 Adam steps can reach, and
+#: W_loc trained (the value head is fitted again on the trained features at the end of `train`)
+DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"]}
+
+
 def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",
                       seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
     """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
-    TrainConfig fields."""
+    TrainConfig fields (they override `DEMO_RECIPE`)."""
     from .train import TrainConfig
 
     return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
                        per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
                        eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine",
-                       **kw)
+                       **{**DEMO_RECIPE, **kw})
 
 
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: str | None = None,
@@ -123,11 +129,10 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
 
     print("[5/5] generating the next value of a test prompt")
     row = corpus["test"][0]
-    # the data writes "YEAR: value": the value is read at the space. A prompt that stops at ":" lets
-    # the adapter emit <NUM> at the ":" itself (it learned that a number comes, not the space first),
-    # where the regression never trained: end the prompt as the data does (README, "Values").
-    prompt = row["prompt"] + " "
-    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=1, mode="deterministic")
+    # the prompt as the data writes it ("...; 1979:"); the completion is " " then the number
+    # (docs/predict.md: the demo's token side learns that order; the regression reads the value at the space)
+    prompt = row["prompt"]
+    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=2, mode="deterministic")
     print(f"      prompt ...{prompt[-60:]!r}  (true next value {row['completion'].strip()})")
     print(f"      generated {gen.texts[0]!r}")
     for n in gen.numbers[0]:
