@@ -99,6 +99,25 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
     return target
 
 
+def atomic_write_file(target: str | os.PathLike, write: Callable[[object], None]) -> Path:
+    """Call `write(fh)` on a text file (UTF-8) next to `target`, fsync it, then rename it onto `target`:
+    a crash leaves the previous file or the new one, never half of one."""
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: the file gets the umask's permissions
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

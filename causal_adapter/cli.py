@@ -4,6 +4,7 @@
     train     fine-tune an adapter (also: accelerate launch -m causal_adapter.train ...)
     eval      evaluate a saved adapter on a corpus split or files, with the baselines
     generate  text in, text with numbers (and intervals) out
+    predict   the value after every row of data files, with calibrated intervals, to jsonl / csv
     verify    the initialization report for a base model
     data      write an offline corpus as jsonl files
 
@@ -253,9 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_adapter
 
-    if (args.adapter is None) == (args.adapter_flag is None):
-        raise CLIError("give the adapter directory once: causal-adapter eval DIR (or --adapter DIR)")
-    args.adapter = args.adapter or args.adapter_flag
+    args.adapter = _adapter_argument(args, "eval")
     check_base(args.base)
     try:
         table = evaluate_adapter(args.adapter, base=args.base, arch=args.arch, dtype=args.dtype, corpus=args.corpus,
@@ -266,6 +265,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise tiny_base_hint(e, args) from e
     print(table)
+    return 0
+
+
+def _adapter_argument(args: argparse.Namespace, command: str) -> str:
+    if (args.adapter is None) == (args.adapter_flag is None):
+        raise CLIError(f"give the adapter directory once: causal-adapter {command} DIR (or --adapter DIR)")
+    return args.adapter or args.adapter_flag
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from .model import CausalModel
+    from .predict_command import output_format, predict_files
+    from .prediction import check_levels
+
+    adapter = _adapter_argument(args, "predict")
+    output_format(args.output)
+    check_levels(args.levels)
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    check_base(args.base)
+    base, tokenizer = load_base(args.base, **_base_kwargs(args))
+    try:
+        model = CausalModel.from_pretrained(base, adapter, tokenizer=tokenizer)
+    except ValueError as e:
+        raise tiny_base_hint(e, args) from e
+    counts = predict_files(model, tokenizer, args.data_file, output=args.output, levels=args.levels,
+                           batch_size=args.batch_size, prompt_column=args.prompt_column,
+                           text_column=args.text_column, completion_column=args.completion_column)
+    where = args.output or "stdout"
+    print(f"predict: {counts['written']} of {counts['rows']} rows written to {where}"
+          + (f" ({counts['skipped']} skipped, see above)" if counts["skipped"] else ""), file=sys.stderr)
     return 0
 
 
@@ -332,6 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-individual", action="store_true", help="causal mode: one sampled U per sequence")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("predict", help="the value after every row of data files, with calibrated intervals", **fmt)
+    p.add_argument("adapter", nargs="?", default=None, help="adapter directory; or --adapter DIR")
+    p.add_argument("--adapter", dest="adapter_flag", metavar="DIR", default=None, help="the same, as a flag")
+    add_base_arguments(p)
+    p.add_argument("--data-file", nargs="+", required=True,
+                   help="jsonl/csv/parquet files with a prompt (+ optional completion) or a text column")
+    add_column_arguments(p)
+    p.add_argument("--output", default=None, help="P.jsonl or P.csv (written atomically); default: jsonl on stdout")
+    p.add_argument("--levels", nargs="+", type=float, default=[0.5, 0.9],
+                   help="interval levels: columns lower_<100*level> / upper_<100*level>")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.set_defaults(func=cmd_predict)
+
     p = sub.add_parser("verify", help="check that a fresh adapter reproduces its base model", **fmt)
     add_base_arguments(p)
     p.add_argument("--text", default=DEFAULT_TEXT, help="text to compare on")
@@ -384,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI's one place for errors
         if debug:
             raise
-        prog = "causal-adapter" + (f" {command}" if command in ("demo", "train", "eval", "generate", "verify",
-                                                                 "data") else "")
+        prog = "causal-adapter" + (f" {command}" if command in ("demo", "train", "eval", "generate", "predict",
+                                                                 "verify", "data") else "")
         print(f"{prog}: error: {error_message(e)}", file=sys.stderr)
         return 1
 

@@ -314,12 +314,16 @@ def tokenize_dataset(
     max_length: int | None = None,
     add_eos_token: bool = False,
     batch_size: int = 1000,
+    prompt_loss: str = "none",
 ):
     """Map rows to the features ``input_ids``, ``numeric_values``, ``labels``, ``label_values``.
 
     Columns are auto-detected: ``prompt`` + ``completion`` (loss on the completion only; the
     two are encoded separately and concatenated, exactly what the model sees when the prompt is
     given and the completion generated) take precedence over ``text`` (loss everywhere).
+    ``prompt_loss="text"``: the prompt's text tokens get labels too (the token loss learns the
+    data's layout, e.g. the separator after a number, which completions that end with their number
+    never show); the prompt's numbers keep -100, so the value regression learns from completions only.
     The text columns used are removed; other columns (``target``, ``previous``, ...) are kept.
     ``add_eos_token`` appends the tokenizer's EOS (with a label) to every completion / text.
     ``max_length`` truncates keeping the first ``max_length`` tokens.
@@ -330,13 +334,15 @@ def tokenize_dataset(
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return type(dataset)({
             k: tokenize_dataset(v, number_tokenizer, text_column, prompt_column, completion_column,
-                                max_length, add_eos_token, batch_size)
+                                max_length, add_eos_token, batch_size, prompt_loss)
             for k, v in dataset.items()
         })
     if not isinstance(number_tokenizer, NumberTokenizer):
         raise ValueError(f"number_tokenizer must be a NumberTokenizer, got {type(number_tokenizer).__name__}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if prompt_loss not in ("none", "text"):
+        raise ValueError(f"prompt_loss must be 'none' or 'text', got {prompt_loss!r}")
     cols = _column_names(dataset)
     if prompt_column in cols and completion_column in cols:
         mode, used = "pc", [prompt_column, completion_column]
@@ -383,7 +389,11 @@ def tokenize_dataset(
             else:
                 ids = p.input_ids + c_ids
                 vals = p.numeric_values + c_vals
-                labels = [IGNORE_INDEX] * len(p.input_ids) + c_ids
+                if prompt_loss == "text":
+                    prompt_labels = [IGNORE_INDEX if t == ntok.num_token_id else t for t in p.input_ids]
+                else:
+                    prompt_labels = [IGNORE_INDEX] * len(p.input_ids)
+                labels = prompt_labels + c_ids
             if max_length is not None and len(ids) > max_length:
                 ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
             out["input_ids"].append(ids)
@@ -409,7 +419,8 @@ def tokenize_dataset(
         # datasets would fingerprint `fn` by pickling its closure, i.e. the whole tokenizer
         # (seconds per call): give it a cheap, deterministic fingerprint instead.
         kwargs["new_fingerprint"] = _fingerprint(
-            dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size)
+            dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size,
+            *(() if prompt_loss == "none" else (prompt_loss,)))
     return dataset.map(fn, **kwargs)
 
 

@@ -32,6 +32,29 @@ def comparison_table(before: dict, after: dict, split: str = "test") -> str:
     return "\n".join(lines)
 
 
+def interval_summary(model, predictions: dict, levels=(0.5, 0.9)) -> dict:
+    """Coverage and width range of the intervals the adapter reports (`value_interval`: calibrated when it
+    has a calibration map, else raw Cauchy) on `predictions` (y_true / loc / scale lists)."""
+    import torch
+
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    out: dict = {"calibrated": model.config.value_calibration is not None, "n": int(y.numel())}
+    for q in levels:
+        n = round(100 * q)
+        lo, hi = model.value_interval(loc, scale, q)
+        width = hi - lo
+        out[f"coverage_{n}"] = float(((y >= lo) & (y <= hi)).double().mean()) if y.numel() else None
+        out[f"width_{n}"] = [float(width.min()), float(width.median()), float(width.max())] if y.numel() else None
+    return out
+
+
+def format_interval_summary(s: dict) -> str:
+    kind = "calibrated (split-conformal on validation)" if s["calibrated"] else "raw Cauchy (no calibration map)"
+    parts = [f"{n}%: coverage {s[f'coverage_{n}']:.2f}, width {s[f'width_{n}'][0]:.3g} to {s[f'width_{n}'][2]:.3g} "
+             f"(median {s[f'width_{n}'][1]:.3g})" for n in (50, 90) if s.get(f"coverage_{n}") is not None]
+    return f"      intervals on the test split, {kind}, n={s['n']}: " + "; ".join(parts)
+
+
 def describe_base(base_model, base: str | None) -> str:
     """One line saying what the base is (the embedded default has random weights)."""
     c = getattr(base_model.config, "get_text_config", lambda: base_model.config)()
@@ -43,6 +66,24 @@ def describe_base(base_model, base: str | None) -> str:
     return f"base: {base} ({size})"
 
 
+#: the demo's token-side settings (docs/predict.md, chosen on the validation split by
+#: benchmarks/generation_quality.py): a threshold and an initial scale that 200 Adam steps can reach, and
+#: W_loc trained (the value head is fitted again on the trained features at the end of `train`)
+DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"]}
+
+
+def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",
+                      seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
+    """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
+    TrainConfig fields (they override `DEMO_RECIPE`)."""
+    from .train import TrainConfig
+
+    return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
+                       per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
+                       eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine",
+                       **{**DEMO_RECIPE, **kw})
+
+
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: str | None = None,
              arch: str = "qwen2", seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2,
              lora: bool = False, dtype: str = "float32", tiny_hidden_size: int = 64, tiny_layers: int = 2) -> int:
@@ -50,7 +91,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     from .data import tokenize_dataset
     from .model import CausalModel, get_causal_model
     from .numbers import NumberTokenizer
-    from .train import TrainConfig, train
+    from .train import train
 
     t0 = time.time()
     out = Path(output_dir)
@@ -60,9 +101,8 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     corpus = build_corpus("sunspots")
     test = tokenize_dataset(corpus["test"], ntok)
     train_targets = list(corpus["train"]["target"])
-    config = TrainConfig(base_model=base, tiny_arch=arch, output_dir=str(out / "train"), max_steps=steps,
-                         per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
-                         eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine")
+    config = demo_train_config(str(out / "train"), steps, base=base, arch=arch, seed=seed, batch_size=batch_size,
+                               learning_rate=learning_rate, lora=lora)
     model = get_causal_model(base_model, config.adapter_config(), tokenizer=tokenizer)
     print(describe_base(base_model, base))
     print("baselines: constant = the median of the train years' values; persistence = the previous year's value")
@@ -76,6 +116,9 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     after, preds = evaluate_dataset(result.model, test, ntok.pad_token_id, batch_size=batch_size,
                                     train_targets=train_targets, return_predictions=True)
 
+    intervals = interval_summary(result.model, preds)
+    print(format_interval_summary(intervals))
+
     print(f"[4/5] reloading {result.adapter_dir} into a fresh base model")
     fresh_base, _ = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     reloaded = CausalModel.from_pretrained(fresh_base, result.adapter_dir, tokenizer=tokenizer)
@@ -86,11 +129,10 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
 
     print("[5/5] generating the next value of a test prompt")
     row = corpus["test"][0]
-    # the data writes "YEAR: value": the value is read at the space. A prompt that stops at ":" lets
-    # the adapter emit <NUM> at the ":" itself (it learned that a number comes, not the space first),
-    # where the regression never trained: end the prompt as the data does (README, "Values").
-    prompt = row["prompt"] + " "
-    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=1, mode="deterministic")
+    # the prompt as the data writes it ("...; 1979:"); the completion is " " then the number
+    # (docs/predict.md: the demo's token side learns that order; the regression reads the value at the space)
+    prompt = row["prompt"]
+    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=2, mode="deterministic")
     print(f"      prompt ...{prompt[-60:]!r}  (true next value {row['completion'].strip()})")
     print(f"      generated {gen.texts[0]!r}")
     for n in gen.numbers[0]:
@@ -103,7 +145,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     (out / "demo_metrics.md").write_text(table + "\n")
     summary = {"before": before, "after": after, "reload_identical": identical, "steps": steps,
                "adapter_dir": str(result.adapter_dir), "plot": str(result.plot_path) if result.plot_path else None,
-               "generated": gen.texts[0], "seconds": round(time.time() - t0, 1)}
+               "intervals": intervals, "generated": gen.texts[0], "seconds": round(time.time() - t0, 1)}
     (out / "demo_metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"\nadapter: {result.adapter_dir}\nplot: {result.plot_path}\nmetrics: {out / 'demo_metrics.md'}"
           f"\ntime: {time.time() - t0:.0f} s")

@@ -40,6 +40,7 @@ from torch import Tensor
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
 from .heads import full_precision
+from .intervals import interval
 from .scoring import OvRScorer
 
 MODES = ("softmax", "deterministic", "causal")
@@ -60,7 +61,9 @@ class GenerationOutput:
     numbers: per row, one dict per generated <NUM>: position (index in new_tokens), index (in
         sequences), value (what was emitted and fed back: rounded to `config.value_decimals`
         when the adapter has them), exact (the value before rounding), text (as rendered), loc /
-        scale (loc_Y, scale_Y of that step), interval_50 / interval_90 (central Cauchy intervals).
+        scale (loc_Y, scale_Y of that step), interval_50 / interval_90 (the central intervals the adapter
+        reports: calibrated when it has a calibration map, as `CausalModel.value_interval`) and
+        raw_interval_50 / raw_interval_90 (the raw Cauchy ones).
     texts: decoded generated text per row (numbers rendered), when a tokenizer was available.
     eps: [B, T, C] the uniforms of causal mode (with return_eps=True); with
         shared_individual=True every step of a row holds the same eps.
@@ -488,7 +491,7 @@ def generate(
     full_mask = torch.cat([attention_mask, gen_mask.long()], 1)
     new_tokens, new_values = sequences[:, S:], values[:, S:]
     numbers = _numbers(new_tokens, new_values, loc_Y_all[:, :steps], scale_Y_all[:, :steps], gen_mask, num_id, S,
-                       exact_all[:, :steps])
+                       exact_all[:, :steps], model.config.value_calibration)
     texts = None
     if ntok is not None:
         texts = [_decode(ntok, new_tokens[b, :int(lengths[b])], new_values[b, :int(lengths[b])],
@@ -621,23 +624,20 @@ def _hit_stop(ntok, sequences, values, S, steps, lengths, rows, stop_strings) ->
     return hit
 
 
-_Q50 = (0.25, 0.75)
-_Q90 = (0.05, 0.95)
-
-
-def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S, exact) -> list[list[dict[str, Any]]]:
+def _numbers(new_tokens, new_values, loc_Y, scale_Y, gen_mask, num_id, S, exact,
+             calibration: dict | None = None) -> list[list[dict[str, Any]]]:
+    """Per row, one dict per generated <NUM>; interval_50 / interval_90 are the adapter's reported
+    intervals (calibrated with `calibration`, as `CausalModel.value_interval`), raw_interval_* the raw Cauchy ones."""
     is_num = (new_tokens == num_id) & gen_mask
     out: list[list[dict[str, Any]]] = [[] for _ in range(new_tokens.shape[0])]
-    if not bool(is_num.any()):
-        return out
-    q = torch.tensor(_Q50 + _Q90, dtype=torch.float64)
     for b, t in is_num.nonzero().tolist():
         loc, scale = float(loc_Y[b, t]), float(scale_Y[b, t])
-        ends = cauchy_icdf(q, loc, scale).tolist()
         v = float(new_values[b, t])
-        out[b].append({
-            "position": t, "index": S + t, "value": v, "text": _format(v) if math.isfinite(v) else str(v),
-            "loc": loc, "scale": scale, "interval_50": (ends[0], ends[1]), "interval_90": (ends[2], ends[3]),
-            "exact": float(exact[b, t]),
-        })
+        row = {"position": t, "index": S + t, "value": v, "text": _format(v) if math.isfinite(v) else str(v),
+               "loc": loc, "scale": scale, "exact": float(exact[b, t])}
+        for q in (0.5, 0.9):
+            for prefix, cal in (("", calibration), ("raw_", None)):
+                lo, hi = interval(torch.tensor(loc, dtype=torch.float64), torch.tensor(scale, dtype=torch.float64), q, cal)
+                row[f"{prefix}interval_{round(100 * q)}"] = (float(lo), float(hi))
+        out[b].append(row)
     return out

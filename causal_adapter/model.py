@@ -538,6 +538,18 @@ class CausalModel(nn.Module):
 
         return generate(self, *args, **kwargs)
 
+    def predict_values(self, prompts: str | list[str], tokenizer=None, levels: tuple[float, ...] = (0.5, 0.9),
+                       batch_size: int = 16, progress=None) -> list[dict[str, Any]]:
+        """The value predicted after each prompt (loc_Y at its last position) with its calibrated
+        intervals per level, scale_Y and P(<NUM>); one forward per batch (causal_adapter.prediction).
+        tokenizer=None: the base's own tokenizer, found offline at its name_or_path."""
+        from .prediction import predict_values
+
+        if tokenizer is None:
+            tokenizer = _offline_tokenizer(getattr(self.backbone, "name_or_path", None))
+        return predict_values(self, prompts, tokenizer=tokenizer, levels=levels, batch_size=batch_size,
+                              progress=progress)
+
     # ------------------------------------------------------------------ peft / hub conventions
     def merge_and_unload(self, safe_merge: bool = True) -> "CausalModel":
         """Merge the LoRA weights into the backbone (peft's merge) and drop the LoRA layers: the same

@@ -8,15 +8,18 @@ from typing import Sequence
 import torch
 
 
-def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike) -> Path | None:
+def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike,
+                  calibration: dict | None = None) -> Path | None:
     """PNG with the training curves (train/eval losses, eval metrics) and the validation values
-    (data order) with loc_Y and its 50% / 90% Cauchy interval bands. Returns None (quietly) without matplotlib."""
+    (data order) with loc_Y and its 50% / 90% interval bands: calibrated by `calibration` (the adapter's
+    `value_calibration`, as `CausalModel.value_interval`), raw Cauchy without one. Returns None
+    (quietly) without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    from .cauchy import cauchy_icdf
+    from .intervals import interval
 
     train = [h for h in history if h.get("split") == "train"]
     evals = [h for h in history if h.get("split") == "eval"]
@@ -52,11 +55,11 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
         loc = torch.tensor(predictions["loc"], dtype=torch.float64)
         scale = torch.tensor(predictions["scale"], dtype=torch.float64)
         x = torch.arange(len(y)).numpy()
+        kind = "calibrated" if calibration else "raw Cauchy"
         for q, alpha in ((0.9, 0.18), (0.5, 0.35)):
-            lo = cauchy_icdf(torch.tensor((1 - q) / 2, dtype=torch.float64), loc, scale)
-            hi = cauchy_icdf(torch.tensor((1 + q) / 2, dtype=torch.float64), loc, scale)
+            lo, hi = interval(loc, scale, q, calibration)
             ax3.fill_between(x, lo.numpy(), hi.numpy(), color="tab:blue", alpha=alpha, lw=0,
-                             label=f"{round(100 * q)}% interval")
+                             label=f"{round(100 * q)}% interval ({kind})")
         ax3.plot(x, loc.numpy(), "-", color="tab:blue", lw=1.2, label="loc_Y (prediction)")
         ax3.plot(x, y.numpy(), "ko", ms=3, label="true value")
         span = float(y.max() - y.min()) or 1.0

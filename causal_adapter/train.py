@@ -232,18 +232,20 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
     if config.target_column in train_dataset.column_names:
         targets = [v for v in train_dataset[config.target_column] if isinstance(v, (int, float))]
 
-    def tok(ds):
+    def tok(ds, prompt_loss="none"):
         if ds is None or "input_ids" in ds.column_names:
             return ds
         if number_tokenizer is None:
             raise ValueError("the dataset is not tokenised (no input_ids column): pass tokenizer=... to train()")
         return tokenize_dataset(ds, number_tokenizer, text_column=config.text_column,
                                 prompt_column=config.prompt_column, completion_column=config.completion_column,
-                                max_length=config.max_length, add_eos_token=config.add_eos_token)
+                                max_length=config.max_length, add_eos_token=config.add_eos_token,
+                                prompt_loss=prompt_loss)
 
     ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with ctx:
-        train_dataset, eval_dataset = tok(train_dataset), tok(eval_dataset)
+        # validation keeps completion-only labels: its metrics stay those of `causal-adapter eval`
+        train_dataset, eval_dataset = tok(train_dataset, config.prompt_loss), tok(eval_dataset)
     train_dataset = _feature_columns(train_dataset, config)
     if eval_dataset is not None:
         eval_dataset = _feature_columns(eval_dataset, config)
@@ -621,7 +623,8 @@ def train(
                  "num_processes": world, "adapter_dir": str(adapter_dir)}
         (out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")
         if config.plot:
-            plot_path = plot_training(history, predictions, out_dir / PLOT_NAME)
+            plot_path = plot_training(history, predictions, out_dir / PLOT_NAME,
+                                      calibration=inner.config.value_calibration)
     accelerator.wait_for_everyone()
     if accelerator.trackers:
         accelerator.end_training()

@@ -69,6 +69,7 @@ class TrainConfig:
                              "the OvR loss's updates of W_loc move loc_U under the warm-started regression "
                              "(measured: sunspots MAE 80,000 vs 15.6)", nargs="*", type=str)
     gamma0: float = flag(10.0, "initial abduction scale")
+    threshold_init: float = flag(100.0, "initial OvR threshold C_k (P_k = 1/2 + atan((loc_S_k - C_k) / scale_S_k) / pi)")
     gate_alpha: float = flag(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
                                   "training uses 1.0: the regression learns from the first step, measured)")
     regression_init: str = flag("ridge", "'ridge': the regression head starts as a least-squares probe on the "
@@ -98,6 +99,9 @@ class TrainConfig:
     previous_column: str = flag("previous", "previous-value column (persistence baseline; optional)")
     max_length: int | None = flag(None, "truncate examples to this many tokens", type=int)
     add_eos_token: bool = flag(False, "append EOS to every completion / text")
+    prompt_loss: str = flag("none", "'text': the prompt's text tokens of the training rows get the token loss too (the "
+                                    "layout around numbers, e.g. the separator after one); its numbers never train the "
+                                    "value head. 'none': completions only", choices=["none", "text"])
     max_train_samples: int | None = flag(None, "use only the first N training examples", type=int)
     max_eval_samples: int | None = flag(None, "use only the first N validation examples", type=int)
     # ---------------------------------------------------------------- optimisation
@@ -185,6 +189,7 @@ class TrainConfig:
         return CausalAdapterConfig(
             lora=lora, learnable_direction=self.learnable_direction, learnable_threshold=self.learnable_threshold,
             threshold_mode=self.threshold_mode, train_num_row=self.train_num_row, gamma0=self.gamma0,
+            threshold_init=self.threshold_init,
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed,
         )
 

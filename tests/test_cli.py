@@ -52,7 +52,7 @@ def test_data_command_writes_jsonl(tmp_path):
 
 
 def test_help_of_every_command():
-    for cmd in ("demo", "train", "eval", "generate", "verify", "data"):
+    for cmd in ("demo", "train", "eval", "generate", "predict", "verify", "data"):
         r = subprocess.run([sys.executable, "-m", "causal_adapter.cli", cmd, "--help"], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0 and "usage:" in r.stdout, (cmd, r.stderr[-500:])

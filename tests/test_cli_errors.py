@@ -191,12 +191,12 @@ def test_bad_flags_two_lines_no_abbreviations(tmp_path, args, needles):
 
 
 def test_one_flag_vocabulary_across_commands():
-    for cmd in ("demo", "eval", "generate", "verify", "train"):
+    for cmd in ("demo", "eval", "generate", "predict", "verify", "train"):
         rc, out, err, _ = run_cli(cmd, "--help")
         assert rc == 0, err
         for flag in ("--base", "--tiny-arch", "--tiny-hidden-size", "--tiny-layers", "--debug"):
             assert flag in out, (cmd, flag)
-        if cmd in ("eval", "train"):
+        if cmd in ("eval", "predict", "train"):
             for flag in ("--text-column", "--prompt-column", "--completion-column"):
                 assert flag in out, (cmd, flag)
         if cmd in ("demo", "train"):

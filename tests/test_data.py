@@ -131,6 +131,21 @@ def test_prompt_completion_masking(ntok):
     assert cut2[0]["labels"] == [IGNORE_INDEX] * 3
 
 
+def test_prompt_loss_text_labels_the_prompt_text_not_its_numbers(ntok):
+    ds = datasets.Dataset.from_dict({"prompt": ["Yearly sunspot numbers. 1749: 80.9; 1750:"], "completion": [" 83.4"]})
+    out = tokenize_dataset(ds, ntok, prompt_loss="text")[0]
+    pe, ce = ntok.encode(ds["prompt"][0]), ntok.encode(ds["completion"][0])
+    k = ntok.num_token_id
+    assert out["input_ids"] == pe.input_ids + ce.input_ids
+    assert out["labels"] == [IGNORE_INDEX if t == k else t for t in pe.input_ids] + ce.input_ids
+    assert 26 in out["labels"][:len(pe.input_ids)]  # the ";" after a number is a target now
+    # only the completion's number is a value target (the regression never sees 1749, 80.9, 1750)
+    assert out["labels"].count(k) == 1
+    assert out["label_values"] == pytest.approx([0.0] * (len(out["labels"]) - 1) + [83.4], rel=1e-6)
+    with pytest.raises(ValueError, match="prompt_loss must be 'none' or 'text'"):
+        tokenize_dataset(ds, ntok, prompt_loss="all")
+
+
 def test_text_mode_and_collate(ntok):
     ds = datasets.Dataset.from_dict({"text": ["a 1 b", "x = -2.5e3;"]})
     out = tokenize_dataset(ds, ntok)

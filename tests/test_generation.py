@@ -361,6 +361,43 @@ def test_generated_number_is_fed_back_and_rendered(mode, tok, bases):
     assert out.numeric_values[0, :-4][out.sequences[0, :-4] == NUM_REAL].tolist() == pytest.approx([99.9])
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "causal"])
+def test_rounded_value_is_fed_back_over_several_numbers(mode, tok, bases):
+    """With value_decimals, every generated number is emitted, shown AND fed back rounded (as the data
+    writes values): the embedding of step t holds phi of the rounded value of step t-1, for several
+    numbers in a row. Values near value_loc, where phi is steep, and whole numbers (value_decimals=0)
+    make the rounding move phi well beyond float error."""
+    base = bases["qwen2"]
+    model = get_causal_model(base, CausalAdapterConfig(gamma0=1.0), tokenizer=tok)
+    model.set_value_units(40.0, 1.0, value_decimals=0)
+    with torch.no_grad():
+        model.action.b_cls[NUM_REAL] = 500.0  # <NUM> wins at every step
+        model.action.w_reg.mul_(3.0)  # values a few units apart, with many decimals
+    seen = []
+    hook = model.decoder.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["inputs_embeds"].clone()),
+                                                   with_kwargs=True)
+    try:
+        out = model.generate("The price was 39.9 yuan, then", tokenizer=tok, mode=mode, max_new_tokens=5, seed=0,
+                             eos_token_id=[])
+    finally:
+        hook.remove()
+    assert (out.new_tokens == NUM_REAL).all()
+    nums = out.numbers[0]
+    exact = torch.tensor([n["exact"] for n in nums], dtype=torch.float64)
+    rounded = torch.round(exact)
+    assert len(set(rounded.tolist())) >= 2 and ((exact - rounded).abs() > 0.05).sum() >= 3  # rounding matters
+    torch.testing.assert_close(out.new_values[0].double(), rounded, rtol=0, atol=1e-4)
+    assert [n["text"] for n in nums] == [format_number(x) for x in rounded.tolist()]
+    assert len(seen) == 5
+    for t in range(1, 5):  # steps 1..4 are fed the numbers of steps 0..3
+        ids = torch.tensor([[NUM_REAL]])
+        fed = model.embed(ids, rounded[t - 1].reshape(1, 1).float())[0, 0]
+        unrounded = model.embed(ids, exact[t - 1].reshape(1, 1).float())[0, 0]
+        if abs(float(exact[t - 1] - rounded[t - 1])) > 0.05:  # the check below can tell them apart
+            assert (fed - unrounded).abs().max() > 1e-4  # 100 x the tolerance below
+        torch.testing.assert_close(seen[t][0, 0], fed, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- text in / out, batching
 def test_text_prompts_batch_left_padding_equals_single_rows(tok, bases):
     base = bases["qwen2_f64"]

@@ -1,0 +1,135 @@
+"""Values with their intervals for a list of prompts (`CausalModel.predict_values`, `causal-adapter predict`).
+
+    model.predict_values(["Yearly sunspot numbers. ... 1978: 92.5; 1979: "], tokenizer=tok, levels=(0.5, 0.9))
+    -> [{"row": 0, "value": 124.7, "scale": 15.3, "p_num": 0.98, "lower_50": ..., "upper_50": ..., ...}]
+
+The value is read where the next token of the prompt would be a number: the head of the LAST
+prompt position, exactly the position whose loc_Y the evaluation scores when a completion follows
+the prompt. So a prompt must end where the number starts, as the training data writes it (the
+built-in corpora put the space before the value in the completion: end the prompt with ": ", or
+give the completion and let `causal-adapter predict` add its text before the number). `p_num`
+says how sure the model is that a number comes there: a low one flags a prompt that ends elsewhere.
+
+One forward per batch of left-padded prompts (no generation, no [B, V] scores).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .intervals import check_level
+from .loss import num_probability
+
+DEFAULT_LEVELS = (0.5, 0.9)
+
+
+def level_name(level: float) -> str:
+    """The suffix of a level's columns: 0.5 -> "50", 0.975 -> "97.5"."""
+    return format(round(100 * level, 6), "g")
+
+
+def check_levels(levels: Sequence[float]) -> tuple[float, ...]:
+    """Levels in (0, 1), each once, in the given order; a ValueError names a bad one."""
+    if isinstance(levels, (int, float)):
+        levels = (levels,)
+    out: list[float] = []
+    for q in levels:
+        q = check_level(q)
+        if level_name(q) not in {level_name(p) for p in out}:
+            out.append(q)
+    if not out:
+        raise ValueError("give at least one interval level in (0, 1), e.g. levels=(0.5, 0.9)")
+    return tuple(out)
+
+
+def prediction_columns(levels: Sequence[float]) -> list[str]:
+    """Column names of `predict_values`'s rows, in output order."""
+    cols = ["row", "value", "scale", "p_num"]
+    for q in check_levels(levels):
+        n = level_name(q)
+        cols += [f"lower_{n}", f"upper_{n}", f"raw_lower_{n}", f"raw_upper_{n}"]
+    return cols
+
+
+@torch.no_grad()
+def _predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loc_Y, scale_Y, P(<NUM>)) [B] at the last position of left-padded encodings."""
+    dev = model.device
+    ids, vals, mask = (enc[k].to(dev) for k in ("input_ids", "numeric_values", "attention_mask"))
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # as generation: padding never changes a row
+    out = model(ids, vals, mask, position_ids=position_ids)
+    loc_U, scale_U = out.loc_U[:, -1], out.scale_U[:, -1]
+    act = model.action
+    p_num = num_probability(loc_U, act.noisy_scale(scale_U), act.num_weight(model.W_cls), act.b_cls[model.num_token_id],
+                            act.num_threshold(), scale_floor=act.scale_floor)
+    return out.loc_Y[:, -1].double(), out.scale_Y[:, -1].double(), p_num.double()
+
+
+def _rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
+          start: int) -> list[dict[str, Any]]:
+    cols: dict[str, list[float]] = {"value": loc.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
+    for q in levels:
+        n = level_name(q)
+        for prefix, calibrated in (("", True), ("raw_", False)):
+            lo, hi = model.value_interval(loc, scale, q, calibrated=calibrated)
+            cols[f"{prefix}lower_{n}"], cols[f"{prefix}upper_{n}"] = lo.tolist(), hi.tolist()
+    names = prediction_columns(levels)[1:]
+    return [{"row": start + i, **{k: float(cols[k][i]) for k in names}} for i in range(loc.numel())]
+
+
+def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: Sequence[float] = DEFAULT_LEVELS,
+                   batch_size: int = 16, progress: Callable[[int], Any] | None = None) -> list[dict[str, Any]]:
+    """The value predicted after each prompt, with its intervals; one dict per prompt, in order.
+
+    Args:
+        model: a CausalModel (value units set, i.e. trained or loaded from an adapter).
+        prompts: texts ending where the number starts (see the module docstring).
+        tokenizer: a Qwen tokenizer or NumberTokenizer (`CausalModel.predict_values` finds the base's
+            own offline when None).
+        levels: central interval levels in (0, 1).
+        batch_size: prompts per forward pass.
+        progress: called with the number of prompts done after each batch (a progress bar's update).
+
+    Returns dicts with ``row`` (index in `prompts`), ``value`` (the median loc_Y), ``scale``
+    (scale_Y), ``p_num`` (the OvR probability that the next token is <NUM>), and per level
+    ``lower_<L>`` / ``upper_<L>`` (L = 100 * level: the calibrated interval of `value_interval`,
+    the raw Cauchy one when the adapter has no calibration map) and ``raw_lower_<L>`` /
+    ``raw_upper_<L>`` (the raw Cauchy interval, for comparison).
+    """
+    from .generation import _number_tokenizer
+
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    levels = check_levels(levels)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if model.config.value_loc is None:
+        raise ValueError("the adapter has no value units (value_loc / value_scale): train it first, or load a "
+                         "trained adapter with CausalModel.from_pretrained")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} must be a non-empty string, got {p!r:.80}")
+    if tokenizer is None:
+        raise ValueError("predict_values needs tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
+    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    was_training = model.training
+    model.eval()
+    out: list[dict[str, Any]] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            enc = ntok(list(prompts[start:start + batch_size]), padding_side="left")
+            if bool((enc["attention_mask"].sum(-1) == 0).any()):
+                i = start + int((enc["attention_mask"].sum(-1) == 0).nonzero()[0])
+                raise ValueError(f"prompt {i} encodes to no token")
+            loc, scale, p_num = _predict_batch(model, enc)
+            out += _rows(model, loc, scale, p_num, levels, start)
+            if progress is not None:
+                progress(len(loc))
+    finally:
+        model.train(was_training)
+    for r in out:
+        if not math.isfinite(r["value"]):
+            raise FloatingPointError(f"prompt {r['row']}: the predicted value is {r['value']} (not finite)")
+    return out
