@@ -201,6 +201,48 @@ class CausalModel(nn.Module):
             p.requires_grad for p in self.backbone.parameters()
         )
 
+    # ------------------------------------------------------------------ memory
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        **kwargs) -> None:
+        """Activation (gradient) checkpointing in the backbone's decoder layers: transformers' own,
+        whose default is `use_reentrant=False`. kwargs (e.g. `every_n_layers`, `offload`) go to the
+        backbone's method; this is what `transformers.Trainer` calls for `gradient_checkpointing=True`.
+
+        Only a backbone that gets gradients (LoRA, learnable d) keeps activations; a frozen backbone
+        with a fixed d runs under no_grad and this changes nothing."""
+        backbone = self.backbone
+        enable = getattr(backbone, "activation_checkpointing_enable", None)  # transformers >= 5.x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs, **kwargs)
+        else:
+            backbone.gradient_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
+        # Reentrant checkpointing gives a segment's LoRA weights no gradient unless the segment's input
+        # requires grad; with a frozen embedding and a fixed d it does not. transformers' hook on the
+        # embedding output (what peft uses) fixes that; `embed` calls that same module. Some versions
+        # install it themselves: one hook is enough.
+        if getattr(backbone, "_require_grads_hook", None) is None:
+            backbone.enable_input_require_grads()
+
+    def activation_checkpointing_disable(self) -> None:
+        """Turn the backbone's activation checkpointing off (the input-grad hook stays: harmless)."""
+        disable = getattr(self.backbone, "activation_checkpointing_disable", None)
+        (disable or self.backbone.gradient_checkpointing_disable)()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.backbone.modules())
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """peft's / older transformers' name of `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
+
     # ------------------------------------------------------------------ forward
     def embed(self, input_ids: Tensor, numeric_values: Tensor | None) -> Tensor:
         """e = embed(x) + phi(v): [B, S] -> [B, S, H] in the backbone's dtype. With value units

@@ -443,6 +443,8 @@ def train(
     inner = model
     if config.freeze:
         freeze_parts(inner, config.freeze)
+    if config.gradient_checkpointing:
+        inner.gradient_checkpointing_enable()
     ntok = NumberTokenizer(tokenizer, inner.num_token_id) if tokenizer is not None else None
     train_ds, eval_ds, targets = prepare_datasets(config, ntok, train_dataset, eval_dataset, accelerator)
     if train_targets is None:

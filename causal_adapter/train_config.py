@@ -118,6 +118,10 @@ class TrainConfig:
     per_device_train_batch_size: int = flag(8, "examples per process per micro-batch")
     per_device_eval_batch_size: int = flag(8, "examples per process per evaluation batch")
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step")
+    gradient_checkpointing: bool = flag(False, "activation checkpointing in the backbone's layers (transformers', "
+                                               "non-reentrant): less activation memory for one more backbone "
+                                               "forward per step; matters only when the backbone gets gradients "
+                                               "(--lora, --learnable-direction)")
     mixed_precision: str | None = flag(None, "no / fp16 / bf16 (default: accelerate's setting)", type=str,
                                        choices=["no", "fp16", "bf16"])
     seed: int = flag(42, "seed of the adapter initialisation, the data order and every RNG")
