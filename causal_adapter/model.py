@@ -63,6 +63,24 @@ def check_supported(model: nn.Module) -> None:
     get_family(model)
 
 
+def check_unquantized_heads(model: nn.Module) -> None:
+    """A quantised base (bitsandbytes 4-bit / 8-bit: QLoRA) is fine in its decoder layers, but W_cls
+    (lm_head) and the input embedding must stay full-precision [rows, H] matrices: the OvR scores use
+    |W_cls| and the <NUM> row is read and trained from it. Raise a ValueError saying how to load it."""
+    H = text_config(model).hidden_size
+    for name, module in (("lm_head", model.get_output_embeddings()), ("input embedding", model.get_input_embeddings())):
+        W = getattr(module, "weight", None)
+        if not (isinstance(W, Tensor) and W.dtype.is_floating_point and W.dim() == 2 and W.shape[1] == H):
+            shape = tuple(getattr(W, "shape", ()))
+            what = f"{type(module).__name__} with a {getattr(W, 'dtype', None)} weight of shape {shape}"
+            raise ValueError(
+                f"the base model's {name} is quantised ({what}); causal_adapter needs it full precision "
+                f"[rows, {H}] (W_cls is the lm_head weight). Quantise the decoder layers only: "
+                "BitsAndBytesConfig(..., llm_int8_skip_modules=['lm_head']) (transformers' default when "
+                "llm_int8_skip_modules is not given); embeddings are never quantised by bitsandbytes"
+            )
+
+
 def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenizer=None) -> int:
     """SPEC 1: config.num_token_id, else len(tokenizer), else the tokenizer found offline at
     model.name_or_path; the id must be a row of the embedding that the tokenizer does not use."""
@@ -107,6 +125,7 @@ class CausalModel(nn.Module):
     def __init__(self, backbone: nn.Module, config: CausalAdapterConfig, num_token_id: int):
         super().__init__()
         check_supported(backbone)
+        check_unquantized_heads(backbone)
         self.config = config
         self.num_token_id = num_token_id
         self.backbone = backbone
@@ -618,6 +637,7 @@ def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None =
     """
     config = config or CausalAdapterConfig()
     check_supported(qwen_model)
+    check_unquantized_heads(qwen_model)
     config = resolve_lora_settings(qwen_model, config)
     num_id = resolve_num_token_id(qwen_model, config, tokenizer)
     return CausalModel(qwen_model, config, num_id)

@@ -54,6 +54,9 @@ class TrainConfig:
     tiny_layers: int = flag(2, "layers of the embedded tiny base")
     torch_dtype: str = flag("float32", "dtype of the base weights",
                             choices=list(DTYPES), aliases=["--dtype"])
+    quantization: str | None = flag(None, "load --base-model quantised with bitsandbytes (QLoRA; lm_head and the "
+                                          "embedding stay full precision): 4bit (NF4) or 8bit", type=str,
+                                    choices=["4bit", "8bit"])
     # ---------------------------------------------------------------- adapter
     lora: bool = flag(False, "tune the backbone with LoRA (peft) instead of freezing it")
     lora_r: int = flag(8, "LoRA rank")
@@ -170,6 +173,8 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("weight_decay and max_grad_norm must be >= 0")
+        if self.quantization is not None and self.base_model is None:
+            raise ValueError("--quantization needs --base-model (the embedded tiny base is built in memory)")
         if self.validation_file and not self.train_file:
             raise ValueError("--validation-file needs --train-file")
         for name in ("max_train_samples", "max_eval_samples", "max_length", "corpus_window", "expected_num_processes"):

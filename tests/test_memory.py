@@ -1,5 +1,6 @@
 """Memory features (issue 19, item 7): activation (gradient) checkpointing through the backbone
-(direct, train(), transformers.Trainer) and a bitsandbytes-quantised base (QLoRA)."""
+(direct, train(), transformers.Trainer) and a bitsandbytes-quantised base (QLoRA; these tests skip
+unless bitsandbytes is installed: pip install -e '.[dev,quantization]')."""
 import pytest
 import torch
 
@@ -77,7 +78,8 @@ def test_checkpointing_recomputes_the_layers_in_backward():
     """Checkpointing is really on: each decoder layer runs twice per step (forward, then recompute)."""
     model = tiny_model(lora=LORA)
     calls = []
-    model.decoder.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))  # pre: torch stops a recompute early
+    # a pre-hook: torch's non-reentrant recompute stops early, before the MLP's forward hooks would run
+    model.decoder.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
     backward_grads(model)
     plain = len(calls)
     model.gradient_checkpointing_enable()
@@ -133,3 +135,96 @@ def test_trainer_gradient_checkpointing_argument(tmp_path):
         return adapter_tensors(model)
 
     assert_same_tensors(run("checkpointed", True), run("plain", False), exact=False)
+
+
+# ============================================================================ quantised base (bitsandbytes)
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """An untied tiny Qwen saved to disk (bitsandbytes quantises while loading)."""
+    path = tmp_path_factory.mktemp("base")
+    small_vocab_qwen(hidden_size=64, num_layers=2, seed=0, tie_word_embeddings=False).save_pretrained(path)
+    return path
+
+
+def load_quantized(path, quantization, **kw):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from causal_adapter.assets import bnb_config
+
+    config = bnb_config(quantization, torch.float32) if not kw else BitsAndBytesConfig(**kw)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_lora_on_a_quantized_base(tmp_path, base_dir, quantization):
+    import bitsandbytes as bnb
+
+    from causal_adapter import CausalModel
+
+    base = load_quantized(base_dir, quantization)
+    quantized = bnb.nn.Linear4bit if quantization == "4bit" else bnb.nn.Linear8bitLt
+    assert isinstance(base.model.layers[0].self_attn.q_proj, quantized)
+    batch = NumericCollator(0)(toy_rows(4))
+    with torch.no_grad():
+        base_logits = base(batch["input_ids"]).logits
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM, lora=LORA))
+    assert isinstance(model.backbone.model.layers[0].self_attn.q_proj.base_layer, quantized)  # LoRA on top
+    assert model.W_cls.dtype == model.abduction.loc.weight.dtype == model.action.b_cls.dtype == torch.float32
+    with torch.no_grad():  # the adapter starts as the quantised base: loc_S = its logits
+        loc_S = model(batch["input_ids"], return_scores=True).loc_S
+    torch.testing.assert_close(loc_S, base_logits, rtol=1e-4, atol=1e-4)
+    quantized_state = {n: p.detach().clone() for n, p in model.backbone.named_parameters() if "lora_" not in n}
+    config = TrainConfig(output_dir=str(tmp_path / "run"), plot=False, progress=False, max_steps=3,
+                         per_device_train_batch_size=4, regression_init="none", calibrate_scale=False,
+                         learning_rate=5e-2)
+    result = train(model, config, train_dataset=toy_dataset())
+    trained = adapter_tensors(model)
+    for k, v in trained.items():
+        assert torch.isfinite(v).all(), k
+        if "lora_B" in k:
+            assert v.abs().sum() > 0, k  # lora_B starts at 0: LoRA on the quantised layers trained
+    for n, p in model.backbone.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, quantized_state[n]), n
+    model.eval()
+    with torch.no_grad():
+        expected = model(batch["input_ids"], batch["numeric_values"])
+        reloaded = CausalModel.from_pretrained(load_quantized(base_dir, quantization), result.adapter_dir)
+        got = reloaded(batch["input_ids"], batch["numeric_values"])
+    assert_same_tensors(adapter_tensors(reloaded), trained)
+    torch.testing.assert_close(got.loc_Y, expected.loc_Y)
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_quantized_lm_head_is_refused(base_dir, quantization):
+    base = load_quantized(base_dir, quantization, **{f"load_in_{quantization}": True, "llm_int8_skip_modules": []})
+    assert not base.lm_head.weight.dtype.is_floating_point  # what bitsandbytes does to a quantised lm_head
+    with pytest.raises(ValueError, match=r"lm_head is quantised .*llm_int8_skip_modules=\['lm_head'\]"):
+        get_causal_model(base, CausalAdapterConfig(num_token_id=NUM))
+
+
+@pytest.mark.slow  # loads the real tokenizer from disk; importing bitsandbytes compiles its ops
+def test_train_quantization_flag_runs_the_qlora_recipe(tmp_path, qwen_tokenizer):
+    """`causal-adapter train --base-model DIR --quantization 4bit --lora --gradient-checkpointing`."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from causal_adapter.assets import build_tiny_qwen
+
+    with pytest.raises(ValueError, match="--quantization needs --base-model"):
+        TrainConfig(quantization="4bit")
+    base_dir = tmp_path / "base"  # the real vocabulary: the real tokenizer's len() is the <NUM> row
+    build_tiny_qwen("qwen3", hidden_size=64, num_layers=1, tie_word_embeddings=False).save_pretrained(base_dir)
+    qwen_tokenizer.save_pretrained(base_dir)
+    args = build_arg_parser().parse_args([
+        "--base-model", str(base_dir), "--quantization", "4bit", "--lora", "--lora-target-modules", "q_proj",
+        "v_proj", "--gradient-checkpointing", "--max-steps", "1", "--max-train-samples", "4",
+        "--max-eval-samples", "2", "--per-device-train-batch-size", "4", "--regression-init", "none",
+        "--corpus-window", "4",
+        "--output-dir", str(tmp_path / "run"), "--no-plot", "--no-progress"])
+    result = train(config=config_from_args(args))
+    model = result.model
+    assert isinstance(model.backbone.model.layers[0].self_attn.q_proj.base_layer, bnb.nn.Linear4bit)
+    assert model.is_gradient_checkpointing and model.W_cls.dtype == torch.float32
+    lora_B = [v for k, v in adapter_tensors(model).items() if "lora_B" in k]
+    assert lora_B and all(v.abs().sum() > 0 for v in lora_B)
+    assert result.eval_metrics is not None
