@@ -79,6 +79,8 @@ def bnb_config(quantization: str, compute_dtype: torch.dtype = torch.bfloat16):
         import bitsandbytes  # noqa: F401  (transformers' own error does not say which extra installs it)
     except ImportError:
         raise ValueError("a quantised base needs bitsandbytes: pip install 'causal_adapter[quantization]'") from None
+    if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a quantised base computes in float32, bfloat16 or float16, not {compute_dtype}")
     if quantization == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head"])

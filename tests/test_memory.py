@@ -158,7 +158,7 @@ def load_quantized(path, quantization, **kw):
 
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_lora_on_a_quantized_base(tmp_path, base_dir, quantization):
-    import bitsandbytes as bnb
+    bnb = pytest.importorskip("bitsandbytes")
 
     from causal_adapter import CausalModel
 
