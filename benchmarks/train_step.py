@@ -30,10 +30,10 @@ import time
 import torch
 
 
-def build_base(layers: int, seed: int = 0):
+def build_base(layers: int, seed: int = 0, vocab_size: int = 151_936):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                       max_position_embeddings=4096)
     torch.manual_seed(seed)

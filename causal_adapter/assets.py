@@ -42,7 +42,7 @@ def load_qwen_tokenizer():
 
 
 def load_base(base: str | None = None, arch: str = "qwen2", dtype: str = "float32", hidden_size: int = 64,
-              num_layers: int = 2, tokenizer: str | None = None):
+              num_layers: int = 2, tokenizer: str | None = None, quantization: str | None = None):
     """(base model, tokenizer).
 
     Args:
@@ -53,16 +53,40 @@ def load_base(base: str | None = None, arch: str = "qwen2", dtype: str = "float3
         dtype: a key of `DTYPES`, the dtype of the base weights.
         tokenizer: a tokenizer directory / name (default: the base's; the real Qwen tokenizer for the
             embedded default).
+        quantization: None, "4bit" or "8bit": load `base` through bitsandbytes (`quantization_config`).
 
     The caller checks a `base` name first when it wants a short error (`cli.check_base`).
     """
+    if quantization is not None and base is None:
+        raise ValueError("quantization needs a base model loaded from a directory or the hub (--base-model)")
     if base is None:
         model = build_tiny_qwen(arch, hidden_size=hidden_size, num_layers=num_layers, dtype=DTYPES[dtype])
         return model, (_load_tokenizer(tokenizer) if tokenizer else load_qwen_tokenizer())
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=DTYPES[dtype])
+    extra = {} if quantization is None else {"quantization_config": bnb_config(quantization, DTYPES[dtype])}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=DTYPES[dtype], **extra)
     return model, _load_tokenizer(tokenizer or base)
+
+
+def bnb_config(quantization: str, compute_dtype: torch.dtype = torch.bfloat16):
+    """transformers' `BitsAndBytesConfig` of the QLoRA recipe ("4bit": NF4, double quantisation,
+    `compute_dtype` matmuls; "8bit": LLM.int8()), with lm_head left unquantised (W_cls needs it;
+    bitsandbytes never quantises embeddings)."""
+    from transformers import BitsAndBytesConfig
+
+    try:
+        import bitsandbytes  # noqa: F401  (transformers' own error does not say which extra installs it)
+    except ImportError:
+        raise ValueError("a quantised base needs bitsandbytes: pip install 'causal_adapter[quantization]'") from None
+    if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a quantised base computes in float32, bfloat16 or float16, not {compute_dtype}")
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head"])
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
+    raise ValueError(f"quantization must be '4bit' or '8bit', got {quantization!r}")
 
 
 def _load_tokenizer(name: str):

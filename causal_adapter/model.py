@@ -66,6 +66,24 @@ def check_supported(model: nn.Module) -> None:
     get_family(model)
 
 
+def check_unquantized_heads(model: nn.Module) -> None:
+    """A quantised base (bitsandbytes 4-bit / 8-bit: QLoRA) is fine in its decoder layers, but W_cls
+    (lm_head) and the input embedding must stay full-precision [rows, H] matrices: the OvR scores use
+    |W_cls| and the <NUM> row is read and trained from it. Raise a ValueError saying how to load it."""
+    H = text_config(model).hidden_size
+    for name, module in (("lm_head", model.get_output_embeddings()), ("input embedding", model.get_input_embeddings())):
+        W = getattr(module, "weight", None)
+        if not (isinstance(W, Tensor) and W.dtype.is_floating_point and W.dim() == 2 and W.shape[1] == H):
+            shape = tuple(getattr(W, "shape", ()))
+            what = f"{type(module).__name__} with a {getattr(W, 'dtype', None)} weight of shape {shape}"
+            raise ValueError(
+                f"the base model's {name} is quantised ({what}); causal_adapter needs it full precision "
+                f"[rows, {H}] (W_cls is the lm_head weight). Quantise the decoder layers only: "
+                "BitsAndBytesConfig(..., llm_int8_skip_modules=['lm_head']) (transformers' default when "
+                "llm_int8_skip_modules is not given); embeddings are never quantised by bitsandbytes"
+            )
+
+
 def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenizer=None) -> int:
     """SPEC 1: config.num_token_id, else len(tokenizer), else the tokenizer found offline at
     model.name_or_path; the id must be a row of the embedding that the tokenizer does not use."""
@@ -110,6 +128,7 @@ class CausalModel(nn.Module):
     def __init__(self, backbone: nn.Module, config: CausalAdapterConfig, num_token_id: int):
         super().__init__()
         check_supported(backbone)
+        check_unquantized_heads(backbone)
         self.config = config
         self.num_token_id = num_token_id
         self.backbone = backbone
@@ -213,6 +232,48 @@ class CausalModel(nn.Module):
         return self.numeric_embedding.direction.requires_grad or any(
             p.requires_grad for p in self.backbone.parameters()
         )
+
+    # ------------------------------------------------------------------ memory
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        **kwargs) -> None:
+        """Activation (gradient) checkpointing in the backbone's decoder layers: transformers' own,
+        whose default is `use_reentrant=False`. kwargs (e.g. `every_n_layers`, `offload`) go to the
+        backbone's method; this is what `transformers.Trainer` calls for `gradient_checkpointing=True`.
+
+        Only a backbone that gets gradients (LoRA, learnable d) keeps activations; a frozen backbone
+        with a fixed d runs under no_grad and this changes nothing."""
+        backbone = self.backbone
+        enable = getattr(backbone, "activation_checkpointing_enable", None)  # transformers >= 5.x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs, **kwargs)
+        else:
+            backbone.gradient_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
+        # Reentrant checkpointing gives a segment's LoRA weights no gradient unless the segment's input
+        # requires grad; with a frozen embedding and a fixed d it does not. transformers' hook on the
+        # embedding output (what peft uses) fixes that; `embed` calls that same module. Some versions
+        # install it themselves: one hook is enough.
+        if getattr(backbone, "_require_grads_hook", None) is None:
+            backbone.enable_input_require_grads()
+
+    def activation_checkpointing_disable(self) -> None:
+        """Turn the backbone's activation checkpointing off (the input-grad hook stays: harmless)."""
+        disable = getattr(self.backbone, "activation_checkpointing_disable", None)
+        (disable or self.backbone.gradient_checkpointing_disable)()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.backbone.modules())
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """peft's / older transformers' name of `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
 
     # ------------------------------------------------------------------ forward
     def embed(self, input_ids: Tensor, numeric_values: Tensor | None) -> Tensor:
@@ -606,6 +667,7 @@ def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None =
     """
     config = config or CausalAdapterConfig()
     check_supported(qwen_model)
+    check_unquantized_heads(qwen_model)
     config = resolve_lora_settings(qwen_model, config)
     num_id = resolve_num_token_id(qwen_model, config, tokenizer)
     return CausalModel(qwen_model, config, num_id)

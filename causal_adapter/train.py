@@ -110,7 +110,7 @@ def load_base_and_tokenizer(config: TrainConfig):
     """(base model, tokenizer) for `config` (`assets.load_base`): the embedded tiny Qwen + the real
     Qwen tokenizer by default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
     return load_base(config.base_model, config.tiny_arch, config.torch_dtype, config.tiny_hidden_size,
-                     config.tiny_layers, tokenizer=config.tokenizer)
+                     config.tiny_layers, tokenizer=config.tokenizer, quantization=config.quantization)
 
 
 def freeze_parts(model, parts: Sequence[str]) -> list[str]:
@@ -442,10 +442,18 @@ def train(
     if model is None:
         base, loaded_tok = load_base_and_tokenizer(config)
         tokenizer = tokenizer or loaded_tok
+        if config.quantization:
+            from peft import prepare_model_for_kbit_training
+
+            # peft's QLoRA preparation: every base weight frozen, the non-quantised ones (norms, embedding,
+            # lm_head) in fp32; checkpointing is --gradient-checkpointing's business (below)
+            base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
         model = get_causal_model(base, config.adapter_config(), tokenizer=tokenizer)
     inner = model
     if config.freeze:
         freeze_parts(inner, config.freeze)
+    if config.gradient_checkpointing:
+        inner.gradient_checkpointing_enable()
     ntok = NumberTokenizer(tokenizer, inner.num_token_id) if tokenizer is not None else None
     train_ds, eval_ds, targets = prepare_datasets(config, ntok, train_dataset, eval_dataset, accelerator)
     if train_targets is None:

@@ -54,6 +54,9 @@ class TrainConfig:
     tiny_layers: int = flag(2, "layers of the embedded tiny base")
     torch_dtype: str = flag("float32", "dtype of the base weights",
                             choices=list(DTYPES), aliases=["--dtype"])
+    quantization: str | None = flag(None, "load --base-model quantised with bitsandbytes (QLoRA; lm_head and the "
+                                          "embedding stay full precision): 4bit (NF4) or 8bit", type=str,
+                                    choices=["4bit", "8bit"])
     # ---------------------------------------------------------------- adapter
     lora: bool = flag(False, "tune the backbone with LoRA (peft) instead of freezing it")
     lora_r: int = flag(8, "LoRA rank")
@@ -122,6 +125,10 @@ class TrainConfig:
     per_device_train_batch_size: int = flag(8, "examples per process per micro-batch")
     per_device_eval_batch_size: int = flag(8, "examples per process per evaluation batch")
     gradient_accumulation_steps: int = flag(1, "micro-batches per optimizer step")
+    gradient_checkpointing: bool = flag(False, "activation checkpointing in the backbone's layers (transformers', "
+                                               "non-reentrant): less activation memory for one more backbone "
+                                               "forward per step; matters only when the backbone gets gradients "
+                                               "(--lora, --learnable-direction)")
     mixed_precision: str | None = flag(None, "no / fp16 / bf16 (default: accelerate's setting)", type=str,
                                        choices=["no", "fp16", "bf16"])
     seed: int = flag(42, "seed of the adapter initialisation, the data order and every RNG")
@@ -170,6 +177,8 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("weight_decay and max_grad_norm must be >= 0")
+        if self.quantization is not None and self.base_model is None:
+            raise ValueError("--quantization needs --base-model (the embedded tiny base is built in memory)")
         if self.validation_file and not self.train_file:
             raise ValueError("--validation-file needs --train-file")
         for name in ("max_train_samples", "max_eval_samples", "max_length", "corpus_window", "expected_num_processes"):
