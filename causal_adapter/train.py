@@ -507,7 +507,8 @@ def train(
                    for i in range(0, len(idx), config.per_device_eval_batch_size))
         # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
         # so processes may run different numbers of evaluation batches
-        acc = accumulate(eval_model, batches, MetricAccumulator(inner.num_token_id, inner.config.reg_weight),
+        acc = accumulate(eval_model, batches, MetricAccumulator(inner.num_token_id, inner.config.reg_weight,
+                                                                calibration=inner.config.value_calibration),
                          device=device)
         states = gather_object([acc.state()]) if world > 1 else [acc.state()]
         merged = MetricAccumulator.merged(states)
@@ -661,16 +662,23 @@ def _check_distributed_type(accelerator, accum: int) -> None:
 
 
 def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
-    """Set |b_noise_Y| so that the (independent) regression scale equals the median absolute validation
-    residual: a Cauchy's scale is its median absolute deviation. False (nothing done) without an
-    independent scale or validation values."""
+    """After training, on the validation predictions: multiply |b_noise_Y| by the median normalised
+    residual |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50%
+    interval is calibrated), then fit the split-conformal map of every level on the rescaled normalised
+    residuals (`intervals.fit_calibration`) into `config.value_calibration`. False (nothing done)
+    without a regression scale of its own or validation values."""
+    from .intervals import fit_calibration
+
     if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return False
-    resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
-    scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
-                DEFAULT_SCALE_FLOOR)
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    factor = float(((y - loc).abs() / scale).median())
+    if not math.isfinite(factor) or factor <= 0:
+        return False
     with torch.no_grad():
-        inner.action.b_noise_Y.fill_(scale)
+        new = max(float(inner.action.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
+        inner.action.b_noise_Y.fill_(new)
+    inner.config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(inner.action.scale_floor))
     return True
 
 

@@ -22,7 +22,7 @@ PARAMETER_GROUPS = {
     "noise": ("action.b_noise",),
     "cls_bias": ("action.b_cls",),
     "num_row": ("action.num_row",),
-    "regression": ("action.w_reg", "action.b_reg", "action.b_noise_Y"),
+    "regression": ("action.w_reg", "action.b_reg", "action.b_noise_Y", "action.w_scale_Y"),
     "thresholds": ("action.thresholds",),
     "direction": ("numeric_embedding.direction",),
     "lora": ("backbone.",),
