@@ -283,11 +283,23 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
             return (collator(_rows(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val) or {})
+        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
+                                        loss=config.value_loss, max_shift=_head_shift_bound(inner, config)) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def _head_shift_bound(inner, config: TrainConfig) -> float:
+    """The bf16 bound of the value head's fit (`value_fit.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`."""
+    from .value_fit import BF16_MAX_SHIFT
+
+    if config.bf16_safe_head == "auto":
+        weights_16 = any(p.dtype in (torch.bfloat16, torch.float16) for p in inner.backbone.parameters())
+        mixed = (config.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")) in ("fp16", "bf16")
+        return BF16_MAX_SHIFT if weights_16 or mixed else math.inf
+    return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
 
 
 def _materialize_streams(config: TrainConfig, train_dataset, eval_dataset, accelerator=None):

@@ -77,6 +77,14 @@ class TrainConfig:
                                 "training changed those features (LoRA, W_loc); 'none': the random init, trained "
                                 "by the NLL only",
                                 choices=["ridge", "none"])
+    value_loss: str = flag("huber", "loss of the value head's fit before / after training: a robust M-estimate "
+                           "by IRLS from the ridge solution ('cauchy', 'huber') or least squares ('squared'); "
+                           "docs/values.md has the validation figures behind the default",
+                           choices=["cauchy", "huber", "squared"])
+    bf16_safe_head: str = flag("auto", "bound the value head's ridge penalty so that rounding loc_U to bf16 moves "
+                               "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the backbone "
+                               "weights or the mixed precision are 16-bit (on an fp32 model the bound costs "
+                               "accuracy for nothing: docs/values.md)", choices=["auto", "on", "off"])
     calibrate_scale: bool = flag(True, "after training, set |b_noise_Y| so that the regression scale equals the "
                                        "median absolute validation residual (the half-width of the central 50 "
                                        "percent interval), when there is a validation split and the regression "

@@ -30,7 +30,7 @@ BF16_MAX_SHIFT = 0.005
 #: IRLS iterations of a robust fit (per round; two rounds)
 IRLS_ITERS = 30
 #: robust loss of the value head's fit ('cauchy', 'huber' or 'squared'; chosen on validation, docs/values.md)
-ROBUST_LOSS = "cauchy"
+ROBUST_LOSS = "huber"
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -268,13 +268,14 @@ def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: T
 
 
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
-                     val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS
-                     ) -> dict | None:
+                     val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
+                     max_shift: float = BF16_MAX_SHIFT) -> dict | None:
     """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
     its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
     `fit_log_scale` and the out-of-depth statistics (`fit_depth`). Penalties are chosen on `val_batches`
-    when given, else by leave-one-out. Returns a summary, or None with fewer than 2 targets."""
+    when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none). Returns a summary,
+    or None with fewer than 2 targets."""
     X, y = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
@@ -287,7 +288,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     mean = center_abduction(model, X.mean(0))
     X = X - mean
     X_val = None if X_val is None else X_val - mean
-    fit = fit_linear_head(X, t, X_val, t_val, loss=loss)
+    fit = fit_linear_head(X, t, X_val, t_val, loss=loss, max_shift=max_shift)
     summary = {"rows": int(X.shape[0]), "loss": loss, "ridge_lambda": fit["lam"], "chosen_on": fit["chosen_on"],
                "w_norm": float(fit["w"].norm()), "bf16_shift": fit["shift"] * act.value_scale,
                "loo_mae": float(fit["loo"].abs().mean()) * act.value_scale,
