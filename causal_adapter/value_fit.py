@@ -197,7 +197,7 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
     """A per-row Cauchy scale s(x) = exp(w . x + b) from residuals [n] (out-of-sample: LOO) of a location
     head: ridge of log|r| on standardised X (for a Cauchy, E log|r| = log s exactly). The penalty is
     the one with the smallest Cauchy NLL of the validation residuals `resid_val` (else of the LOO
-    log-residuals' predictions). Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
+    log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse. Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
     floor = max(float(resid.abs().median()) * 1e-3, 1e-12)
     target = resid.abs().clamp_min(floor).log()
     mean, sd = standardize(X)
@@ -215,6 +215,12 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
     nll, lam, w, b, _ = _choose(_ridge_path(Xs, target, torch.ones_like(target), [r * unit for r in grid]),
                                 score, X, sd, max_shift, X_val if has_val else None)
     w_raw = w / sd
+    # a constant width (log |r| 's mean, LOO-exact) competes on the same held-out NLL: keep it when it wins
+    n = len(target)
+    const_loo = target - (target.sum() - target) / max(n - 1, 1)
+    const_nll = score(torch.zeros_like(w_raw), float(target.mean()), const_loo)
+    if const_nll <= nll:
+        return {"w": torch.zeros_like(w_raw), "b": float(target.mean()), "lam": math.inf, "nll": const_nll}
     return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "nll": nll}
 
 
