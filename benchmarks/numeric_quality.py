@@ -309,6 +309,7 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
         learning_rate=args.lr, lr_scheduler_type=SCHEDULER, warmup_ratio=WARMUP_RATIO, max_grad_norm=MAX_GRAD_NORM,
         weight_decay=0.0, add_eos_token=True, seed=args.seed, output_dir=str(work_dir / name),
         logging_steps=max(1, args.steps // 5), plot=False, progress=False, cpu=True,
+        **({} if args.freeze is None else {"freeze": args.freeze}),
     )
     adapter_config = config.adapter_config()
     for k, v in input_path(args).items():
@@ -612,6 +613,8 @@ def parse_args(argv=None):
     ap.add_argument("--label-noise", nargs="+", type=float, default=[], metavar="FRACTION",
                     help="also rerun each corpus with this fraction of the training targets shuffled (e.g. 0.2 0.4), "
                     "scored on the clean test split (the seeds' anchor experiment)")
+    ap.add_argument("--freeze", nargs="+", default=None, help="TrainConfig.freeze of the causal adapters (default: "
+                    "the recipe's, abduction_loc; 'none' trains W_loc too)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
@@ -662,7 +665,7 @@ def scale_spearman(scales, sds) -> float:
 
 
 def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.0) -> tuple[dict, float]:
-    from causal_adapter.corpora import NOISE_REGIMES, build_corpus
+    from causal_adapter.corpora import build_corpus, noise_sd
     from causal_adapter.metrics import train_median
 
     dd = build_corpus(corpus)
@@ -688,7 +691,7 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
         results[name] = run_causal(args, name == "causal_lora", splits, tokenizer, work / corpus)
         _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}")
         if corpus == "heteroscedastic":
-            sds = [NOISE_REGIMES[w] for w in splits["test"]["time"]]
+            sds = [noise_sd(p) for p in splits["test"]["prompt"]]
             results[name]["scale_spearman"] = scale_spearman(results[name]["test"]["scales"], sds)
     if "digit_lora" in args.variants:
         results["digit_lora"] = run_plain(args, splits, tokenizer, constant)

@@ -293,7 +293,7 @@ def heteroscedastic_corpus(n: int = 1200, seed: int = 0, split_fractions=DEFAULT
     """Synthetic rows with a known per-row noise level: prompt ``"Regime rough, base 41.3:"``,
     completion base + N(0, sd^2) rounded to 0.1, with sd given by the regime word (`NOISE_REGIMES`,
     0.5 to 8, drawn uniformly) and base uniform in [20, 80]. ``previous`` is the base (the best point
-    prediction), ``time`` the regime word, so ``NOISE_REGIMES[row["time"]]`` is the row's true sd.
+    prediction); `noise_sd(row["prompt"])` is the row's true sd.
     A calibrated per-row interval must be 16x wider in "storm" rows than in "calm" ones."""
     words = list(NOISE_REGIMES)
 
@@ -301,10 +301,12 @@ def heteroscedastic_corpus(n: int = 1200, seed: int = 0, split_fractions=DEFAULT
         word, base = rng.choice(words), round(rng.uniform(20, 80), 1)
         return f"Regime {word}, base {format_number(base)}:", round(base + rng.gauss(0, NOISE_REGIMES[word]), 1), base
 
-    rows = _unique_rows(n, seed, make, "heteroscedastic")
-    for row in rows:
-        row["time"] = row["prompt"].split()[1].rstrip(",")
-    return _to_dataset_dict(rows, split_fractions, "heteroscedastic")
+    return _to_dataset_dict(_unique_rows(n, seed, make, "heteroscedastic"), split_fractions, "heteroscedastic")
+
+
+def noise_sd(prompt: str) -> float:
+    """The true noise sd of a heteroscedastic-corpus row, from its prompt's regime word."""
+    return NOISE_REGIMES[prompt.split()[1].rstrip(",")]
 
 
 _BUILDERS = {

@@ -191,3 +191,19 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
     assert any(abs(doubled[f"coverage_{round(100 * q)}"] - q) >= 0.06 for q in (0.5, 0.8, 0.9, 0.95)), doubled
     lo, hi = interval(torch.tensor(preds["loc"]), torch.tensor(preds["scale"]), 0.9, cal)
     assert bool((hi > lo).all())
+
+
+def test_independent_scale_adapters_still_load_and_behave(tmp_path):
+    from causal_adapter import CausalModel
+
+    old = wrap(regression_scale="independent", value_loc=10.0, value_scale=2.0)
+    with torch.no_grad():
+        old.action.b_noise_Y.fill_(0.7)
+    old.save_pretrained(tmp_path / "old")
+    loaded = CausalModel.from_pretrained(small_vocab_qwen(num_layers=1), tmp_path / "old")
+    assert loaded.action.w_scale_Y is None and "action.w_scale_Y" not in loaded.adapter_state_dict()
+    ids = torch.tensor([[11, 12, NUM, 13]])
+    vals = torch.tensor([[0.0, 0.0, 4.0, 0.0]])
+    with torch.no_grad():
+        scale = loaded(ids, vals).scale_Y
+    torch.testing.assert_close(scale, torch.full_like(scale, 1.4))  # one width for every row, as before
