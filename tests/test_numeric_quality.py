@@ -37,8 +37,10 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
     for corpus, ref in (("sunspots", "persistence"), ("diabetes", "constant")):
         for key in ("frozen_vs_probe", f"lora_vs_{ref}", "lora_vs_digit", "cov50", "cov90", "lora_cov50", "lora_cov90"):
             assert math.isfinite(float(kv[f"{corpus}_{key}"])), (corpus, key)
-        for key in ("cov50", "cov90", "lora_cov50", "lora_cov90"):
+        for key in ("cov50", "cov80", "cov90", "cov95", "lora_cov50", "lora_cov90"):
             assert 0.0 <= float(kv[f"{corpus}_{key}"]) <= 1.0
+        for key in ("winkler90_vs_constwidth", "winkler50_vs_constwidth", "pinball_vs_constwidth"):
+            assert float(kv[f"{corpus}_{key}"]) > 0, (corpus, key)
 
     # the markdown: one table per corpus, a row per variant that applies, finite MAE and ratio
     text = out.read_text(encoding="utf-8")
