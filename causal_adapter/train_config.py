@@ -86,10 +86,11 @@ class TrainConfig:
                                "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the backbone "
                                "weights or the mixed precision are 16-bit (on an fp32 model the bound costs "
                                "accuracy for nothing: docs/values.md)", choices=["auto", "on", "off"])
-    calibrate_scale: bool = flag(True, "after training, set |b_noise_Y| so that the regression scale equals the "
-                                       "median absolute validation residual (the half-width of the central 50 "
-                                       "percent interval), when there is a validation split and the regression "
-                                       "scale is independent")
+    calibrate_scale: bool = flag(True, "after training, on the validation split: scale |b_noise_Y| so that the "
+                                       "median normalised residual |y - loc_Y| / scale_Y is 1 (the raw 50 percent "
+                                       "interval is calibrated), then save the split-conformal map of those "
+                                       "residuals in the adapter (value_calibration: intervals calibrated at "
+                                       "every level); needs a validation split and a per-row or independent scale")
     reg_weight: float = flag(1.0, "lambda in L = L_cls + lambda L_reg")
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given",

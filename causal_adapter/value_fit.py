@@ -5,13 +5,16 @@
   numbers: raw-unit regression with b_reg = 0 could not reach sunspots' median (39) in 300 steps.
 * `value_decimals`: the most decimals the training targets are written with (generated values
   are shown that way).
-* `ridge_warm_start`: w_reg, b_reg by ridge regression of the standardised targets on loc_U at
-  the positions that predict them (a linear probe, then fine-tuning: "LP-FT"), with the ridge
-  penalty chosen on the validation split when there is one (else by exact leave-one-out
-  error), and |b_noise_Y| set to the median absolute leave-one-out residual (the scale of a Cauchy is its median absolute deviation). Measured:
-  the information about the value sits in low-variance directions of the final-norm features,
-  where Adam from a random w_reg needs far more steps than a training run has (sunspots, frozen
-  tiny base: MAE 48 after 3000 Adam steps vs 31 for the warm start).
+* `ridge_warm_start`: the regression head from the model's own loc_U at the positions that predict
+  a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
+  (`center_abduction`, exact for every token score), ridge on per-feature standardised features
+  with the penalty chosen on the validation split (else by exact leave-one-out) under an optional
+  bf16-rounding bound (`fit_linear_head`), a robust M-estimate by IRLS (Huber by default), and, with
+  the per-row scale, a log-linear width (`fit_log_scale`) and the out-of-depth statistics
+  (`fit_depth`). docs/values.md has the validation figures behind each default. Measured before:
+  the information about the value sits in low-variance directions of the final-norm features, where
+  Adam from a random w_reg needs far more steps than a training run has (sunspots, frozen tiny base:
+  MAE 48 after 3000 Adam steps vs 31 for the warm start).
 """
 from __future__ import annotations
 
