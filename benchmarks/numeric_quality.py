@@ -614,7 +614,7 @@ def parse_args(argv=None):
                     help="also rerun each corpus with this fraction of the training targets shuffled (e.g. 0.2 0.4), "
                     "scored on the clean test split (the seeds' anchor experiment)")
     ap.add_argument("--freeze", nargs="+", default=None, help="TrainConfig.freeze of the causal adapters (default: "
-                    "the recipe's, nothing frozen; abduction_loc keeps W_loc frozen)")
+                    "the recipe's, abduction_loc; 'none' trains W_loc too)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS

@@ -185,10 +185,11 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
     cal = model.config.value_calibration
     cov = coverage_metrics(preds["y_true"], preds["loc"], preds["scale"], calibration=cal)
     for q in (0.5, 0.8, 0.9, 0.95):
-        assert abs(cov[f"coverage_{round(100 * q)}"] - q) < 0.06, cov  # 600 rows: sd of a coverage <= 0.02
+        # 240 calibration rows and 600 test rows: sd of a coverage ~0.03; a 2x wrong scale is off by >= 0.2
+        assert abs(cov[f"coverage_{round(100 * q)}"] - q) < 0.08, cov
     # the same bands with a 2x wrong scale fail (what the test must catch)
     doubled = coverage_metrics(preds["y_true"], preds["loc"], [2 * s for s in preds["scale"]], calibration=cal)
-    assert any(abs(doubled[f"coverage_{round(100 * q)}"] - q) >= 0.06 for q in (0.5, 0.8, 0.9, 0.95)), doubled
+    assert any(abs(doubled[f"coverage_{round(100 * q)}"] - q) >= 0.08 for q in (0.5, 0.8, 0.9, 0.95)), doubled
     lo, hi = interval(torch.tensor(preds["loc"]), torch.tensor(preds["scale"]), 0.9, cal)
     assert bool((hi > lo).all())
 
