@@ -41,6 +41,9 @@ def features(corpus: str, noise: float):
         batches = (collate([ds[j] for j in range(i, min(i + 32, len(ds)))]) for i in range(0, len(ds), 32))
         F[k] = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
     mu = F["train"][0].mean(0)
+    sd = F["train"][0].std(0)
+    print(f"loc_U at the training <NUM> targets: mean |loc_U| {float(F['train'][0].abs().mean()):.3g}, "
+          f"per-feature sd {float(sd.min()):.3g} .. {float(sd.max()):.3g}")
     return scale, {k: v[0] - mu for k, v in F.items()}, {k: (v[1] - loc) / scale for k, v in F.items()}
 
 
