@@ -43,23 +43,26 @@ from causal_adapter.train import train
 SEPARATOR = ";"
 
 
-def well_formed(text: str) -> bool:
-    """At most one space, a number, then the separator."""
+def well_formed(text: str, eos: str | None = None) -> bool:
+    """At most one space, a number, then the separator or the end of the answer (`eos`, the text
+    of the EOS token, when the row stopped on it: the data's completion ends after the number)."""
     nums = find_numbers(text)
     if not nums or not re.fullmatch(r" ?", text[:nums[0].start]):
         return False
-    return text[nums[0].end:].startswith(SEPARATOR)
+    rest = text[nums[0].end:]
+    return rest.startswith(SEPARATOR) or (eos is not None and rest in ("", eos))
 
 
 def generation_scores(model, tokenizer, rows, fallback: float, new_tokens: int, suffix: str) -> dict:
     prompts = [r["prompt"] + suffix for r in rows]
     out = model.generate(prompts, tokenizer=tokenizer, max_new_tokens=new_tokens, mode="deterministic",
-                         eos_token_id=[])
+                         eos_token_id=[tokenizer.eos_token_id])
     firsts = [nums[0]["value"] if nums else None for nums in out.numbers]
     errors = [abs((v if v is not None else fallback) - r["target"]) for v, r in zip(firsts, rows)]
     return {"first_value_mae": sum(errors) / len(errors),
             "has_number": sum(v is not None for v in firsts) / len(firsts),
-            "well_formed": sum(map(well_formed, out.texts)) / len(out.texts), "example": out.texts[0]}
+            "well_formed": sum(well_formed(t, tokenizer.eos_token if f else None)
+                           for t, f in zip(out.texts, out.finished.tolist())) / len(out.texts), "example": out.texts[0]}
 
 
 @torch.no_grad()
@@ -97,6 +100,8 @@ def main() -> None:
     ap.add_argument("--threshold-init", type=float, default=None, help="override the recipe's OvR threshold")
     ap.add_argument("--freeze", nargs="*", default=None, help="override the recipe's frozen groups")
     ap.add_argument("--prompt-loss", default=None, choices=["none", "text"], help="override the recipe's prompt_loss")
+    ap.add_argument("--add-eos-token", default=None, choices=["yes", "no"],
+                    help="override the recipe's add_eos_token (EOS after every completion)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -105,7 +110,9 @@ def main() -> None:
     ntok = NumberTokenizer(tokenizer)
     corpus = build_corpus("sunspots")
     extra = {k: v for k, v in (("gamma0", args.gamma0), ("threshold_init", args.threshold_init),
-                               ("freeze", args.freeze), ("prompt_loss", args.prompt_loss)) if v is not None}
+                               ("freeze", args.freeze), ("prompt_loss", args.prompt_loss),
+                               ("add_eos_token", None if args.add_eos_token is None else args.add_eos_token == "yes"))
+             if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
         config = demo_train_config(tmp, args.steps, plot=False, progress=False, **extra)
         model = get_causal_model(base, config.adapter_config(), tokenizer=tokenizer)

@@ -53,15 +53,20 @@ from pathlib import Path
 
 import torch
 
-CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes")
+CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "heteroscedastic")
+TABULAR = ("diabetes", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
+LEVELS = (0.5, 0.8, 0.9, 0.95)
+PINBALL_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))
+TRAINED = ("causal_frozen", "causal_lora", "digit_lora")
 SEASON = {"co2": 12}
-VARIANTS = ("constant", "persistence", "seasonal_naive", "linear", "probe_raw_unit_d", "probe_std_unit_d",
+VARIANTS = ("constant", "persistence", "seasonal_naive", "linear", "linear_huber", "probe_raw_unit_d", "probe_std_unit_d",
             "ridge_probe", "causal_frozen", "causal_lora", "digit_lora")
 LABELS = {
     "constant": "constant (train median)",
     "persistence": "persistence (last value)",
     "seasonal_naive": "seasonal naive (one season back)",
     "linear": "AR(p) least squares / ridge on the features",
+    "linear_huber": "AR(p) / ridge, Huber M-estimate (IRLS)",
     "ridge_probe": "ridge probe on the frozen base's features",
     "causal_frozen": "causal adapter, frozen backbone",
     "causal_lora": "causal adapter + LoRA",
@@ -108,8 +113,10 @@ def input_path(args) -> dict:
     return dict(standardize_inputs=False, direction_norm=1.0) if args.input_path == "seeds" else {}
 
 
-def score(preds, targets, scales=None) -> dict:
-    """MAE, median AE and, with Cauchy scales, 50%/90% coverage, mean 90% width and mean NLL."""
+def score(preds, targets, scales=None, calibration=None) -> dict:
+    """MAE, median AE and, with Cauchy scales: coverage of the reported intervals at `LEVELS` (calibrated
+    by `calibration`, an `intervals` map, when given; raw Cauchy beside), Winkler scores at 50% / 90%,
+    the mean pinball loss over 0.05..0.95, mean 90% width and mean Cauchy NLL."""
     from causal_adapter.cauchy import cauchy_nll
 
     y = torch.tensor([float(t) for t in targets], dtype=torch.float64)
@@ -121,8 +128,56 @@ def score(preds, targets, scales=None) -> dict:
            "coverage_50": None, "coverage_90": None, "width_90": None, "nll": None}
     if scales is not None:
         s = torch.tensor([float(v) for v in scales], dtype=torch.float64)
-        out.update(coverage_50=float((err <= s).double().mean()), coverage_90=float((err <= Q90 * s).double().mean()),
-                   width_90=float((2 * Q90 * s).mean()), nll=float(cauchy_nll(y, p, s).mean()), scales=s.tolist())
+        out.update(interval_scores(y, p, s, calibration), nll=float(cauchy_nll(y, p, s).mean()), scales=s.tolist())
+        out.update({f"cauchy_coverage_{round(100 * q)}": v
+                    for q, v in zip(LEVELS, interval_scores(y, p, s, None, coverage_only=True))})
+    return out
+
+
+def interval_scores(y, loc, scale, calibration=None, coverage_only=False):
+    """Coverage at `LEVELS`, Winkler 50/90, mean pinball loss and mean 90% width of the intervals
+    loc -+ c_q scale (`intervals.interval`: conformal c_q with `calibration`, else Cauchy)."""
+    from causal_adapter.intervals import interval
+
+    cov = []
+    for q in LEVELS:
+        lo, hi = interval(loc, scale, q, calibration)
+        cov.append(float(((y >= lo) & (y <= hi)).double().mean()))
+    if coverage_only:
+        return cov
+    out = {f"coverage_{round(100 * q)}": c for q, c in zip(LEVELS, cov)}
+    for q in (0.5, 0.9):
+        lo, hi = interval(loc, scale, q, calibration)
+        a = 1 - q
+        w = (hi - lo) + (2 / a) * ((lo - y).clamp_min(0) + (y - hi).clamp_min(0))
+        out[f"winkler_{round(100 * q)}"] = float(w.mean())
+        if q == 0.9:
+            out["width_90"] = float((hi - lo).mean())
+    losses = []
+    for tau in PINBALL_LEVELS:  # quantile tau = the edge of the central |2 tau - 1| interval (the median at 0.5)
+        if tau == 0.5:
+            qv = loc
+        else:
+            lo, hi = interval(loc, scale, abs(2 * tau - 1), calibration)
+            qv = hi if tau > 0.5 else lo
+        d = y - qv
+        losses.append(torch.maximum(tau * d, (tau - 1) * d).mean())
+    out["pinball"] = float(torch.stack(losses).mean())
+    return out
+
+
+def constwidth_scores(val: dict, test: dict, y_val, y_test) -> dict:
+    """The constant-width split-conformal interval on the same point predictions: half-width c_q = the
+    conformal quantile of the validation |residuals|; its Cauchy NLL uses scale = median |residual|."""
+    from causal_adapter.cauchy import cauchy_nll
+    from causal_adapter.intervals import fit_calibration
+
+    yv, pv = torch.tensor(y_val, dtype=torch.float64), torch.tensor(val["predictions"], dtype=torch.float64)
+    yt, pt = torch.tensor(y_test, dtype=torch.float64), torch.tensor(test["predictions"], dtype=torch.float64)
+    cal = fit_calibration(yv, pv, torch.ones_like(pv))
+    out = interval_scores(yt, pt, torch.ones_like(pt), cal)
+    s = float((yv - pv).abs().median())
+    out["nll"] = float(cauchy_nll(yt, pt, torch.full_like(pt, max(s, 1e-12))).mean())
     return out
 
 
@@ -144,6 +199,23 @@ def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return X @ w[:-1] + w[-1]
 
 
+def huber_fit(X: torch.Tensor, t: torch.Tensor, lam: float, iters: int = 50) -> torch.Tensor:
+    """Huber M-estimate (IRLS, k = 1.345 robust sd, `value_fit.robust_weights`) of the ridge model of
+    `ridge_fit`, started from its least-squares solution; w [d + 1] with the intercept last."""
+    from causal_adapter.value_fit import robust_weights
+
+    mu, sd = X.mean(0), X.std(0).clamp_min(1e-12)
+    A = torch.cat([(X - mu) / sd, torch.ones(len(X), 1, dtype=X.dtype)], 1)
+    D = torch.eye(A.shape[1], dtype=X.dtype)
+    D[-1, -1] = 0.0  # the intercept is not penalised
+    beta = torch.linalg.lstsq(A.T @ A + lam * len(X) * D, A.T @ t).solution
+    for _ in range(iters):
+        wts = robust_weights(t - A @ beta, "huber")
+        beta = torch.linalg.lstsq(A.T @ (wts[:, None] * A) + lam * len(X) * D, A.T @ (wts * t)).solution
+    w = beta[:-1] / sd
+    return torch.cat([w, (beta[-1] - mu @ w).reshape(1)])
+
+
 def choose_ridge(Xtr, ttr, Xva, tva, grid=RIDGE_GRID):
     """(w, lam) of the grid's penalty with the smallest validation MAE."""
     best = min(grid, key=lambda lam: float((ridge_predict(ridge_fit(Xtr, ttr, lam), Xva) - tva).abs().mean()))
@@ -159,13 +231,16 @@ def run_simple(corpus: str, splits, constant: float) -> dict:
     y = {k: [float(v) for v in splits[k]["target"]] for k in ("train", "validation", "test")}
     for k in ("validation", "test"):
         out.setdefault("constant", {})[k] = score([constant] * len(y[k]), y[k])
-    if corpus == "diabetes":
+    tt = {k: torch.tensor(v, dtype=torch.float64) for k, v in y.items()}
+    if corpus in TABULAR:
         feats = {k: torch.tensor([[n.value for n in find_numbers(p)] for p in splits[k]["prompt"]], dtype=torch.float64)
                  for k in ("train", "validation", "test")}
-        tt = {k: torch.tensor(v, dtype=torch.float64) for k, v in y.items()}
         w, lam = choose_ridge(feats["train"], tt["train"], feats["validation"], tt["validation"])
         out["linear"] = {k: score(ridge_predict(w, feats[k]).tolist(), y[k]) for k in ("validation", "test")}
         out["linear"]["choice"] = f"ridge lambda {lam:g}"
+        wh = huber_fit(feats["train"], tt["train"], lam)
+        out["linear_huber"] = {k: score(ridge_predict(wh, feats[k]).tolist(), y[k]) for k in ("validation", "test")}
+        out["linear_huber"]["choice"] = f"ridge lambda {lam:g}"
         return out
     hist = {k: [history(p) for p in splits[k]["prompt"]] for k in ("train", "validation", "test")}
     out["persistence"] = {k: score([h[-1] for h in hist[k]], y[k]) for k in ("validation", "test")}
@@ -183,6 +258,9 @@ def run_simple(corpus: str, splits, constant: float) -> dict:
     _, p, w, X = best
     out["linear"] = {k: score(ridge_predict(w, X[k]).tolist(), y[k]) for k in ("validation", "test")}
     out["linear"]["choice"] = f"AR({p})"
+    wh = huber_fit(X["train"], tt["train"], 0.0)
+    out["linear_huber"] = {k: score(ridge_predict(wh, X[k]).tolist(), y[k]) for k in ("validation", "test")}
+    out["linear_huber"]["choice"] = f"AR({p})"
     return out
 
 
@@ -231,6 +309,7 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
         learning_rate=args.lr, lr_scheduler_type=SCHEDULER, warmup_ratio=WARMUP_RATIO, max_grad_norm=MAX_GRAD_NORM,
         weight_decay=0.0, add_eos_token=True, seed=args.seed, output_dir=str(work_dir / name),
         logging_steps=max(1, args.steps // 5), plot=False, progress=False, cpu=True,
+        **({} if args.freeze is None else {"freeze": args.freeze}),
     )
     adapter_config = config.adapter_config()
     for k, v in input_path(args).items():
@@ -240,16 +319,23 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
     result = train(model, config, tokenizer=tokenizer, train_dataset=splits["train"],
                    eval_dataset=splits["validation"])
     ntok = NumberTokenizer(tokenizer, result.model.num_token_id)
+    cal = result.model.config.value_calibration
     out = {"train_seconds": time.perf_counter() - t0, "steps": result.global_step,
            "value_units": [result.model.config.value_loc, result.model.config.value_scale]}
+    y = {}
     for split in ("validation", "test"):
         ds = tokenize_dataset(splits[split], ntok, add_eos_token=True)
+        t1 = time.perf_counter()
         m, preds = evaluate_dataset(result.model, ds, ntok.pad_token_id, batch_size=args.batch_size,
                                     return_predictions=True)
         if m["num_targets"] != len(splits[split]):
             raise RuntimeError(f"{name}: {m['num_targets']} <NUM> targets in {split}, expected {len(splits[split])}")
-        out[split] = score(preds["loc"], preds["y_true"], preds["scale"])
+        out[split] = score(preds["loc"], preds["y_true"], preds["scale"], cal)
         out[split]["num_recall"] = m.get("num_recall")
+        # one teacher-forced forward per row gives the value and every interval
+        out[split]["seconds_per_prediction"] = (time.perf_counter() - t1) / max(1, len(ds))
+        y[split] = preds["y_true"]
+    out["constwidth"] = constwidth_scores(out["validation"], out["test"], y["validation"], y["test"])
     return out
 
 
@@ -427,23 +513,79 @@ def format_table(corpus: str, results: dict, constant: float) -> str:
     return "\n".join(lines)
 
 
-def result_line(all_results: dict, args) -> str:
+def result_line(all_results: dict, args, noisy: dict | None = None) -> str:
     kv = {"steps": args.steps}
     for corpus, res in all_results.items():
         ref = ref_name(res)
         t = {k: res[k]["test"] for k in res if isinstance(res[k], dict) and "test" in res[k]}
-        kv[f"{corpus}_frozen_mae"] = t["causal_frozen"]["mae"]
-        kv[f"{corpus}_lora_mae"] = t["causal_lora"]["mae"]
-        kv[f"{corpus}_frozen_vs_probe"] = t["causal_frozen"]["mae"] / t["ridge_probe"]["mae"]
-        kv[f"{corpus}_lora_vs_{ref}"] = t["causal_lora"]["mae"] / t[ref]["mae"]
-        kv[f"{corpus}_lora_vs_constant"] = t["causal_lora"]["mae"] / t["constant"]["mae"]
-        kv[f"{corpus}_lora_vs_digit"] = t["causal_lora"]["mae"] / t["digit_lora"]["mae"]
-        kv[f"{corpus}_lora_vs_linear"] = t["causal_lora"]["mae"] / t["linear"]["mae"]
-        kv[f"{corpus}_cov50"] = t["causal_frozen"]["coverage_50"]
-        kv[f"{corpus}_cov90"] = t["causal_frozen"]["coverage_90"]
-        kv[f"{corpus}_lora_cov50"] = t["causal_lora"]["coverage_50"]
-        kv[f"{corpus}_lora_cov90"] = t["causal_lora"]["coverage_90"]
+        if "causal_frozen" in t:
+            f = t["causal_frozen"]
+            kv[f"{corpus}_frozen_mae"] = f["mae"]
+            kv[f"{corpus}_frozen_vs_probe"] = f["mae"] / t["ridge_probe"]["mae"]
+            for q in LEVELS:
+                kv[f"{corpus}_cov{round(100 * q)}"] = f[f"coverage_{round(100 * q)}"]
+            kv[f"{corpus}_cauchy_cov90"] = f["cauchy_coverage_90"]
+            cw = res["causal_frozen"]["constwidth"]
+            kv[f"{corpus}_winkler90_vs_constwidth"] = f["winkler_90"] / cw["winkler_90"]
+            kv[f"{corpus}_winkler50_vs_constwidth"] = f["winkler_50"] / cw["winkler_50"]
+            kv[f"{corpus}_pinball_vs_constwidth"] = f["pinball"] / cw["pinball"]
+            kv[f"{corpus}_nll_minus_constwidth"] = f["nll"] - cw["nll"]
+            if "scale_spearman" in res["causal_frozen"]:
+                kv["synthetic_scale_spearman"] = res["causal_frozen"]["scale_spearman"]
+        if "causal_lora" in t:
+            kv[f"{corpus}_lora_mae"] = t["causal_lora"]["mae"]
+            kv[f"{corpus}_lora_vs_{ref}"] = t["causal_lora"]["mae"] / t[ref]["mae"]
+            kv[f"{corpus}_lora_vs_constant"] = t["causal_lora"]["mae"] / t["constant"]["mae"]
+            kv[f"{corpus}_lora_vs_linear"] = t["causal_lora"]["mae"] / t["linear"]["mae"]
+            kv[f"{corpus}_lora_cov50"] = t["causal_lora"]["coverage_50"]
+            kv[f"{corpus}_lora_cov90"] = t["causal_lora"]["coverage_90"]
+            if "digit_lora" in t:
+                kv[f"{corpus}_lora_vs_digit"] = t["causal_lora"]["mae"] / t["digit_lora"]["mae"]
+    for corpus, by_frac in (noisy or {}).items():
+        clean = all_results[corpus]
+        for frac, res in by_frac.items():
+            tag = f"label_noise{round(100 * frac)}"
+            for name in ("causal_frozen", "linear", "linear_huber"):
+                if name in res and name in clean:
+                    key = f"{tag}_vs_clean" if name == "causal_frozen" else f"{tag}_{name}_vs_clean"
+                    key = key if corpus == "sunspots" else f"{corpus}_{key}"
+                    kv[key] = res[name]["test"]["mae"] / clean[name]["test"]["mae"]
     return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items())
+
+
+def format_noise_table(all_results: dict, noisy: dict) -> str:
+    """Test MAE by fraction of shuffled training labels, and the ratio to the clean run."""
+    lines = []
+    for corpus, by_frac in noisy.items():
+        fracs = [0.0, *by_frac]
+        lines += [f"| {corpus} TEST MAE, shuffled train labels | " + " | ".join(f"{round(100 * f)}%" for f in fracs)
+                  + " | worst / clean |", "| --- " * (len(fracs) + 2) + "|"]
+        for name in ("causal_frozen", "causal_lora", "linear", "linear_huber"):
+            if name not in all_results[corpus]:
+                continue
+            maes = [all_results[corpus][name]["test"]["mae"]] + [by_frac[f][name]["test"]["mae"] for f in by_frac]
+            lines.append(f"| {LABELS[name]} | " + " | ".join(_fmt(m) for m in maes) + f" | {_fmt(max(maes) / maes[0], 3)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_interval_table(corpus: str, results: dict) -> str:
+    """Interval quality on test: the adapter's per-row calibrated intervals vs a constant-width
+    split-conformal interval on the same point predictions."""
+    lines = [f"| {corpus} TEST intervals | cov 50/80/90/95 | raw Cauchy cov 50/90 | Winkler 50 | Winkler 90 | "
+             "pinball | NLL | s / prediction |", "| --- " * 8 + "|"]
+    for name in ("causal_frozen", "causal_lora"):
+        if name not in results:
+            continue
+        t, cw = results[name]["test"], results[name]["constwidth"]
+        covs = "/".join(_fmt(t[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| {LABELS[name]} | {covs} | {_fmt(t['cauchy_coverage_50'], 2)}/{_fmt(t['cauchy_coverage_90'], 2)} "
+                     f"| {_fmt(t['winkler_50'])} | {_fmt(t['winkler_90'])} | {_fmt(t['pinball'])} | {_fmt(t['nll'])} "
+                     f"| {_fmt(t['seconds_per_prediction'], 2)} |")
+        covs = "/".join(_fmt(cw[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| same points, constant-width conformal | {covs} | | {_fmt(cw['winkler_50'])} "
+                     f"| {_fmt(cw['winkler_90'])} | {_fmt(cw['pinball'])} | {_fmt(cw['nll'])} | |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
@@ -466,6 +608,13 @@ def parse_args(argv=None):
                     "phi, |d| = 1) instead of the defaults (standardised values, |d| at the embedding scale)")
     ap.add_argument("--input-ablation", action="store_true", help="also the ridge probe with raw values in phi "
                     "and with |d| = 1 (the measurements behind standardize_inputs and direction_norm)")
+    ap.add_argument("--variants", nargs="+", default=list(TRAINED), choices=TRAINED,
+                    help="trained variants to run (default all; the baselines and the probe always run)")
+    ap.add_argument("--label-noise", nargs="+", type=float, default=[], metavar="FRACTION",
+                    help="also rerun each corpus with this fraction of the training targets shuffled (e.g. 0.2 0.4), "
+                    "scored on the clean test split (the seeds' anchor experiment)")
+    ap.add_argument("--freeze", nargs="+", default=None, help="TrainConfig.freeze of the causal adapters (default: "
+                    "the recipe's, abduction_loc; 'none' trains W_loc too)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
@@ -481,8 +630,42 @@ def parse_args(argv=None):
     return args
 
 
-def run_corpus(args, corpus: str, tokenizer, work: Path) -> tuple[dict, float]:
-    from causal_adapter.corpora import build_corpus
+def shuffle_labels(ds, fraction: float, seed: int):
+    """The anchor experiment's corruption: `fraction` of the rows (seeded choice) get their completion and
+    target permuted among themselves (a random permutation of the chosen rows)."""
+    n = len(ds)
+    k = int(round(fraction * n))
+    if k < 2:
+        return ds
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n, generator=g)[:k].tolist()
+    perm = torch.randperm(k, generator=g).tolist()
+    comp, tgt = list(ds["completion"]), list(ds["target"])
+    new_comp, new_tgt = list(comp), list(tgt)
+    for i, j in zip(rows, perm):
+        new_comp[i], new_tgt[i] = comp[rows[j]], tgt[rows[j]]
+    ds = ds.remove_columns(["completion", "target"])
+    return ds.add_column("completion", new_comp).add_column("target", new_tgt)
+
+
+def scale_spearman(scales, sds) -> float:
+    """Spearman rank correlation (average ranks for ties) of predicted scales and true sds."""
+    def ranks(v):
+        v = torch.tensor(v, dtype=torch.float64)
+        order = v.argsort()
+        r = torch.empty_like(v)
+        r[order] = torch.arange(len(v), dtype=torch.float64)
+        for u in v.unique():  # average ranks of ties
+            m = v == u
+            r[m] = r[m].mean()
+        return r
+    a, b = ranks(scales), ranks(sds)
+    a, b = a - a.mean(), b - b.mean()
+    return float((a @ b) / (a.norm() * b.norm()))
+
+
+def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.0) -> tuple[dict, float]:
+    from causal_adapter.corpora import build_corpus, noise_sd
     from causal_adapter.metrics import train_median
 
     dd = build_corpus(corpus)
@@ -492,21 +675,28 @@ def run_corpus(args, corpus: str, tokenizer, work: Path) -> tuple[dict, float]:
     if args.max_eval:
         for k in ("validation", "test"):
             splits[k] = splits[k].select(range(min(args.max_eval, len(splits[k]))))
+    if label_noise:  # training targets only: validation and test stay clean
+        splits["train"] = shuffle_labels(splits["train"], label_noise, args.seed)
     constant = train_median([float(v) for v in splits["train"]["target"]])
     _log(f"== {corpus}: train {len(splits['train'])}, validation {len(splits['validation'])}, "
-         f"test {len(splits['test'])} rows; train median {constant:g}")
+         f"test {len(splits['test'])} rows; train median {constant:g}; shuffled labels {label_noise:g}")
     results = run_simple(corpus, splits, constant)
     results["ridge_probe"] = run_probe(args, splits, tokenizer, **input_path(args))
     if args.input_ablation:  # the input-side choices, measured with the same probe
         for name, kw in ABLATIONS.items():
             results[name] = run_probe(args, splits, tokenizer, **kw)
-    for lora in (False, True):
-        name = "causal_lora" if lora else "causal_frozen"
-        results[name] = run_causal(args, lora, splits, tokenizer, work / corpus)
+    for name in ("causal_frozen", "causal_lora"):
+        if name not in args.variants:
+            continue
+        results[name] = run_causal(args, name == "causal_lora", splits, tokenizer, work / corpus)
         _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}")
-    results["digit_lora"] = run_plain(args, splits, tokenizer, constant)
-    _log(f"[{corpus} digit_lora] {results['digit_lora']['train_seconds']:.0f} s, "
-         f"test MAE {_fmt(results['digit_lora']['test']['mae'])}")
+        if corpus == "heteroscedastic":
+            sds = [noise_sd(p) for p in splits["test"]["prompt"]]
+            results[name]["scale_spearman"] = scale_spearman(results[name]["test"]["scales"], sds)
+    if "digit_lora" in args.variants:
+        results["digit_lora"] = run_plain(args, splits, tokenizer, constant)
+        _log(f"[{corpus} digit_lora] {results['digit_lora']['train_seconds']:.0f} s, "
+             f"test MAE {_fmt(results['digit_lora']['test']['mae'])}")
     return results, constant
 
 
@@ -519,11 +709,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tokenizer = load_qwen_tokenizer()
     all_results, tables = {}, []
+    noisy: dict = {}
     with tempfile.TemporaryDirectory(prefix="numeric_quality_") as tmp:
         for corpus in args.corpora:
             results, constant = run_corpus(args, corpus, tokenizer, Path(tmp))
             all_results[corpus] = results
             tables.append(format_table(corpus, results, constant))
+            tables.append(format_interval_table(corpus, results))
+            for frac in args.label_noise:
+                if frac > 0:
+                    noisy.setdefault(corpus, {})[frac] = run_corpus(args, corpus, tokenizer, Path(tmp) / f"noise{frac}",
+                                                                     label_noise=frac)[0]
+    if noisy:
+        tables.append(format_noise_table(all_results, noisy))
     note = (f"Base: random-weight tiny {args.arch} (hidden {args.hidden_size}, {args.layers} layers, real 151,936-row "
             f"vocabulary, seed {args.base_seed}); {args.steps} steps, batch {args.batch_size}, lr {args.lr:g} "
             f"(LoRA lr {args.lora_lr:g}), seed {args.seed}. Test split only for the figures; choices on validation.")
@@ -531,8 +729,8 @@ def main(argv=None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n", encoding="utf-8")
-    line = result_line(all_results, args)
-    summary = {"settings": vars(args), "results": all_results, "seconds": time.perf_counter() - t0,
+    line = result_line(all_results, args, noisy)
+    summary = {"settings": vars(args), "results": all_results, "label_noise": noisy, "seconds": time.perf_counter() - t0,
                "result_line": line}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
     print()

@@ -77,7 +77,9 @@ class CausalAdapterConfig:
         them on the training targets (median, IQR / 1.349) when None. None = raw units (0, 1).
     standardize_inputs: phi takes (v - value_loc) / value_scale at <NUM> positions (text
         positions stay untouched), once the value units are set.
-    regression_scale: "independent" (scale_Y' = |b_noise_Y|, the value's own exogenous noise: the
+    regression_scale: "per_row" (scale_Y' = |b_noise_Y| exp(w_scale_Y . loc_U) x an out-of-depth factor that
+        grows with the distance of loc_U from the training <NUM> positions' features: a width per row,
+        docs/values.md), "independent" (scale_Y' = |b_noise_Y|, the value's own exogenous noise: the
         regression NLL sets the width alone) or "shared" (the seeds' scale_Y' = |w_reg| . scale_U',
         which the OvR loss over ~V negative rows drives with scale_U' and which a least-squares
         warm start of w_reg makes O(1e3) units wide at gamma0 = 10).
@@ -113,7 +115,7 @@ class CausalAdapterConfig:
     value_loc: float | None = None
     value_scale: float | None = None
     standardize_inputs: bool = True
-    regression_scale: str = "independent"
+    regression_scale: str = "per_row"
     b_noise_Y_init: float = 1.0
     value_decimals: int | None = None
     value_calibration: dict | None = None
@@ -162,8 +164,9 @@ class CausalAdapterConfig:
         if (self.value_loc is None) != (self.value_scale is None):
             raise ValueError(f"set value_loc and value_scale together (got value_loc={self.value_loc!r}, "
                              f"value_scale={self.value_scale!r})")
-        if self.regression_scale not in ("independent", "shared"):
-            raise ValueError(f"regression_scale must be 'independent' or 'shared', got {self.regression_scale!r}")
+        if self.regression_scale not in ("per_row", "independent", "shared"):
+            raise ValueError(f"regression_scale must be 'per_row', 'independent' or 'shared', got "
+                             f"{self.regression_scale!r}")
         if not 0 <= finite("b_noise_Y_init") <= SCALE_INIT_MAX:
             raise ValueError(f"b_noise_Y_init must be in [0, {SCALE_INIT_MAX:g}], got {self.b_noise_Y_init!r}")
         if self.value_decimals is not None and (isinstance(self.value_decimals, bool)

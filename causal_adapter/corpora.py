@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from .numbers import format_number
 
 # --------------------------------------------------------------------------- corpora
-CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units")
+CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units", "heteroscedastic")
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 SPLITS = ("train", "validation", "test")
 
@@ -285,6 +285,30 @@ def units_corpus(n: int = 2000, seed: int = 0, split_fractions=DEFAULT_SPLIT, wi
     return _to_dataset_dict(_unique_rows(n, seed, make, "units"), split_fractions, "units")
 
 
+#: regime word of the heteroscedastic corpus -> the noise sd of its rows
+NOISE_REGIMES = {"calm": 0.5, "mild": 1.0, "rough": 2.0, "wild": 4.0, "storm": 8.0}
+
+
+def heteroscedastic_corpus(n: int = 1200, seed: int = 0, split_fractions=DEFAULT_SPLIT, window: int | None = None):
+    """Synthetic rows with a known per-row noise level: prompt ``"Regime rough, base 41.3:"``,
+    completion base + N(0, sd^2) rounded to 0.1, with sd given by the regime word (`NOISE_REGIMES`,
+    0.5 to 8, drawn uniformly) and base uniform in [20, 80]. ``previous`` is the base (the best point
+    prediction); `noise_sd(row["prompt"])` is the row's true sd.
+    A calibrated per-row interval must be 16x wider in "storm" rows than in "calm" ones."""
+    words = list(NOISE_REGIMES)
+
+    def make(rng):
+        word, base = rng.choice(words), round(rng.uniform(20, 80), 1)
+        return f"Regime {word}, base {format_number(base)}:", round(base + rng.gauss(0, NOISE_REGIMES[word]), 1), base
+
+    return _to_dataset_dict(_unique_rows(n, seed, make, "heteroscedastic"), split_fractions, "heteroscedastic")
+
+
+def noise_sd(prompt: str) -> float:
+    """The true noise sd of a heteroscedastic-corpus row, from its prompt's regime word."""
+    return NOISE_REGIMES[prompt.split()[1].rstrip(",")]
+
+
 _BUILDERS = {
     "sunspots": sunspots_corpus,
     "nile": nile_corpus,
@@ -293,6 +317,7 @@ _BUILDERS = {
     "diabetes": diabetes_corpus,
     "arithmetic": arithmetic_corpus,
     "units": units_corpus,
+    "heteroscedastic": heteroscedastic_corpus,
 }
 
 

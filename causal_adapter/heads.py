@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+#: principal directions of the training features kept for the out-of-depth width (value_fit.fit_depth)
+DEPTH_RANK = 64
+
 
 def full_precision(device: torch.device | str):
     """Context in which the heads and losses run: autocast off on `device`'s type, so that every
@@ -101,6 +104,7 @@ class ActionHead(nn.Module):
     scale_U' = scale_U + |b_noise|
     loc_S = W_cls loc_U + b_cls, scale_S = max(|W_cls| scale_U', scale_floor)   (all V rows)
     loc_Y' = w_reg . loc_U + b_reg, scale_Y' = |b_noise_Y| ("independent") or |w_reg| . scale_U' ("shared")
+        or |b_noise_Y| exp(w_scale_Y . loc_U) depth(loc_U) ("per_row", `per_row_scale`)
     loc_Y = value_loc + value_scale * loc_Y', scale_Y = max(value_scale * scale_Y', scale_floor)
 
     Y' is the value in standardised units; (value_loc, value_scale) are plain floats from the
@@ -137,10 +141,21 @@ class ActionHead(nn.Module):
         w_reg = torch.randn(causal_size, generator=generator, dtype=torch.float64) / math.sqrt(causal_size)
         self.w_reg = nn.Parameter(w_reg.to(**kw))
         self.b_reg = nn.Parameter(torch.zeros(1, **kw))
-        if regression_scale == "independent":
+        if regression_scale in ("independent", "per_row"):
             self.b_noise_Y = nn.Parameter(torch.full((1,), float(b_noise_Y_init), **kw))
         else:
             self.b_noise_Y = None
+        self.w_scale_Y = None
+        if regression_scale == "per_row":  # starts as the independent scale: w_scale_Y = 0, depth factor 1
+            self.w_scale_Y = nn.Parameter(torch.zeros(causal_size, **kw))
+            rank = min(causal_size, DEPTH_RANK)
+            for name, shape in (("mean", (causal_size,)), ("basis", (rank, causal_size)), ("weight", (rank,)),
+                                ("resid", (1,))):
+                self.register_buffer(f"depth_{name}", torch.zeros(shape, **kw))
+            self.register_buffer("depth_ref", torch.ones(1, **kw))
+            # w_scale_Y . loc_U is clamped to its range on the training rows: a linear log-scale must not
+            # extrapolate (to a 1e-13 width) where the head never trained; the depth factor widens there
+            self.register_buffer("log_scale_range", torch.tensor([-30.0, 30.0], **kw))
 
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
@@ -208,10 +223,33 @@ class ActionHead(nn.Module):
         value = x @ self.num_row.abs() if scale else x @ self.num_row + self.b_cls[k]
         return scores.index_copy(-1, col, value.unsqueeze(-1))
 
+    def set_depth(self, stats: dict) -> None:
+        """Load `value_fit.fit_depth` statistics (mean, basis, weight, resid, ref) into the depth buffers."""
+        with torch.no_grad():
+            for name in ("mean", "basis", "weight", "resid", "ref"):
+                buf = getattr(self, f"depth_{name}")
+                buf.copy_(stats[name].to(dtype=buf.dtype, device=buf.device))
+
+    def depth_factor(self, loc_U: Tensor) -> Tensor:
+        """[..., C] -> [...] sqrt(max(1, d2 / ref)): 1 where loc_U looks like the training <NUM> positions'
+        features, growing with the (regularised) Mahalanobis distance d2 from them (`value_fit.fit_depth`):
+        a linear head's error grows linearly with that distance."""
+        x = loc_U - self.depth_mean
+        d2 = (x * x).sum(-1) * self.depth_resid + (x @ self.depth_basis.T).square() @ self.depth_weight
+        return (d2 / self.depth_ref).clamp_min(1.0).sqrt()
+
+    def per_row_scale(self, loc_U: Tensor) -> Tensor:
+        """scale_Y' [...] = |b_noise_Y| exp(w_scale_Y . loc_U) depth_factor(loc_U) (standardised units)."""
+        lo, hi = self.log_scale_range.unbind()
+        log_s = torch.minimum(torch.maximum(loc_U @ self.w_scale_Y, lo), hi)
+        return self.b_noise_Y.abs().reshape(()) * log_s.exp() * self.depth_factor(loc_U)
+
     def regression(self, loc_U: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
         """[..., C] -> loc_Y [...], scale_Y [...] in value units."""
         loc_Y = self.to_value(loc_U @ self.w_reg + self.b_reg.reshape(()))
-        if self.b_noise_Y is not None:
+        if self.w_scale_Y is not None:
+            scale_Y = self.per_row_scale(loc_U)
+        elif self.b_noise_Y is not None:
             scale_Y = self.b_noise_Y.abs().reshape(()).expand(loc_Y.shape)
         else:
             scale_Y = scale_Up @ self.w_reg.abs()

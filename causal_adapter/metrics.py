@@ -13,8 +13,10 @@ transformers shift: position i predicts ``labels[i + 1]``):
   meaning argmax_k P_k is ``<NUM>``.
 * ``value_mae`` / ``value_median_ae``: |loc_Y - y| at ``<NUM>`` labels (value = loc_Y, the
   deterministic mode's value).
-* ``coverage_50`` / ``coverage_90``: share of ``<NUM>`` labels inside the central 50% / 90%
-  interval of Cauchy(loc_Y, scale_Y) (a calibrated model gives 0.5 / 0.9).
+* ``coverage_50`` / ``_80`` / ``_90`` / ``_95``: share of ``<NUM>`` labels inside the central interval
+  the model reports at that level: the calibrated one (``intervals``: loc_Y +- c_q scale_Y, the
+  adapter's split-conformal map) when the adapter has a calibration map, else the raw Cauchy one;
+  ``cauchy_coverage_*`` beside: always the raw Cauchy interval loc_Y +- tan(pi q / 2) scale_Y.
 * ``perplexity``: exp of the mean cross-entropy of softmax(loc_S), the softmax-compatible mode.
 * Baselines (from the ``target`` / ``previous`` columns of the rows, when present):
   ``baseline_constant_*`` predicts the median of the TRAIN split's targets,
@@ -33,12 +35,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .cauchy import cauchy_icdf, ovr_probability
+from .cauchy import ovr_probability
 from .data import IGNORE_INDEX
 from .heads import full_precision
 from .integrations import unwrap_model
+from .intervals import interval
 
-INTERVAL_LEVELS = (0.5, 0.9)
+INTERVAL_LEVELS = (0.5, 0.8, 0.9, 0.95)
 SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)
 
 
@@ -54,10 +57,12 @@ class MetricAccumulator:
     """Accumulates the metrics of this module over batches; `state()` / `merge()` combine the
     accumulators of several processes (plain Python data, picklable)."""
 
-    def __init__(self, num_token_id: int, reg_weight: float = 1.0, levels: Sequence[float] = INTERVAL_LEVELS):
+    def __init__(self, num_token_id: int, reg_weight: float = 1.0, levels: Sequence[float] = INTERVAL_LEVELS,
+                 calibration: dict | None = None):
         self.num_token_id = int(num_token_id)
         self.reg_weight = float(reg_weight)
         self.levels = tuple(float(q) for q in levels)
+        self.calibration = calibration
         self.n_tokens = 0
         self.n_num_labels = 0
         self.sum_cls = 0.0
@@ -65,7 +70,6 @@ class MetricAccumulator:
         self.correct = 0
         self.tp = self.fp = self.fn = 0
         self.softmax_nll = 0.0
-        self.covered = [0] * len(self.levels)
         # per <NUM> label: true value, loc_Y, scale_Y (for the value metrics and the plot)
         self.y_true: list[float] = []
         self.y_loc: list[float] = []
@@ -108,10 +112,6 @@ class MetricAccumulator:
             y_true = values.to(heads)[:, 1:][keep][is_num].to(torch.float64)
             loc = output.loc_Y[:, :-1][keep][is_num].to(torch.float64)
             scale = output.scale_Y[:, :-1][keep][is_num].to(torch.float64)
-            for i, q in enumerate(self.levels):
-                lo = cauchy_icdf(torch.tensor((1 - q) / 2, dtype=torch.float64), loc, scale)
-                hi = cauchy_icdf(torch.tensor((1 + q) / 2, dtype=torch.float64), loc, scale)
-                self.covered[i] += int(((y_true >= lo) & (y_true <= hi)).sum())
             self.y_true += y_true.tolist()
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
@@ -148,7 +148,6 @@ class MetricAccumulator:
         for s in states:
             for k in ("n_tokens", "n_num_labels", "sum_cls", "sum_reg", "correct", "tp", "fp", "fn", "softmax_nll"):
                 setattr(self, k, getattr(self, k) + s[k])
-            self.covered = [a + b for a, b in zip(self.covered, s["covered"])]
             for k in ("y_true", "y_loc", "y_scale", "targets", "previous"):
                 getattr(self, k).extend(s[k])
         return self
@@ -156,7 +155,7 @@ class MetricAccumulator:
     @classmethod
     def merged(cls, states: Sequence[Mapping[str, Any]]) -> "MetricAccumulator":
         first = states[0]
-        acc = cls(first["num_token_id"], first["reg_weight"], first["levels"])
+        acc = cls(first["num_token_id"], first["reg_weight"], first["levels"], first.get("calibration"))
         return acc.merge(states)
 
     # ------------------------------------------------------------------ results
@@ -187,8 +186,7 @@ class MetricAccumulator:
             "value_mae": _ratio(sum(errors), len(errors)),
             "value_median_ae": _median(errors),
         }
-        for q, c in zip(self.levels, self.covered):
-            out[f"coverage_{round(100 * q)}"] = _ratio(c, len(self.y_true))
+        out.update(coverage_metrics(self.y_true, self.y_loc, self.y_scale, self.levels, self.calibration))
         out["perplexity"] = math.exp(min(self.softmax_nll / n, 700.0)) if n else None
         out.update(baseline_metrics(self.targets, self.previous, constant_value))
         return out
@@ -196,6 +194,23 @@ class MetricAccumulator:
     def predictions(self) -> dict[str, list[float]]:
         """Per <NUM> label: true value, loc_Y, scale_Y (in evaluation order)."""
         return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale)}
+
+
+def coverage_metrics(y_true: Sequence[float], loc: Sequence[float], scale: Sequence[float],
+                     levels: Sequence[float] = INTERVAL_LEVELS, calibration: dict | None = None) -> dict[str, Any]:
+    """``coverage_<100 q>`` (the reported interval: calibrated when `calibration` is given) and
+    ``cauchy_coverage_<100 q>`` (raw Cauchy) for each level q; None without values."""
+    out: dict[str, Any] = {}
+    y, lo_, sc = (torch.tensor(list(v), dtype=torch.float64) for v in (y_true, loc, scale))
+    for q in levels:
+        name = round(100 * q)
+        for key, cal in ((f"coverage_{name}", calibration), (f"cauchy_coverage_{name}", None)):
+            if not len(y):
+                out[key] = None
+                continue
+            lo, hi = interval(lo_, sc, q, cal)
+            out[key] = float(((y >= lo) & (y <= hi)).double().mean())
+    return out
 
 
 def baseline_metrics(targets: Sequence[float], previous: Sequence[float],
@@ -232,7 +247,8 @@ def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricA
     input_ids and labels, as `NumericCollator` builds them) in eval mode (the previous mode is
     restored) and add them to `accumulator` (a new one by default), which is returned."""
     inner = unwrap_model(model)
-    acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight)
+    acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight,
+                                           calibration=inner.config.value_calibration)
     device = torch.device(device) if device is not None else inner.input_device
     was_training = model.training
     model.eval()
@@ -284,11 +300,15 @@ METRIC_LABELS = {
     "value_mae": "value MAE (loc_Y)",
     "value_median_ae": "value median AE (loc_Y)",
     "coverage_50": "coverage of 50% interval",
+    "coverage_80": "coverage of 80% interval",
     "coverage_90": "coverage of 90% interval",
+    "coverage_95": "coverage of 95% interval",
+    "cauchy_coverage_50": "coverage of raw Cauchy 50% interval",
+    "cauchy_coverage_90": "coverage of raw Cauchy 90% interval",
 }
 TABLE_ROWS = tuple((key, METRIC_LABELS[key]) for key in (
     "loss", "loss_cls", "loss_reg", "accuracy", "num_precision", "num_recall", "num_f1", "perplexity",
-    "coverage_50", "coverage_90"))
+    "coverage_50", "coverage_80", "coverage_90", "coverage_95", "cauchy_coverage_50", "cauchy_coverage_90"))
 
 
 def format_value(v) -> str:

@@ -285,11 +285,23 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
             return (collator(_rows(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val) or {})
+        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
+                                        loss=config.value_loss, max_shift=_head_shift_bound(inner, config)) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def _head_shift_bound(inner, config: TrainConfig) -> float:
+    """The bf16 bound of the value head's fit (`value_fit.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`."""
+    from .value_fit import BF16_MAX_SHIFT
+
+    if config.bf16_safe_head == "auto":
+        weights_16 = any(p.dtype in (torch.bfloat16, torch.float16) for p in inner.backbone.parameters())
+        mixed = (config.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")) in ("fp16", "bf16")
+        return BF16_MAX_SHIFT if weights_16 or mixed else math.inf
+    return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
 
 
 def _materialize_streams(config: TrainConfig, train_dataset, eval_dataset, accelerator=None):
@@ -518,7 +530,8 @@ def train(
                    for i in range(0, len(idx), config.per_device_eval_batch_size))
         # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
         # so processes may run different numbers of evaluation batches
-        acc = accumulate(eval_model, batches, MetricAccumulator(inner.num_token_id, inner.config.reg_weight),
+        acc = accumulate(eval_model, batches, MetricAccumulator(inner.num_token_id, inner.config.reg_weight,
+                                                                calibration=inner.config.value_calibration),
                          device=device)
         states = gather_object([acc.state()]) if world > 1 else [acc.state()]
         merged = MetricAccumulator.merged(states)
@@ -686,16 +699,23 @@ def _check_distributed_type(accelerator) -> None:
 
 
 def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
-    """Set |b_noise_Y| so that the (independent) regression scale equals the median absolute validation
-    residual: a Cauchy's scale is its median absolute deviation. False (nothing done) without an
-    independent scale or validation values."""
+    """After training, on the validation predictions: multiply |b_noise_Y| by the median normalised
+    residual |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50%
+    interval is calibrated), then fit the split-conformal map of every level on the rescaled normalised
+    residuals (`intervals.fit_calibration`) into `config.value_calibration`. False (nothing done)
+    without a regression scale of its own or validation values."""
+    from .intervals import fit_calibration
+
     if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return False
-    resid = [abs(y - loc) for y, loc in zip(predictions["y_true"], predictions["loc"])]
-    scale = max(float(torch.tensor(resid, dtype=torch.float64).median()) / inner.action.value_scale,
-                DEFAULT_SCALE_FLOOR)
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    factor = float(((y - loc).abs() / scale).median())
+    if not math.isfinite(factor) or factor <= 0:
+        return False
     with torch.no_grad():
-        inner.action.b_noise_Y.fill_(scale)
+        new = max(float(inner.action.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
+        inner.action.b_noise_Y.fill_(new)
+    inner.config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(inner.action.scale_floor))
     return True
 
 

@@ -22,7 +22,7 @@ PARAMETER_GROUPS = {
     "noise": ("action.b_noise",),
     "cls_bias": ("action.b_cls",),
     "num_row": ("action.num_row",),
-    "regression": ("action.w_reg", "action.b_reg", "action.b_noise_Y"),
+    "regression": ("action.w_reg", "action.b_reg", "action.b_noise_Y", "action.w_scale_Y"),
     "thresholds": ("action.thresholds",),
     "direction": ("numeric_embedding.direction",),
     "lora": ("backbone.",),
@@ -69,8 +69,9 @@ class TrainConfig:
     train_num_row: bool = flag(True, "train the <NUM> row of W_cls (saved as one row)")
     freeze: list[str] = flag(["abduction_loc"], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
                              + " (or parameter-name prefixes); 'none' trains every part. Default abduction_loc: "
-                             "the OvR loss's updates of W_loc move loc_U under the warm-started regression "
-                             "(measured: sunspots MAE 80,000 vs 15.6)", nargs="*", type=str)
+                             "with W_loc trained the head refitted after the last step is as good (validation MAE "
+                             "within 3 percent), but the evaluations and checkpoints during training are not "
+                             "(docs/values.md)", nargs="*", type=str)
     gamma0: float = flag(10.0, "initial abduction scale")
     threshold_init: float = flag(100.0, "initial OvR threshold C_k (P_k = 1/2 + atan((loc_S_k - C_k) / scale_S_k) / pi)")
     gate_alpha: float = flag(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
@@ -81,10 +82,19 @@ class TrainConfig:
                                 "training changed those features (LoRA, W_loc); 'none': the random init, trained "
                                 "by the NLL only",
                                 choices=["ridge", "none"])
-    calibrate_scale: bool = flag(True, "after training, set |b_noise_Y| so that the regression scale equals the "
-                                       "median absolute validation residual (the half-width of the central 50 "
-                                       "percent interval), when there is a validation split and the regression "
-                                       "scale is independent")
+    value_loss: str = flag("huber", "loss of the value head's fit before / after training: a robust M-estimate "
+                           "by IRLS from the ridge solution ('cauchy', 'huber') or least squares ('squared'); "
+                           "docs/values.md has the validation figures behind the default",
+                           choices=["cauchy", "huber", "squared"])
+    bf16_safe_head: str = flag("auto", "bound the value head's ridge penalty so that rounding loc_U to bf16 moves "
+                               "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the backbone "
+                               "weights or the mixed precision are 16-bit (on an fp32 model the bound costs "
+                               "accuracy for nothing: docs/values.md)", choices=["auto", "on", "off"])
+    calibrate_scale: bool = flag(True, "after training, on the validation split: scale |b_noise_Y| so that the "
+                                       "median normalised residual |y - loc_Y| / scale_Y is 1 (the raw 50 percent "
+                                       "interval is calibrated), then save the split-conformal map of those "
+                                       "residuals in the adapter (value_calibration: intervals calibrated at "
+                                       "every level); needs a validation split and a per-row or independent scale")
     reg_weight: float = flag(1.0, "lambda in L = L_cls + lambda L_reg")
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given",

@@ -5,13 +5,16 @@
   numbers: raw-unit regression with b_reg = 0 could not reach sunspots' median (39) in 300 steps.
 * `value_decimals`: the most decimals the training targets are written with (generated values
   are shown that way).
-* `ridge_warm_start`: w_reg, b_reg by ridge regression of the standardised targets on loc_U at
-  the positions that predict them (a linear probe, then fine-tuning: "LP-FT"), with the ridge
-  penalty chosen on the validation split when there is one (else by exact leave-one-out
-  error), and |b_noise_Y| set to the median absolute leave-one-out residual (the scale of a Cauchy is its median absolute deviation). Measured:
-  the information about the value sits in low-variance directions of the final-norm features,
-  where Adam from a random w_reg needs far more steps than a training run has (sunspots, frozen
-  tiny base: MAE 48 after 3000 Adam steps vs 31 for the warm start).
+* `ridge_warm_start`: the regression head from the model's own loc_U at the positions that predict
+  a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
+  (`center_abduction`, exact for every token score), ridge on per-feature standardised features
+  with the penalty chosen on the validation split (else by exact leave-one-out) under an optional
+  bf16-rounding bound (`fit_linear_head`), a robust M-estimate by IRLS (Huber by default), and, with
+  the per-row scale, a log-linear width (`fit_log_scale`) and the out-of-depth statistics
+  (`fit_depth`). docs/values.md has the validation figures behind each default. Measured before:
+  the information about the value sits in low-variance directions of the final-norm features, where
+  Adam from a random w_reg needs far more steps than a training run has (sunspots, frozen tiny base:
+  MAE 48 after 3000 Adam steps vs 31 for the warm start).
 """
 from __future__ import annotations
 
@@ -25,6 +28,12 @@ from .numbers import format_number
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
+#: largest move of loc_Y' (value_scale units) a penalty may allow when loc_U is rounded to bf16 (goal: < 0.01)
+BF16_MAX_SHIFT = 0.005
+#: IRLS iterations of a robust fit (per round; two rounds)
+IRLS_ITERS = 30
+#: robust loss of the value head's fit ('cauchy', 'huber' or 'squared'; chosen on validation, docs/values.md)
+ROBUST_LOSS = "huber"
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -83,42 +92,199 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
     return torch.cat(feats)[:max_rows], torch.cat(targets)[:max_rows]
 
 
+def standardize(X: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(mean [C], sd [C]) of the rows of X [n, C] (weighted when `weights` [n] is given); an sd below
+    1e-6 of the median sd is floored there (a constant feature must not get an unbounded weight)."""
+    wts = torch.ones(X.shape[0], dtype=X.dtype) if weights is None else weights
+    wts = wts / wts.sum()
+    mean = wts @ X
+    sd = (wts @ (X - mean) ** 2).sqrt()
+    floor = max(float(sd.median()) * 1e-6, 1e-12)
+    return mean, sd.clamp_min(floor)
+
+
+def bf16_shift(X: Tensor, w: Tensor) -> float:
+    """Largest |change of X @ w| over the rows of X [n, C] when X is rounded to bfloat16 (the
+    head's conditioning: loc_U of a bf16 model carries that rounding)."""
+    if X.numel() == 0:
+        return 0.0
+    return float(((X.to(torch.bfloat16).to(X.dtype) - X) @ w).abs().max())
+
+
+def _ridge_path(Xs: Tensor, t: Tensor, weights: Tensor, lams: Sequence[float]):
+    """Weighted ridge on standardised features Xs [n, C] for every penalty of `lams`; yields (lam, w_s [C], intercept,
+    LOO residuals [n]). Exact LOO residuals of the weighted problem, from one SVD."""
+    wn = weights / weights.sum()
+    mx, mt = wn @ Xs, wn @ t
+    root = weights.sqrt()
+    U, S, Vh = torch.linalg.svd(root[:, None] * (Xs - mx), full_matrices=False)
+    proj = U.T @ (root * (t - mt))
+    for lam in lams:
+        w = Vh.T @ (S / (S ** 2 + lam) * proj)
+        resid = t - mt - (Xs - mx) @ w
+        hat = (U ** 2) @ (S ** 2 / (S ** 2 + lam)) + wn
+        yield lam, w, float(mt - mx @ w), resid / (1.0 - hat).clamp_min(1e-12)
+
+
+def robust_weights(resid: Tensor, loss: str) -> Tensor:
+    """IRLS weights of the residuals [n] for an M-estimate: 'cauchy' 1 / (1 + (r / s)^2) with s the
+    median |r| (a Cauchy's scale), 'huber' min(1, 1.345 s / |r|) with s = median |r| / 0.6745,
+    'squared' ones."""
+    s = max(float(resid.abs().median()), 1e-12)
+    if loss == "cauchy":
+        return 1.0 / (1.0 + (resid / s) ** 2)
+    if loss == "huber":
+        return (1.345 * s / 0.6745 / resid.abs().clamp_min(1e-300)).clamp(max=1.0)
+    if loss == "squared":
+        return torch.ones_like(resid)
+    raise ValueError(f"unknown robust loss {loss!r}; use 'cauchy', 'huber' or 'squared'")
+
+
+def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tensor | None):
+    """The (score, lam, w_s, b, loo) of `path` with the smallest score_fn(w_raw, b, loo) among the
+    penalties whose raw weights move X @ w by at most `max_shift` under bf16 rounding (on the training
+    and validation rows); the most penalised entry when none qualifies."""
+    best, first = None, None
+    for lam, w, b, loo in path:
+        w_raw = w / sd
+        item = (score_fn(w_raw, b, loo), lam, w, b, loo)
+        first = first or item
+        rows = X if X_val is None else torch.cat([X, X_val])
+        if bf16_shift(rows, w_raw) > max_shift:
+            continue
+        if best is None or item[0] < best[0]:
+            best = item
+    return best or first
+
+
+def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Tensor | None = None, *,
+                    loss: str = "cauchy", grid: Sequence[float] = RIDGE_GRID, max_shift: float = BF16_MAX_SHIFT,
+                    iters: int = IRLS_ITERS) -> dict:
+    """Robust ridge regression t [n] ~ X [n, C] on per-feature standardised features, folded back to
+    raw units (a plain linear head). The penalty (relative to the largest squared singular value of
+    the standardised features) is the grid entry with the smallest validation MAE (X_val, t_val), else
+    mean |LOO residual|, among those whose weights keep the bf16-rounding shift <= `max_shift`.
+    loss != 'squared': IRLS M-estimate started from the ridge solution, then the penalty is chosen again
+    under the final weights and IRLS runs once more.
+
+    Returns {"w": [C], "b": float, "lam": relative penalty, "loo": LOO residuals [n], "weights": [n],
+    "shift": bf16 shift, "chosen_on": str}."""
+    mean, sd = standardize(X)
+    Xs = (X - mean) / sd
+    unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2) or 1.0
+    has_val = X_val is not None and t_val is not None and len(t_val) > 0
+
+    def score(w_raw, b, loo):
+        if has_val:
+            return float((X_val @ w_raw + b - mean @ w_raw - t_val).abs().mean())
+        return float(loo.abs().mean())
+
+    weights = torch.ones_like(t)
+    rounds = 1 if loss == "squared" else 2
+    for _ in range(rounds):
+        _, lam, w, b, loo = _choose(_ridge_path(Xs, t, weights, [r * unit for r in grid]), score, X, sd,
+                                    max_shift, X_val if has_val else None)
+        if loss == "squared":
+            break
+        for _ in range(iters):  # IRLS at this penalty
+            resid = t - b - Xs @ w
+            weights = robust_weights(resid, loss).clamp_min(1e-12)
+            _, w, b, loo = next(_ridge_path(Xs, t, weights, [lam]))
+    w_raw = w / sd
+    return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "loo": loo, "weights": weights,
+            "shift": bf16_shift(X, w_raw), "chosen_on": "validation" if has_val else "leave-one-out"}
+
+
+def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_val: Tensor | None = None, *,
+                  grid: Sequence[float] = RIDGE_GRID, max_shift: float = 0.05) -> dict:
+    """A per-row Cauchy scale s(x) = exp(w . x + b) from residuals [n] (out-of-sample: LOO) of a location
+    head: ridge of log|r| on standardised X (for a Cauchy, E log|r| = log s exactly). The penalty is
+    the one with the smallest Cauchy NLL of the validation residuals `resid_val` (else of the LOO
+    log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse. Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
+    floor = max(float(resid.abs().median()) * 1e-3, 1e-12)
+    target = resid.abs().clamp_min(floor).log()
+    mean, sd = standardize(X)
+    Xs = (X - mean) / sd
+    unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2) or 1.0
+    has_val = X_val is not None and resid_val is not None and len(resid_val) > 0
+
+    def score(w_raw, b, loo):
+        if has_val:
+            log_s, r = X_val @ w_raw + b - mean @ w_raw, resid_val
+        else:
+            log_s, r = target - loo, resid
+        return float((log_s + math.log(math.pi) + torch.log1p((r / log_s.exp()) ** 2)).mean())
+
+    nll, lam, w, b, _ = _choose(_ridge_path(Xs, target, torch.ones_like(target), [r * unit for r in grid]),
+                                score, X, sd, max_shift, X_val if has_val else None)
+    w_raw = w / sd
+    # a constant width (log |r| 's mean, LOO-exact) competes on the same held-out NLL: keep it when it wins
+    n = len(target)
+    const_loo = target - (target.sum() - target) / max(n - 1, 1)
+    const_nll = score(torch.zeros_like(w_raw), float(target.mean()), const_loo)
+    if const_nll <= nll:
+        return {"w": torch.zeros_like(w_raw), "b": float(target.mean()), "lam": math.inf, "nll": const_nll}
+    return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "nll": nll}
+
+
+def fit_depth(X: Tensor, rank: int, rel_eps: float = 1e-3) -> dict:
+    """Statistics of the training features X [n, C] for the out-of-depth width: with x~ = x - mean,
+    d2(x) = resid |x~|^2 + sum_k weight_k (basis_k . x~)^2 is the Mahalanobis distance under the
+    covariance's top `rank` directions plus an isotropic rest (both regularised by rel_eps x the mean
+    variance), and ref = its largest value on the training rows. Tensors: mean [C], basis [rank, C],
+    weight [rank], resid [1], ref [1] (zero rows pad the basis when n - 1 < rank)."""
+    n, C = X.shape
+    mean = X.mean(0)
+    _, S, Vh = torch.linalg.svd((X - mean) / math.sqrt(max(n - 1, 1)), full_matrices=False)
+    eig = S ** 2
+    k = min(rank, eig.numel())
+    reg = rel_eps * float(eig.sum()) / C + 1e-30
+    rest = (float(eig.sum()) - float(eig[:k].sum())) / max(C - k, 1)
+    resid = 1.0 / (rest + reg)
+    basis = torch.zeros(rank, C, dtype=X.dtype)
+    weight = torch.zeros(rank, dtype=X.dtype)
+    basis[:k], weight[:k] = Vh[:k], 1.0 / (eig[:k] + reg) - resid
+    Xc = X - mean
+    d2 = resid * (Xc ** 2).sum(-1) + ((Xc @ basis.T) ** 2) @ weight
+    return {"mean": mean, "basis": basis, "weight": weight, "resid": torch.tensor([resid], dtype=X.dtype),
+            "ref": torch.tensor([max(float(d2.max()), 1e-30)], dtype=X.dtype)}
+
+
+def center_abduction(model, mean: Tensor) -> Tensor:
+    """Shift loc_U by -mean [C] (b_loc -= mean) and every token score back (b_cls += W_cls mean, the <NUM>
+    row's own when it trains): loc_S and the sampled scores are unchanged, while loc_U at the <NUM>
+    positions becomes centred, so rounding it to bf16 (relative error 2^-9 of |loc_U|) no longer
+    swamps the small variations of large-mean features that carry the value. Returns `mean`."""
+    act, loc = model.action, model.abduction.loc
+    with torch.no_grad():
+        m = mean.to(device=loc.bias.device, dtype=loc.bias.dtype)
+        loc.bias.sub_(m)
+        W = model.W_cls
+        m32 = m.to(W.device, torch.float32)
+        shift = torch.cat([W[i:i + 16384].float() @ m32 for i in range(0, W.shape[0], 16384)]).to(act.b_cls)
+        if act.num_row is not None:
+            shift[act.num_token_id] = act.num_row @ m.to(act.num_row)
+        act.b_cls.add_(shift)
+    return mean
+
+
 def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: Tensor | None = None,
               t_val: Tensor | None = None) -> tuple[Tensor, float, Tensor]:
-    """Ridge regression of t [n] on X [n, C] with an unpenalised intercept. The penalty (one of
-    `grid`, times the largest squared singular value) is the one with the smallest mean absolute
-    error on (X_val, t_val) when given (a validation split: it sees a shift in time that the
-    training rows do not), else with the smallest mean absolute leave-one-out residual. The
-    leave-one-out residuals are exact, from the SVD (no refits).
-
-    Returns (w [C + 1], the last entry the intercept; the chosen penalty; LOO residuals [n])."""
-    n = X.shape[0]
-    mean_x, mean_t = X.mean(0), t.mean()
-    U, S, Vh = torch.linalg.svd(X - mean_x, full_matrices=False)
-    proj = U.T @ (t - mean_t)
-    best = None
-    for rel in grid:
-        lam = rel * float(S[0] ** 2) if S.numel() else rel
-        w = Vh.T @ (S / (S ** 2 + lam) * proj)
-        resid = t - mean_t - (X - mean_x) @ w
-        hat = (U ** 2) @ (S ** 2 / (S ** 2 + lam)) + 1.0 / n
-        loo = resid / (1.0 - hat).clamp_min(1e-12)
-        if X_val is not None and t_val is not None and len(t_val):
-            score = float((mean_t + (X_val - mean_x) @ w - t_val).abs().mean())
-        else:
-            score = float(loo.abs().mean())
-        if best is None or score < best[0]:
-            best = (score, lam, w, loo)
-    _, lam, w, loo = best
-    return torch.cat([w, (mean_t - mean_x @ w).reshape(1)]), lam, loo
+    """Least-squares `fit_linear_head`: (w [C + 1], the intercept last; the relative penalty; LOO
+    residuals [n])."""
+    fit = fit_linear_head(X, t, X_val, t_val, loss="squared", grid=grid)
+    return torch.cat([fit["w"], torch.tensor([fit["b"]], dtype=fit["w"].dtype)]), fit["lam"], fit["loo"]
 
 
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
-                     val_batches: Iterable[Mapping[str, Tensor]] | None = None) -> dict | None:
-    """Set w_reg, b_reg (and |b_noise_Y| when the regression scale is independent) from a ridge
-    fit on the model's own features at its <NUM> targets, in standardised units; the penalty is
-    chosen on `val_batches` when given, else by leave-one-out. Returns a summary, or None when
-    there are fewer than 2 targets."""
+                     val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
+                     max_shift: float = BF16_MAX_SHIFT) -> dict | None:
+    """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
+    its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
+    Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
+    `fit_log_scale` and the out-of-depth statistics (`fit_depth`). Penalties are chosen on `val_batches`
+    when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none). Returns a summary,
+    or None with fewer than 2 targets."""
     X, y = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
@@ -128,13 +294,27 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     if val_batches is not None:
         X_val, y_val = num_label_features(model, val_batches, device, max_rows)
         t_val = (y_val - act.value_loc) / act.value_scale
-    w, lam, loo = ridge_loo(X, t, X_val=X_val, t_val=t_val)
-    scale = max(float(loo.abs().median()), 1e-3)
+    mean = center_abduction(model, X.mean(0))
+    X = X - mean
+    X_val = None if X_val is None else X_val - mean
+    fit = fit_linear_head(X, t, X_val, t_val, loss=loss, max_shift=max_shift)
+    summary = {"rows": int(X.shape[0]), "loss": loss, "ridge_lambda": fit["lam"], "chosen_on": fit["chosen_on"],
+               "w_norm": float(fit["w"].norm()), "bf16_shift": fit["shift"] * act.value_scale,
+               "loo_mae": float(fit["loo"].abs().mean()) * act.value_scale,
+               "finite": bool(math.isfinite(float(fit["w"].abs().sum())))}
+    scale = max(float(fit["loo"].abs().median()), 1e-3)
     with torch.no_grad():
-        act.w_reg.copy_(w[:-1].to(act.w_reg.dtype))
-        act.b_reg.fill_(float(w[-1]))
+        act.w_reg.copy_(fit["w"].to(act.w_reg.dtype))
+        act.b_reg.fill_(fit["b"])
+        if act.w_scale_Y is not None:
+            resid_val = None if t_val is None else t_val - (X_val @ fit["w"] + fit["b"])
+            sfit = fit_log_scale(X, fit["loo"], X_val, resid_val)
+            act.w_scale_Y.copy_(sfit["w"].to(act.w_scale_Y.dtype))
+            seen = X @ sfit["w"]
+            act.log_scale_range.copy_(torch.stack([seen.min(), seen.max()]).to(act.log_scale_range))
+            scale = math.exp(sfit["b"])
+            act.set_depth(fit_depth(X, act.depth_basis.shape[0]))
+            summary.update(scale_lambda=sfit["lam"], scale_w_norm=float(sfit["w"].norm()))
         if act.b_noise_Y is not None:
             act.b_noise_Y.fill_(scale)
-    return {"rows": int(X.shape[0]), "ridge_lambda": lam, "chosen_on": "validation" if t_val is not None and len(t_val)
-            else "leave-one-out", "w_norm": float(w[:-1].norm()), "loo_mae": float(loo.abs().mean()) * act.value_scale,
-            "loo_median_ae": scale * act.value_scale, "finite": bool(math.isfinite(float(w.abs().sum())))}
+    return summary

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
 from causal_adapter.artifacts import CONFIG_NAME, WEIGHTS_NAME
 from causal_adapter.assets import build_tiny_qwen
+from causal_adapter.value_fit import fit_depth
 
 NUM = 151_669
 
@@ -48,6 +49,11 @@ def outputs(model, ids, vals):
 @pytest.mark.parametrize("arch, lora", [("qwen2", None), ("qwen3", LoraSettings(r=4, target_modules=["q_proj", "v_proj"]))])
 def test_save_reload_identical_outputs(tmp_path, arch, lora):
     model, ids, vals = trained_model(arch, lora=lora)
+    # the per-row scale's fitted statistics (set by the value head's fit, not by gradient steps)
+    C = model.action.w_reg.shape[0]
+    feats = torch.randn(40, C, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    model.action.set_depth(fit_depth(feats, model.action.depth_basis.shape[0]))
+    model.action.log_scale_range.copy_(torch.tensor([-1.0, 1.0]))
     init = get_causal_model(build_tiny_qwen(arch, seed=0), model.config)
     for name, t in model.adapter_state_dict().items():  # every adapter tensor was trained
         if name not in ("numeric_embedding.direction",) and t.dtype.is_floating_point:
@@ -70,7 +76,9 @@ def test_saved_file_holds_only_adapter_tensors(tmp_path):
     V, H = 151_936, 64
     heads = {"numeric_embedding.direction", "abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight",
              "abduction.scale.bias", "action.b_noise", "action.b_cls", "action.thresholds", "action.num_row",
-             "action.w_reg", "action.b_reg", "action.b_noise_Y"}
+             "action.w_reg", "action.b_reg", "action.b_noise_Y", "action.w_scale_Y", "action.depth_mean",
+             "action.depth_basis", "action.depth_weight", "action.depth_resid", "action.depth_ref",
+             "action.log_scale_range"}
     assert heads <= set(tensors)
     others = set(tensors) - heads
     assert others and all(k.startswith("lora.") and ("lora_A" in k or "lora_B" in k) for k in others)

@@ -265,7 +265,7 @@ def test_frozen_backbone_gets_no_gradient_and_runs_without_graph():
     names = {n for n, _ in model.trainable_parameters()}
     assert names == {"abduction.loc.weight", "abduction.loc.bias", "abduction.scale.weight", "abduction.scale.bias",
                      "action.b_noise", "action.b_cls", "action.num_row", "action.w_reg", "action.b_reg",
-                     "action.b_noise_Y"}
+                     "action.b_noise_Y", "action.w_scale_Y"}
     assert model.action.num_row.grad.abs().sum() > 0
 
 
@@ -372,7 +372,7 @@ def test_print_trainable_parameters(capsys):
     line = capsys.readouterr().out.strip()
     trainable, total = model.get_nb_trainable_parameters()
     H, V = 32, 320
-    assert trainable == 2 * (H * H + H) + H + V + H + H + 1 + 1  # ... w_reg, b_reg, b_noise_Y
+    assert trainable == 2 * (H * H + H) + H + V + H + H + 1 + 1 + H  # ... w_reg, b_reg, b_noise_Y, w_scale_Y
     assert total == sum(p.numel() for p in base.parameters()) + trainable
     assert line == f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
 

@@ -37,8 +37,11 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
     for corpus, ref in (("sunspots", "persistence"), ("diabetes", "constant")):
         for key in ("frozen_vs_probe", f"lora_vs_{ref}", "lora_vs_digit", "cov50", "cov90", "lora_cov50", "lora_cov90"):
             assert math.isfinite(float(kv[f"{corpus}_{key}"])), (corpus, key)
-        for key in ("cov50", "cov90", "lora_cov50", "lora_cov90"):
+        for key in ("cov50", "cov80", "cov90", "cov95", "lora_cov50", "lora_cov90"):
             assert 0.0 <= float(kv[f"{corpus}_{key}"]) <= 1.0
+        assert float(kv[f"{corpus}_winkler50_vs_constwidth"]) > 0
+        # 4 validation rows have no finite conformal 90% quantile (it needs n >= 9): inf / inf there
+        assert f"{corpus}_winkler90_vs_constwidth" in kv and f"{corpus}_pinball_vs_constwidth" in kv
 
     # the markdown: one table per corpus, a row per variant that applies, finite MAE and ratio
     text = out.read_text(encoding="utf-8")

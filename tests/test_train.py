@@ -187,11 +187,20 @@ def test_frozen_mode_runs_backbone_without_grad(tmp_path):
 def test_freeze_parts_and_bad_names(tmp_path):
     model = small_model()
     heads = adapter_tensors(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        scores = model(ids, return_scores=True).loc_S
     train(model, quick_config(tmp_path, freeze=["abduction", "cls_bias"], max_steps=2),
           train_dataset=synthetic_dataset())
     after = adapter_tensors(model)
-    for k in ("abduction.loc.weight", "abduction.scale.bias", "action.b_cls"):
+    for k in ("abduction.loc.weight", "abduction.scale.weight", "abduction.scale.bias"):
         assert torch.equal(after[k], heads[k]), k
+    # b_loc / b_cls only moved by the value fit's exact centring (value_fit.center_abduction): the token
+    # scores other than the (trained) <NUM> row's are those of the start
+    with torch.no_grad():
+        moved = model(ids, return_scores=True).loc_S
+    keep = torch.arange(scores.shape[-1]) != NUM_SMALL
+    torch.testing.assert_close(moved[..., keep], scores[..., keep], rtol=0, atol=5e-5)
     assert not torch.equal(after["action.w_reg"], heads["action.w_reg"])
     with pytest.raises(ValueError, match="matches no trainable parameter"):
         train(small_model(), quick_config(tmp_path, name="bad", freeze=["lora"]), train_dataset=synthetic_dataset())

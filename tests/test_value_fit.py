@@ -66,16 +66,20 @@ def test_ridge_loo_residuals_equal_refits():
     X = torch.randn(30, 4, generator=g, dtype=torch.float64)
     t = X @ torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.float64) + 3 + 0.3 * torch.randn(30, generator=g,
                                                                                                  dtype=torch.float64)
+    X = X * torch.tensor([1.0, 4.0, 0.01, 1.0], dtype=torch.float64)  # features on very different scales
+    t = t / 10  # standardised-unit targets: the bf16 bound (BF16_MAX_SHIFT) is in these units
     w, lam, loo = ridge_loo(X, t)
-    for i in (0, 7, 29):  # leave row i out, refit with the same penalty, predict it
+    Xs = (X - X.mean(0)) / X.std(0, unbiased=False)  # the fit is on per-feature standardised features
+    lam = lam * float(torch.linalg.matrix_norm(Xs, ord=2) ** 2)  # the penalty is relative to the top sv^2
+    for i in (0, 7, 29):  # leave row i out, refit with the same penalty and standardisation, predict it
         keep = torch.arange(30) != i
-        Xi, ti = X[keep], t[keep]
+        Xi, ti = Xs[keep], t[keep]
         mx, mt = Xi.mean(0), ti.mean()
         A = (Xi - mx).T @ (Xi - mx) + lam * torch.eye(4, dtype=torch.float64)
         wi = torch.linalg.solve(A, (Xi - mx).T @ (ti - mt))
-        pred = mt + (X[i] - mx) @ wi
+        pred = mt + (Xs[i] - mx) @ wi
         assert float(t[i] - pred) == pytest.approx(float(loo[i]), rel=1e-8, abs=1e-10)
-    assert float((X @ w[:-1] + w[-1] - t).abs().mean()) < 0.5  # the fit itself is good
+    assert float((X @ w[:-1] + w[-1] - t).abs().mean()) < 0.05  # the fit itself is good
 
 
 def test_value_units_map_intervals_exactly_and_round_trip(tmp_path):

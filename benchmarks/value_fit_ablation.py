@@ -1,0 +1,64 @@
+"""Validation figures behind the value head's fit defaults (docs/values.md): the loss of the fit
+(least squares, Huber, Cauchy IRLS) and the bf16 bound (`max_shift`), on the frozen random tiny
+base's features at the <NUM> targets (the benchmark's ridge probe features, loc_U centred), with a
+fraction of the training targets shuffled (the anchor experiment).
+
+    python benchmarks/value_fit_ablation.py sunspots 0.4        # corpus, shuffled fraction
+    MS=0.005,0.01,1e9 python benchmarks/value_fit_ablation.py sunspots
+"""
+import importlib.util
+import os
+import sys
+
+import torch
+from causal_adapter import CausalAdapterConfig, get_causal_model
+from causal_adapter.data import NumericCollator, tokenize_dataset
+from causal_adapter.numbers import NumberTokenizer
+from causal_adapter.value_fit import fit_value_units, num_label_features, fit_linear_head
+from causal_adapter.corpora import build_corpus
+from causal_adapter.assets import load_qwen_tokenizer
+
+
+def features(corpus: str, noise: float):
+    """(value units, {split: centred loc_U [n, C]}, {split: standardised targets [n]}) of the benchmark's base."""
+    spec = importlib.util.spec_from_file_location("nq", os.path.join(os.path.dirname(__file__), "numeric_quality.py"))
+    nq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nq)
+    tok = load_qwen_tokenizer()
+    args = nq.parse_args([])
+    dd = build_corpus(corpus)
+    splits = {k: dd[k] for k in ("train", "validation", "test")}
+    if noise:
+        splits["train"] = nq.shuffle_labels(splits["train"], noise, args.seed)
+    loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
+    model = get_causal_model(nq._base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale),
+                             tokenizer=tok)
+    ntok = NumberTokenizer(tok, model.num_token_id)
+    collate = NumericCollator(ntok.pad_token_id)
+    F = {}
+    for k in splits:
+        ds = tokenize_dataset(splits[k], ntok, add_eos_token=True)
+        batches = (collate([ds[j] for j in range(i, min(i + 32, len(ds)))]) for i in range(0, len(ds), 32))
+        F[k] = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
+    mu = F["train"][0].mean(0)
+    sd = F["train"][0].std(0)
+    print(f"loc_U at the training <NUM> targets: mean |loc_U| {float(F['train'][0].abs().mean()):.3g}, "
+          f"per-feature sd {float(sd.min()):.3g} .. {float(sd.max()):.3g}")
+    return scale, {k: v[0] - mu for k, v in F.items()}, {k: (v[1] - loc) / scale for k, v in F.items()}
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    corpus, noise = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    scale, X, t = features(corpus, noise)
+    print(f"{corpus}, {noise:g} of the training targets shuffled; value_scale {scale:.4g}")
+    for loss in ("squared", "huber", "cauchy"):
+        for ms in [float(x) for x in os.environ.get("MS", "0.005,0.01,0.05,1e9").split(",")]:
+            f = fit_linear_head(X["train"], t["train"], X["validation"], t["validation"], loss=loss, max_shift=ms)
+            mae = {k: float((X[k] @ f["w"] + f["b"] - t[k]).abs().mean()) * scale for k in ("validation", "test")}
+            print(f"{loss:8s} max_shift {ms:g}: lam {f['lam']:.3g} w_norm {float(f['w'].norm()):.4g} "
+                  f"bf16 shift {f['shift']:.4f} validation MAE {mae['validation']:.4g} test MAE {mae['test']:.4g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The value head's claims (issue 20), each pinned by a test that a deliberate bug fails:
+
+* the ridge penalty is the one with the best validation MAE (not the leave-one-out one);
+* a robust fit (Huber / Cauchy IRLS) shrugs off shuffled targets that pull least squares away;
+* the bf16 bound: rounding loc_U to bf16 moves loc_Y by < 1% of value_scale, and centring loc_U
+  leaves every token score unchanged;
+* per-row scale: wider in the noisier regime, much wider where the head never trained;
+* the split-conformal map saved by train() is the validation split's normalised residuals, and the
+  calibrated intervals cover at 0.5 / 0.8 / 0.9 / 0.95 on fresh data, tightly enough that a 2x wrong
+  scale fails.
+
+The synthetic rows are pre-tokenised: "tok R <NUM=base> tok | <NUM=target> eos" with the regime
+token R giving the noise sd (`SD`), so the truth is known per row."""
+import math
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig, get_causal_model
+from causal_adapter.intervals import fit_calibration, interval
+from causal_adapter.metrics import coverage_metrics, evaluate_dataset
+from causal_adapter.train import TrainConfig, train
+from causal_adapter.value_fit import (RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head, ridge_warm_start,
+                                      standardize)
+from conftest import small_vocab_qwen
+
+NUM = 300
+SD = {20: 0.5, 21: 1.0, 22: 4.0}  # regime token -> noise sd
+
+
+def wrap(**cfg):
+    return get_causal_model(small_vocab_qwen(num_layers=1), CausalAdapterConfig(num_token_id=NUM, **cfg))
+
+
+def regime_rows(n, seed):
+    """Pre-tokenised rows with a per-row noise sd given by the regime token; returns (dataset, sds)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {k: [] for k in ("input_ids", "numeric_values", "labels", "label_values", "target", "previous")}
+    sds = []
+    for _ in range(n):
+        tok = list(SD)[int(torch.randint(len(SD), (), generator=g))]
+        base = float(torch.rand((), generator=g) * 90 + 5)
+        target = round(base + float(torch.randn((), generator=g)) * SD[tok], 2)
+        rows["input_ids"].append([11, tok, NUM, 13, NUM, 14])
+        rows["numeric_values"].append([0.0, 0.0, base, 0.0, target, 0.0])
+        rows["labels"].append([-100, -100, -100, -100, NUM, 14])
+        rows["label_values"].append([0.0, 0.0, 0.0, 0.0, target, 0.0])
+        rows["target"].append(target)
+        rows["previous"].append(base)
+        sds.append(SD[tok])
+    return datasets.Dataset.from_dict(rows), sds
+
+
+def batches(ds, size=32):
+    from causal_adapter.data import NumericCollator
+
+    collate = NumericCollator(0)
+    return [collate([ds[j] for j in range(i, min(i + size, len(ds)))]) for i in range(0, len(ds), size)]
+
+
+# --------------------------------------------------------------------------- the fit itself
+def _shifted_problem(seed=0):
+    """Train rows from one linear model, validation rows from a shifted one: the validation-best penalty is
+    not the leave-one-out-best one."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(60, 8, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -0.5, 0.3, 0, 0, 0, 0, 0.2], dtype=torch.float64) / 4
+    t = X @ w + 0.05 * torch.randn(60, generator=g, dtype=torch.float64)
+    Xv = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    tv = Xv @ (0.3 * w) + 0.05 * torch.randn(40, generator=g, dtype=torch.float64)  # validation favours shrinkage
+    return X, t, Xv, tv
+
+
+def test_penalty_is_the_validation_best_of_the_grid():
+    X, t, Xv, tv = _shifted_problem()
+    fit = fit_linear_head(X, t, Xv, tv, loss="squared")
+    mean, sd = standardize(X)
+    Xs = (X - mean) / sd
+    unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2)
+    maes = []
+    for rel in RIDGE_GRID:  # brute force: refit at every penalty, score on validation
+        A = (Xs - Xs.mean(0)).T @ (Xs - Xs.mean(0)) + rel * unit * torch.eye(8, dtype=torch.float64)
+        ws = torch.linalg.solve(A, (Xs - Xs.mean(0)).T @ (t - t.mean()))
+        pred = t.mean() + ((Xv - mean) / sd - Xs.mean(0)) @ ws
+        maes.append(float((pred - tv).abs().mean()))
+    best = RIDGE_GRID[min(range(len(maes)), key=maes.__getitem__)]
+    assert fit["lam"] == pytest.approx(best, rel=1e-9) and fit["chosen_on"] == "validation"
+    loo = fit_linear_head(X, t, loss="squared")  # without validation: leave-one-out picks another penalty
+    assert loo["chosen_on"] == "leave-one-out" and loo["lam"] != pytest.approx(best, rel=1e-3)
+
+
+@pytest.mark.parametrize("loss", ["huber", "cauchy"])
+def test_robust_fit_resists_shuffled_targets(loss):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(300, 5, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.25], dtype=torch.float64)
+    t = X @ w + 0.1 * torch.randn(300, generator=g, dtype=torch.float64)
+    bad = torch.randperm(300, generator=g)[:120]  # 40% of the targets shuffled among themselves
+    t_noisy = t.clone()
+    t_noisy[bad] = t[bad[torch.randperm(120, generator=g)]]
+    Xv = torch.randn(100, 5, generator=g, dtype=torch.float64)
+    tv = Xv @ w
+    err = {name: float((fit_linear_head(X, t_noisy, Xv, tv, loss=name, max_shift=math.inf)["w"] - w).norm())
+           for name in ("squared", loss)}
+    assert err[loss] < 0.3 * err["squared"] and err["squared"] > 0.5, err
+
+
+def test_bf16_bound_and_centring_keep_scores():
+    train_ds, _ = regime_rows(120, 0)
+    val_ds, _ = regime_rows(40, 1)
+    model = wrap(value_loc=50.0, value_scale=25.0)
+    ids, vals = torch.tensor([[11, 20, NUM, 13, 9, 14]]), torch.tensor([[0.0, 0.0, 40.0, 0.0, 0.0, 0.0]])
+    with torch.no_grad():
+        before = model(ids, vals, return_scores=True)
+    summary = ridge_warm_start(model, batches(train_ds), "cpu", val_batches=batches(val_ds), max_shift=0.005)
+    with torch.no_grad():
+        after = model(ids, vals, return_scores=True)
+        torch.testing.assert_close(after.loc_S, before.loc_S, rtol=0, atol=2e-5)  # centring: same token scores
+        out = model(torch.tensor(val_ds["input_ids"]), torch.tensor(val_ds["numeric_values"]))
+        loc_U = model.abduction(out.hidden_states)[0][:, 3]  # the positions that predict the <NUM> targets
+        rounded, _ = model.action.regression(loc_U.bfloat16().float(), loc_U)
+        exact, _ = model.action.regression(loc_U, loc_U)
+    assert float((rounded - exact).abs().max()) < 0.01 * 25.0, summary
+    assert summary["bf16_shift"] <= 0.005 * 25.0 + 1e-9
+    # the same fit without the bound is ill-conditioned on these features: the bound is what holds it
+    X = loc_U.double()
+    loose = fit_linear_head(X - X.mean(0), torch.tensor(val_ds["target"], dtype=torch.float64) / 25.0,
+                            loss="squared", max_shift=math.inf)
+    assert bf16_shift(X, loose["w"]) > 0.01
+
+
+def test_centring_is_exact_for_the_num_row():
+    model = wrap()
+    ids = torch.tensor([[11, 12, 13]])
+    with torch.no_grad():
+        before = model(ids, return_scores=True).loc_S
+        center_abduction(model, torch.full((32,), 0.3, dtype=torch.float64))
+        after = model(ids, return_scores=True).loc_S
+    torch.testing.assert_close(after, before, rtol=0, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- trained: scale and calibration
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    train_ds, _ = regime_rows(240, 0)
+    val_ds, _ = regime_rows(240, 1)
+    model = wrap()
+    cfg = TrainConfig(output_dir=str(tmp_path_factory.mktemp("values") / "run"), max_steps=4,
+                      per_device_train_batch_size=16, learning_rate=1e-3, plot=False, progress=False,
+                      logging_steps=4)
+    result = train(model, cfg, train_dataset=train_ds, eval_dataset=val_ds)
+    return result.model, val_ds
+
+
+def test_calibration_map_is_the_validation_residuals(trained):
+    model, val_ds = trained
+    cal = model.config.value_calibration
+    _, preds = evaluate_dataset(model, val_ds, pad_token_id=0, batch_size=64, return_predictions=True)
+    y, loc, scale = (torch.tensor(preds[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    expected = fit_calibration(y, loc, scale)
+    assert cal["n"] == expected["n"] == len(val_ds)
+    torch.testing.assert_close(torch.tensor(cal["scores"]), torch.tensor(expected["scores"]), rtol=1e-4, atol=1e-6)
+    assert float(((y - loc).abs() / scale).median()) == pytest.approx(1.0, abs=0.02)  # raw 50% calibrated too
+
+
+def test_per_row_scale_follows_the_regime_and_widens_out_of_depth(trained):
+    model, _ = trained
+    test_ds, sds = regime_rows(300, 2)
+    _, preds = evaluate_dataset(model, test_ds, pad_token_id=0, batch_size=64, return_predictions=True)
+    scale, sds = torch.tensor(preds["scale"]), torch.tensor(sds)
+    calm, wild = float(scale[sds == 0.5].median()), float(scale[sds == 4.0].median())
+    assert wild > 3.0 * calm, (calm, wild)  # the truth is 8x
+    with torch.no_grad():  # positions that never predicted a <NUM> in training (text positions)
+        out = model(torch.tensor(test_ds["input_ids"][:50]), torch.tensor(test_ds["numeric_values"][:50]))
+    at_num, elsewhere = out.scale_Y[:, 3], out.scale_Y[:, [0, 1, 2, 4, 5]]
+    assert float(elsewhere.median()) > 20 * float(at_num.max()), (float(elsewhere.median()), float(at_num.max()))
+
+
+def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
+    model, _ = trained
+    test_ds, _ = regime_rows(600, 3)
+    _, preds = evaluate_dataset(model, test_ds, pad_token_id=0, batch_size=64, return_predictions=True)
+    cal = model.config.value_calibration
+    cov = coverage_metrics(preds["y_true"], preds["loc"], preds["scale"], calibration=cal)
+    for q in (0.5, 0.8, 0.9, 0.95):
+        # 240 calibration rows and 600 test rows: sd of a coverage ~0.03; a 2x wrong scale is off by >= 0.2
+        assert abs(cov[f"coverage_{round(100 * q)}"] - q) < 0.08, cov
+    # the same bands with a 2x wrong scale fail (what the test must catch)
+    doubled = coverage_metrics(preds["y_true"], preds["loc"], [2 * s for s in preds["scale"]], calibration=cal)
+    assert any(abs(doubled[f"coverage_{round(100 * q)}"] - q) >= 0.08 for q in (0.5, 0.8, 0.9, 0.95)), doubled
+    lo, hi = interval(torch.tensor(preds["loc"]), torch.tensor(preds["scale"]), 0.9, cal)
+    assert bool((hi > lo).all())
+
+
+def test_independent_scale_adapters_still_load_and_behave(tmp_path):
+    from causal_adapter import CausalModel
+
+    old = wrap(regression_scale="independent", value_loc=10.0, value_scale=2.0)
+    with torch.no_grad():
+        old.action.b_noise_Y.fill_(0.7)
+    old.save_pretrained(tmp_path / "old")
+    loaded = CausalModel.from_pretrained(small_vocab_qwen(num_layers=1), tmp_path / "old")
+    assert loaded.action.w_scale_Y is None and "action.w_scale_Y" not in loaded.adapter_state_dict()
+    ids = torch.tensor([[11, 12, NUM, 13]])
+    vals = torch.tensor([[0.0, 0.0, 4.0, 0.0]])
+    with torch.no_grad():
+        scale = loaded(ids, vals).scale_Y
+    torch.testing.assert_close(scale, torch.full_like(scale, 1.4))  # one width for every row, as before
+
+
+def test_bf16_bound_is_on_for_16_bit_models_only():
+    from causal_adapter.train import _head_shift_bound
+    from causal_adapter.value_fit import BF16_MAX_SHIFT
+
+    fp32 = wrap()
+    bf16 = get_causal_model(small_vocab_qwen(num_layers=1, dtype=torch.bfloat16), CausalAdapterConfig(num_token_id=NUM))
+    assert _head_shift_bound(fp32, TrainConfig()) == math.inf
+    assert _head_shift_bound(bf16, TrainConfig()) == BF16_MAX_SHIFT
+    assert _head_shift_bound(fp32, TrainConfig(mixed_precision="bf16")) == BF16_MAX_SHIFT
+    assert _head_shift_bound(fp32, TrainConfig(bf16_safe_head="on")) == BF16_MAX_SHIFT
+    assert _head_shift_bound(bf16, TrainConfig(bf16_safe_head="off")) == math.inf
