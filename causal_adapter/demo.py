@@ -68,8 +68,9 @@ def describe_base(base_model, base: str | None) -> str:
 
 #: the demo's token-side settings (docs/predict.md, chosen on the validation split by
 #: benchmarks/generation_quality.py): a threshold and an initial scale that 200 Adam steps can reach, and
-#: W_loc trained (the value head is fitted again on the trained features at the end of `train`)
-DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"]}
+#: W_loc trained (the value head is fitted again on the trained features at the end of `train`), and EOS
+#: after every completion (the answer ends after its number instead of running on into more numbers)
+DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"], "add_eos_token": True}
 
 
 def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",
@@ -132,7 +133,7 @@ def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: st
     # the prompt as the data writes it ("...; 1979:"); the completion is " " then the number
     # (docs/predict.md: the demo's token side learns that order; the regression reads the value at the space)
     prompt = row["prompt"]
-    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=2, mode="deterministic")
+    gen = reloaded.generate(prompt, tokenizer=tokenizer, max_new_tokens=4, mode="deterministic")
     print(f"      prompt ...{prompt[-60:]!r}  (true next value {row['completion'].strip()})")
     print(f"      generated {gen.texts[0]!r}")
     for n in gen.numbers[0]:
