@@ -235,8 +235,8 @@ class ActionHead(nn.Module):
         features, growing with the (regularised) Mahalanobis distance d2 from them (`value_fit.fit_depth`):
         a linear head's error grows linearly with that distance."""
         x = loc_U - self.depth_mean
-        d2 = (x * x).sum(-1) * self.depth_resid + (x @ self.depth_basis.T).square() @ self.depth_weight
-        return (d2 / self.depth_ref).clamp_min(1.0).sqrt()
+        d2 = (x * x).sum(-1) * self.depth_resid.reshape(()) + (x @ self.depth_basis.T).square() @ self.depth_weight
+        return (d2 / self.depth_ref.reshape(())).clamp_min(1.0).sqrt()
 
     def per_row_scale(self, loc_U: Tensor) -> Tensor:
         """scale_Y' [...] = |b_noise_Y| exp(w_scale_Y . loc_U) depth_factor(loc_U) (standardised units)."""

@@ -157,6 +157,14 @@ def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tens
     return best or first
 
 
+def _standardized(X: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+    """(mean [C], sd [C], the standardised X [n, C], the largest squared singular value of its centred
+    form: the unit of the relative ridge penalties)."""
+    mean, sd = standardize(X)
+    Xs = (X - mean) / sd
+    return mean, sd, Xs, float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2) or 1.0
+
+
 def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Tensor | None = None, *,
                     loss: str = "cauchy", grid: Sequence[float] = RIDGE_GRID, max_shift: float = BF16_MAX_SHIFT,
                     iters: int = IRLS_ITERS) -> dict:
@@ -169,9 +177,7 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
 
     Returns {"w": [C], "b": float, "lam": relative penalty, "loo": LOO residuals [n], "weights": [n],
     "shift": bf16 shift, "chosen_on": str}."""
-    mean, sd = standardize(X)
-    Xs = (X - mean) / sd
-    unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2) or 1.0
+    mean, sd, Xs, unit = _standardized(X)
     has_val = X_val is not None and t_val is not None and len(t_val) > 0
 
     def score(w_raw, b, loo):
@@ -203,9 +209,7 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
     log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse. Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
     floor = max(float(resid.abs().median()) * 1e-3, 1e-12)
     target = resid.abs().clamp_min(floor).log()
-    mean, sd = standardize(X)
-    Xs = (X - mean) / sd
-    unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2) or 1.0
+    mean, sd, Xs, unit = _standardized(X)
     has_val = X_val is not None and resid_val is not None and len(resid_val) > 0
 
     def score(w_raw, b, loo):

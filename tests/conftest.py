@@ -27,6 +27,19 @@ def small_vocab_qwen(arch="qwen2", vocab_size=320, dtype=torch.float32, seed=0, 
     return build_tiny_qwen(arch, vocab_size=vocab_size, dtype=dtype, seed=seed, **kw)
 
 
+def toy_rows(num_token_id, n=24, seq=10, seed=0, num_pos=5, vocab=280):
+    """Token rows with one <NUM> each at `num_pos` (its value a function of the first token): a
+    learnable toy task."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        vals = torch.zeros(seq)
+        ids[num_pos], vals[num_pos] = num_token_id, float(ids[0] % 7) + 0.5
+        rows.append({"input_ids": ids.tolist(), "numeric_values": vals.tolist(), "labels": ids.tolist()})
+    return rows
+
+
 def adapter_tensors(model):
     """A detached copy of the adapter's tensors (`adapter_state_dict`)."""
     return {k: v.detach().clone() for k, v in model.adapter_state_dict().items()}

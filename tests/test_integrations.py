@@ -12,6 +12,7 @@ from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_c
 from causal_adapter.artifacts import CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME
 from causal_adapter.data import NumericCollator
 from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
+from conftest import toy_rows as conftest_toy_rows
 
 V, NUM, H = 320, 300, 32
 LORA = LoraSettings(r=4, target_modules=["q_proj", "v_proj"])
@@ -27,15 +28,7 @@ def tiny_model(arch="qwen2", tie=None, lora=None, **cfg):
 
 def toy_rows(n=24, seq=10, seed=0):
     """Token rows with one <NUM> each (value = a function of the first token): a learnable toy task."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, 280, (seq,), generator=g)
-        vals = torch.zeros(seq)
-        ids[5] = NUM
-        vals[5] = float(ids[0] % 7) + 0.5
-        rows.append({"input_ids": ids.tolist(), "numeric_values": vals.tolist(), "labels": ids.tolist()})
-    return rows
+    return conftest_toy_rows(NUM, n, seq, seed, num_pos=5)
 
 
 def toy_dataset(n=24, seed=0):

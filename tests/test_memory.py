@@ -8,6 +8,7 @@ from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
 from causal_adapter.data import NumericCollator
 from causal_adapter.train import TrainConfig, build_arg_parser, config_from_args, train
 from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
+from conftest import toy_rows as conftest_toy_rows
 
 NUM = 300
 LORA = LoraSettings(r=4, target_modules=["q_proj", "v_proj", "up_proj"])
@@ -29,14 +30,7 @@ def tiny_model(seed=0, **cfg):
 
 def toy_rows(n=16, seq=9, seed=0):
     """Token rows with one <NUM> each (its value a function of the first token)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, 280, (seq,), generator=g)
-        vals = torch.zeros(seq)
-        ids[4], vals[4] = NUM, float(ids[0] % 7) + 0.5
-        rows.append({"input_ids": ids.tolist(), "numeric_values": vals.tolist(), "labels": ids.tolist()})
-    return rows
+    return conftest_toy_rows(NUM, n, seq, seed, num_pos=4)
 
 
 def toy_dataset(n=16):
