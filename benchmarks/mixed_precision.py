@@ -22,8 +22,8 @@ Three measurements, each against its own baseline in the same run:
 
 Ends with ONE line ``RESULT key=value ...``: ``bf16_vs_fp32_value_mae`` (test MAE of the bf16 run
 evaluated in bf16 autocast / the fp32 run's), ``bf16_vs_fp32_value_mae_fp32_eval``, ``worst_grad_cos``,
-``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``; other checks of issue 19
-add their keys to `extra_results` (e.g. ``fsdp_accelerate_wrap=ok``).
+``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``, and
+``fsdp_accelerate_wrap`` (`benchmarks/fsdp_wrap.py` run as a subprocess; ``--no-fsdp`` skips it).
 """
 from __future__ import annotations
 
@@ -138,9 +138,21 @@ def gemm_accuracy(rows: int = 128) -> dict:
     return res
 
 
+def fsdp_wrap_result() -> str:
+    """`benchmarks/fsdp_wrap.py` (accelerate's FSDP1 wrap for fsdp.yaml, 2 gloo processes): "ok" or "failed"."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fsdp_wrap.py"))], capture_output=True,
+                          text=True, timeout=900)
+    found = re.search(r"RESULT fsdp_accelerate_wrap=(\S+)", proc.stdout)
+    print(f"fsdp: {proc.stdout.strip().splitlines()[-2] if proc.stdout.strip().count(chr(10)) else proc.stderr[-300:]}")
+    return found.group(1) if found else "failed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip benchmarks/fsdp_wrap.py (2 processes, ~45 s)")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -180,8 +192,8 @@ def main() -> None:
         **{f"gemm_{p}_loss_rel_err": gemm[p]["loss_rel_err"] for p in ("fp32", "tf32", "bf16")},
         **{f"gemm_{p}_grad_cos": gemm[p]["grad_cos"] for p in ("fp32", "tf32", "bf16")},
     }
-    extra_results: dict = {}  # other issue-19 checks add their keys here (e.g. fsdp_accelerate_wrap="ok")
-    result.update(extra_results)
+    if not args.no_fsdp:
+        result["fsdp_accelerate_wrap"] = fsdp_wrap_result()
     print("RESULT " + " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
 

@@ -87,9 +87,9 @@ class TrainConfig:
                            "docs/values.md has the validation figures behind the default",
                            choices=["cauchy", "huber", "squared"])
     bf16_safe_head: str = flag("auto", "bound the value head's ridge penalty so that rounding loc_U to bf16 moves "
-                               "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the backbone "
-                               "weights or the mixed precision are 16-bit (on an fp32 model the bound costs "
-                               "accuracy for nothing: docs/values.md)", choices=["auto", "on", "off"])
+                               "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the heads "
+                               "themselves are 16-bit (elsewhere the heads compute in fp32 and the bound costs "
+                               "accuracy: docs/values.md)", choices=["auto", "on", "off"])
     calibrate_scale: bool = flag(True, "after training, on the validation split: scale |b_noise_Y| so that the "
                                        "median normalised residual |y - loc_Y| / scale_Y is 1 (the raw 50 percent "
                                        "interval is calibrated), then save the split-conformal map of those "

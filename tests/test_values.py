@@ -210,14 +210,19 @@ def test_independent_scale_adapters_still_load_and_behave(tmp_path):
     torch.testing.assert_close(scale, torch.full_like(scale, 1.4))  # one width for every row, as before
 
 
-def test_bf16_bound_is_on_for_16_bit_models_only():
+def test_bf16_bound_is_on_for_16_bit_heads_only():
     from causal_adapter.train import _head_shift_bound
     from causal_adapter.value_fit import BF16_MAX_SHIFT
 
     fp32 = wrap()
-    bf16 = get_causal_model(small_vocab_qwen(num_layers=1, dtype=torch.bfloat16), CausalAdapterConfig(num_token_id=NUM))
+    base16 = small_vocab_qwen(num_layers=1, dtype=torch.bfloat16)
+    bf16_base = get_causal_model(base16, CausalAdapterConfig(num_token_id=NUM))  # fp32 heads (default)
+    bf16_heads = get_causal_model(small_vocab_qwen(num_layers=1, dtype=torch.bfloat16),
+                                  CausalAdapterConfig(num_token_id=NUM, autocast_adapter_dtype=False))
+    assert bf16_base.action.w_reg.dtype == torch.float32 and bf16_heads.action.w_reg.dtype == torch.bfloat16
     assert _head_shift_bound(fp32, TrainConfig()) == math.inf
-    assert _head_shift_bound(bf16, TrainConfig()) == BF16_MAX_SHIFT
-    assert _head_shift_bound(fp32, TrainConfig(mixed_precision="bf16")) == BF16_MAX_SHIFT
+    assert _head_shift_bound(fp32, TrainConfig(mixed_precision="bf16")) == math.inf  # heads stay fp32
+    assert _head_shift_bound(bf16_base, TrainConfig()) == math.inf
+    assert _head_shift_bound(bf16_heads, TrainConfig()) == BF16_MAX_SHIFT
     assert _head_shift_bound(fp32, TrainConfig(bf16_safe_head="on")) == BF16_MAX_SHIFT
-    assert _head_shift_bound(bf16, TrainConfig(bf16_safe_head="off")) == math.inf
+    assert _head_shift_bound(bf16_heads, TrainConfig(bf16_safe_head="off")) == math.inf
