@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .heads import full_precision
 from .intervals import check_level
 from .loss import num_probability
 
@@ -56,14 +57,15 @@ def prediction_columns(levels: Sequence[float]) -> list[str]:
 @torch.no_grad()
 def _predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loc_Y, scale_Y, P(<NUM>)) [B] at the last position of left-padded encodings."""
-    dev = model.device
+    dev = model.input_device  # the embedding's device; the heads' outputs come back on lm_head's
     ids, vals, mask = (enc[k].to(dev) for k in ("input_ids", "numeric_values", "attention_mask"))
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # as generation: padding never changes a row
     out = model(ids, vals, mask, position_ids=position_ids)
     loc_U, scale_U = out.loc_U[:, -1], out.scale_U[:, -1]
     act = model.action
-    p_num = num_probability(loc_U, act.noisy_scale(scale_U), act.num_weight(model.W_cls), act.b_cls[model.num_token_id],
-                            act.num_threshold(), scale_floor=act.scale_floor)
+    with full_precision(loc_U.device):  # as in forward, whatever autocast the caller runs under
+        p_num = num_probability(loc_U, act.noisy_scale(scale_U), act.num_weight(model.W_cls),
+                                act.b_cls[model.num_token_id], act.num_threshold(), scale_floor=act.scale_floor)
     return out.loc_Y[:, -1].double(), out.scale_Y[:, -1].double(), p_num.double()
 
 

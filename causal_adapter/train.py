@@ -64,6 +64,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: the training API in one 
 from .config import DEFAULT_SCALE_FLOOR
 from .data import IGNORE_INDEX
 from .integrations import unwrap_model
+from .intervals import fit_calibration
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, format_metrics_table, train_median
 from .plotting import plot_training
 from .train_config import (  # noqa: F401  (re-exported: the training API in one place)
@@ -706,8 +707,6 @@ def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
     interval is calibrated), then fit the split-conformal map of every level on the rescaled normalised
     residuals (`intervals.fit_calibration`) into `config.value_calibration`. False (nothing done)
     without a regression scale of its own or validation values."""
-    from .intervals import fit_calibration
-
     if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return False
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
