@@ -82,6 +82,12 @@ class TrainConfig:
                                 "training changed those features (LoRA, W_loc); 'none': the random init, trained "
                                 "by the NLL only",
                                 choices=["ridge", "none"])
+    value_refit: str = flag("eval", "when training moves the features the value head reads (LoRA, W_loc, d) and "
+                            "--regression-init ridge: 'eval' fits the head again before every evaluation and "
+                            "checkpoint during training and after the last step (so what is evaluated or saved at "
+                            "step k is the adapter a run stopped at k would give; the refits are part of the "
+                            "run); 'end': after the last step only (evaluations and checkpoints during training "
+                            "then use a head fitted on older features)", choices=["eval", "end"])
     value_loss: str = flag("huber", "loss of the value head's fit before / after training: a robust M-estimate "
                            "by IRLS from the ridge solution ('cauchy', 'huber') or least squares ('squared'); "
                            "docs/values.md has the validation figures behind the default",
