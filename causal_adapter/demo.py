@@ -68,7 +68,8 @@ def describe_base(base_model, base: str | None) -> str:
 
 #: the demo's token-side settings (docs/predict.md, chosen on the validation split by
 #: benchmarks/generation_quality.py): a threshold and an initial scale that 200 Adam steps can reach, and
-#: W_loc trained (the value head is fitted again on the trained features at the end of `train`), and EOS
+#: W_loc trained (as `TrainConfig`'s default now; the value head is fitted again on the moving features before
+#: every evaluation, so the plot's mid-run points are the adapter a run stopped there would save), and EOS
 #: after every completion (the answer ends after its number instead of running on into more numbers)
 DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"], "add_eos_token": True}
 

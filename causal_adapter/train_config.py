@@ -67,11 +67,11 @@ class TrainConfig:
     learnable_threshold: bool = flag(False, "train the OvR thresholds C_k")
     threshold_mode: str = flag("scalar", "one threshold or one per vocabulary row", choices=["scalar", "vector"])
     train_num_row: bool = flag(True, "train the <NUM> row of W_cls (saved as one row)")
-    freeze: list[str] = flag(["abduction_loc"], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
-                             + " (or parameter-name prefixes); 'none' trains every part. Default abduction_loc: "
-                             "with W_loc trained the head refitted after the last step is as good (validation MAE "
-                             "within 3 percent), but the evaluations and checkpoints during training are not "
-                             "(docs/values.md)", nargs="*", type=str)
+    freeze: list[str] = flag([], "adapter parts to keep frozen: " + ", ".join(PARAMETER_GROUPS)
+                             + " (or parameter-name prefixes); 'none' or nothing (the default) trains every part. "
+                             "W_loc trains by default: with the value head refitted on the moving features "
+                             "(--value-refit) its validation MAE is within 3 percent of W_loc frozen's "
+                             "(--freeze abduction_loc; docs/values.md)", nargs="*", type=str)
     gamma0: float = flag(10.0, "initial abduction scale")
     threshold_init: float = flag(100.0, "initial OvR threshold C_k (P_k = 1/2 + atan((loc_S_k - C_k) / scale_S_k) / pi)")
     gate_alpha: float = flag(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
@@ -82,6 +82,12 @@ class TrainConfig:
                                 "training changed those features (LoRA, W_loc); 'none': the random init, trained "
                                 "by the NLL only",
                                 choices=["ridge", "none"])
+    value_refit: str = flag("eval", "when training moves the features the value head reads (LoRA, W_loc, d) and "
+                            "--regression-init ridge: 'eval' fits the head again before every evaluation and "
+                            "checkpoint during training and after the last step (so what is evaluated or saved at "
+                            "step k is the adapter a run stopped at k would give; the refits are part of the "
+                            "run); 'end': after the last step only (evaluations and checkpoints during training "
+                            "then use a head fitted on older features)", choices=["eval", "end"])
     value_loss: str = flag("huber", "loss of the value head's fit before / after training: a robust M-estimate "
                            "by IRLS from the ridge solution ('cauchy', 'huber') or least squares ('squared'); "
                            "docs/values.md has the validation figures behind the default",

@@ -429,3 +429,31 @@ def test_metric_accumulator_counts_by_hand():
     keep = labels[:, 1:] != -100
     ce = torch.nn.functional.cross_entropy(loc_S[:, :-1][keep], labels[:, 1:][keep])
     assert m["perplexity"] == pytest.approx(math.exp(float(ce)), rel=1e-5)
+
+
+# --------------------------------------------------------------------------- value head refits during training
+def test_midrun_eval_and_checkpoint_are_the_adapter_a_run_stopped_there_saves(tmp_path):
+    # W_loc trains (freeze none), so the features under the value head drift: the evaluation and the
+    # checkpoint at step 3 of a 6-step run must be the adapter of a 3-step run (same trajectory: constant lr)
+    # before its calibration, not the step-0 head on step-3 features (value_refit="end": the stale head)
+    train_ds, eval_ds = synthetic_dataset(24), synthetic_dataset(12, seed=1)
+
+    def run(name, steps, **kw):
+        config = quick_config(tmp_path, name, max_steps=steps, eval_steps=3, freeze=["none"], learning_rate=5e-2,
+                              lr_scheduler_type="constant", calibrate_scale=False, **kw)
+        return train(small_model(), config, train_dataset=train_ds, eval_dataset=eval_ds)
+
+    short = run("short", 3)
+    long = run("long", 6, save_steps=3, save_total_limit=0)
+    stale = run("stale", 6, value_refit="end")
+    mid, end = long.eval_history[0], short.eval_history[-1]
+    assert mid["step"] == end["step"] == 3
+    assert mid["value_mae"] == pytest.approx(end["value_mae"], rel=1e-9)
+    assert stale.eval_history[0]["value_mae"] != pytest.approx(end["value_mae"], rel=1e-3)
+    # the checkpoint of step 3 holds that same head: reloaded, it evaluates to the logged figure
+    restored = CausalModel.from_pretrained(small_vocab_qwen(hidden_size=32, num_layers=1),
+                                           Path(long.output_dir) / "checkpoint-3")
+    again = evaluate_dataset(restored, eval_ds, 0, batch_size=8)
+    assert again["value_mae"] == pytest.approx(mid["value_mae"], rel=1e-6)
+    # after the last step the head is fitted on the final features (at the step-6 evaluation, not twice)
+    assert long.eval_history[-1]["step"] == 6 and long.eval_history[-1]["value_mae"] == long.eval_metrics["value_mae"]
