@@ -11,6 +11,7 @@ Shapes: N token rows (the caller flattens batch x sequence), C causal size, V vo
 
 `reference_ovr_loss` is this formula verbatim (it materialises [N, V]); `fused_ovr_loss`
 gives the same value and gradients without ever holding more than one [T, Vc] block.
+The total L = L_cls + lambda * L_reg is formed in one place, `total_loss`.
 """
 from __future__ import annotations
 
@@ -601,6 +602,13 @@ def fused_ovr_loss(
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
         loss = loss + corr / max(1, n)
     return loss
+
+
+# --------------------------------------------------------------------------- total
+def total_loss(loss_cls, loss_reg, reg_weight: float):
+    """L = L_cls + lambda * L_reg (SPEC 3), lambda = `CausalAdapterConfig.reg_weight`: the one place it is
+    formed, for 0-dim tensors (the model's loss) and for floats (the metrics' split-wide aggregates)."""
+    return loss_cls + reg_weight * loss_reg
 
 
 # --------------------------------------------------------------------------- <NUM> and regression
