@@ -6,7 +6,7 @@
   ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
   ``prompt`` + ``completion`` columns (loss on the completion only).
 * `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
-* The offline numeric corpora live in `causal_adapter.corpora` (re-exported here).
+* The offline numeric corpora live in `causal_adapter.corpora`.
 
 Conventions (fixed; the model is written against them):
 
@@ -27,35 +27,13 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from .corpora import (  # noqa: F401  (re-exported: the data API in one place)
-    CORPORA,
-    arithmetic_corpus,
-    build_corpus,
-    co2_corpus,
-    diabetes_corpus,
-    macro_corpus,
-    nile_corpus,
-    sunspots_corpus,
-    units_corpus,
-    write_corpus_jsonl,
-)
 from .numbers import NumberTokenizer, _to_list
 
 __all__ = [
-    "CORPORA",
     "IGNORE_INDEX",
     "NumericCollator",
-    "arithmetic_corpus",
-    "build_corpus",
-    "co2_corpus",
-    "diabetes_corpus",
     "load_text_dataset",
-    "macro_corpus",
-    "nile_corpus",
-    "sunspots_corpus",
     "tokenize_dataset",
-    "units_corpus",
-    "write_corpus_jsonl",
 ]
 
 IGNORE_INDEX = -100
