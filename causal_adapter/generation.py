@@ -25,6 +25,10 @@ string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the bac
 being fed the pad token, as transformers does, so batching never changes a row's output).
 
 The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
+
+`generate` runs as named steps: `_options` (arguments checked) -> `_prepare` (ids, devices, scorer,
+warpers: a `_Run`) -> `_allocate` (the output buffers: a `_Trace`) -> `_generate_loop` (per step
+`_choose`, then `_record`) -> `_output`.
 """
 from __future__ import annotations
 
