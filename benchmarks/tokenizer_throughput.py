@@ -20,7 +20,7 @@ import time
 
 
 def build_texts(target_mb: float) -> list[str]:
-    from causal_adapter.data import build_corpus
+    from causal_adapter.corpora import build_corpus
 
     pool: list[str] = []
     for name, kws in (

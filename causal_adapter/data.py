@@ -6,7 +6,7 @@
   ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
   ``prompt`` + ``completion`` columns (loss on the completion only).
 * `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
-* The offline numeric corpora live in `causal_adapter.corpora` (re-exported here).
+* The offline numeric corpora live in `causal_adapter.corpora`.
 
 Conventions (fixed; the model is written against them):
 
@@ -27,35 +27,13 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from .corpora import (  # noqa: F401  (re-exported: the data API in one place)
-    CORPORA,
-    arithmetic_corpus,
-    build_corpus,
-    co2_corpus,
-    diabetes_corpus,
-    macro_corpus,
-    nile_corpus,
-    sunspots_corpus,
-    units_corpus,
-    write_corpus_jsonl,
-)
-from .numbers import NumberTokenizer
+from .numbers import NumberTokenizer, _to_list
 
 __all__ = [
-    "CORPORA",
     "IGNORE_INDEX",
     "NumericCollator",
-    "arithmetic_corpus",
-    "build_corpus",
-    "co2_corpus",
-    "diabetes_corpus",
     "load_text_dataset",
-    "macro_corpus",
-    "nile_corpus",
-    "sunspots_corpus",
     "tokenize_dataset",
-    "units_corpus",
-    "write_corpus_jsonl",
 ]
 
 IGNORE_INDEX = -100
@@ -337,83 +315,16 @@ def tokenize_dataset(
                                 max_length, add_eos_token, batch_size, prompt_loss)
             for k, v in dataset.items()
         })
-    if not isinstance(number_tokenizer, NumberTokenizer):
-        raise ValueError(f"number_tokenizer must be a NumberTokenizer, got {type(number_tokenizer).__name__}")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-    if prompt_loss not in ("none", "text"):
-        raise ValueError(f"prompt_loss must be 'none' or 'text', got {prompt_loss!r}")
-    cols = _column_names(dataset)
-    if prompt_column in cols and completion_column in cols:
-        mode, used = "pc", [prompt_column, completion_column]
-    elif prompt_column in cols or completion_column in cols:
-        missing = completion_column if prompt_column in cols else prompt_column
-        raise ValueError(f"dataset has a {(prompt_column if prompt_column in cols else completion_column)!r} "
-                         f"column but no {missing!r} column; columns present: {cols}")
-    elif text_column in cols:
-        mode, used = "text", [text_column]
-    else:
-        raise ValueError(
-            f"dataset has neither a {text_column!r} column nor {prompt_column!r} + {completion_column!r} "
-            f"columns; columns present: {cols} (name yours with --text-column / --prompt-column / "
-            "--completion-column, or text_column= / prompt_column= / completion_column= in Python)"
-        )
-    eos = None
-    if add_eos_token:
-        eos = getattr(number_tokenizer.tokenizer, "eos_token_id", None)
-        if eos is None:
-            raise ValueError("add_eos_token=True but the tokenizer has no eos_token_id")
+    _check_tokenize_args(number_tokenizer, max_length, prompt_loss)
+    mode, used = _text_columns(_column_names(dataset), text_column, prompt_column, completion_column)
+    eos = _eos_id(number_tokenizer) if add_eos_token else None
     ntok = number_tokenizer
 
     def fn(batch, indices):
-        if mode == "pc":
-            prompts, comps = batch[prompt_column], batch[completion_column]
-            _check_str(prompts, prompt_column, indices)
-            _check_str(comps, completion_column, indices)
-            encs = ntok.encode_batch(list(prompts) + list(comps), return_offsets=False)
-            pe, ce = encs[: len(prompts)], encs[len(prompts):]
-        else:
-            texts = batch[text_column]
-            _check_str(texts, text_column, indices)
-            ce = ntok.encode_batch(list(texts), return_offsets=False)
-            pe = [None] * len(ce)
-        out = {k: [] for k in FEATURE_COLUMNS}
-        for p, c in zip(pe, ce):
-            c_ids, c_vals = list(c.input_ids), list(c.numeric_values)
-            if eos is not None:
-                c_ids.append(eos)
-                c_vals.append(0.0)
-            if p is None:
-                ids, vals = c_ids, c_vals
-                labels = list(c_ids)
-            else:
-                ids = p.input_ids + c_ids
-                vals = p.numeric_values + c_vals
-                if prompt_loss == "text":
-                    prompt_labels = [IGNORE_INDEX if t == ntok.num_token_id else t for t in p.input_ids]
-                else:
-                    prompt_labels = [IGNORE_INDEX] * len(p.input_ids)
-                labels = prompt_labels + c_ids
-            if max_length is not None and len(ids) > max_length:
-                ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
-            out["input_ids"].append(ids)
-            out["numeric_values"].append(vals)
-            out["labels"].append(labels)
-            out["label_values"].append([v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)])
-        return out
+        return _tokenize_batch(batch, indices, ntok, used, eos, max_length, prompt_loss)
 
-    new_feats = {
-        "input_ids": datasets.List(datasets.Value("int64")),
-        "numeric_values": datasets.List(datasets.Value("float32")),
-        "labels": datasets.List(datasets.Value("int64")),
-        "label_values": datasets.List(datasets.Value("float32")),
-    }
-    features = None
-    if getattr(dataset, "features", None) is not None:
-        kept = {k: v for k, v in dataset.features.items() if k not in used and k not in new_feats}
-        features = datasets.Features({**kept, **new_feats})
     kwargs: dict[str, Any] = dict(batched=True, batch_size=batch_size, with_indices=True, remove_columns=used,
-                                  features=features)
+                                  features=_mapped_features(dataset, used))
     if isinstance(dataset, datasets.Dataset):
         kwargs["desc"] = "number-aware tokenisation"
         # datasets would fingerprint `fn` by pickling its closure, i.e. the whole tokenizer
@@ -422,6 +333,106 @@ def tokenize_dataset(
             dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size,
             *(() if prompt_loss == "none" else (prompt_loss,)))
     return dataset.map(fn, **kwargs)
+
+
+def _check_tokenize_args(number_tokenizer, max_length, prompt_loss) -> None:
+    if not isinstance(number_tokenizer, NumberTokenizer):
+        raise ValueError(f"number_tokenizer must be a NumberTokenizer, got {type(number_tokenizer).__name__}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if prompt_loss not in ("none", "text"):
+        raise ValueError(f"prompt_loss must be 'none' or 'text', got {prompt_loss!r}")
+
+
+def _text_columns(cols: list[str], text_column: str, prompt_column: str, completion_column: str
+                  ) -> tuple[str, list[str]]:
+    """("pc", [prompt, completion]) or ("text", [text]): the columns `tokenize_dataset` reads (and removes)."""
+    if prompt_column in cols and completion_column in cols:
+        return "pc", [prompt_column, completion_column]
+    if prompt_column in cols or completion_column in cols:
+        missing = completion_column if prompt_column in cols else prompt_column
+        raise ValueError(f"dataset has a {(prompt_column if prompt_column in cols else completion_column)!r} "
+                         f"column but no {missing!r} column; columns present: {cols}")
+    if text_column in cols:
+        return "text", [text_column]
+    raise ValueError(
+        f"dataset has neither a {text_column!r} column nor {prompt_column!r} + {completion_column!r} "
+        f"columns; columns present: {cols} (name yours with --text-column / --prompt-column / "
+        "--completion-column, or text_column= / prompt_column= / completion_column= in Python)"
+    )
+
+
+def _eos_id(ntok: NumberTokenizer) -> int:
+    eos = getattr(ntok.tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("add_eos_token=True but the tokenizer has no eos_token_id")
+    return eos
+
+
+def _tokenize_batch(batch, indices, ntok: NumberTokenizer, used: list[str], eos: int | None,
+                    max_length: int | None, prompt_loss: str) -> dict[str, list[list]]:
+    """One batch of rows -> FEATURE_COLUMNS, one list per row. `used`: [prompt, completion] or [text]."""
+    if len(used) == 2:
+        prompt_column, completion_column = used
+        prompts, comps = batch[prompt_column], batch[completion_column]
+        _check_str(prompts, prompt_column, indices)
+        _check_str(comps, completion_column, indices)
+        encs = ntok.encode_batch(list(prompts) + list(comps), return_offsets=False)
+        pe, ce = encs[: len(prompts)], encs[len(prompts):]
+    else:
+        texts = batch[used[0]]
+        _check_str(texts, used[0], indices)
+        ce = ntok.encode_batch(list(texts), return_offsets=False)
+        pe = [None] * len(ce)
+    out = {k: [] for k in FEATURE_COLUMNS}
+    for p, c in zip(pe, ce):
+        ids, vals, labels = _row_features(p, c, eos, ntok.num_token_id, max_length, prompt_loss)
+        out["input_ids"].append(ids)
+        out["numeric_values"].append(vals)
+        out["labels"].append(labels)
+        out["label_values"].append([v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)])
+    return out
+
+
+def _row_features(p, c, eos: int | None, num_token_id: int, max_length: int | None, prompt_loss: str
+                  ) -> tuple[list[int], list[float], list[int]]:
+    """(input_ids, numeric_values, labels) of one row from its encoded prompt `p` (None for a text row) and
+    completion / text `c`: eos appended to c, prompt labels -100 (or its text tokens with prompt_loss="text"),
+    the first `max_length` positions kept."""
+    c_ids, c_vals = list(c.input_ids), list(c.numeric_values)
+    if eos is not None:
+        c_ids.append(eos)
+        c_vals.append(0.0)
+    if p is None:
+        ids, vals = c_ids, c_vals
+        labels = list(c_ids)
+    else:
+        ids = p.input_ids + c_ids
+        vals = p.numeric_values + c_vals
+        if prompt_loss == "text":
+            prompt_labels = [IGNORE_INDEX if t == num_token_id else t for t in p.input_ids]
+        else:
+            prompt_labels = [IGNORE_INDEX] * len(p.input_ids)
+        labels = prompt_labels + c_ids
+    if max_length is not None and len(ids) > max_length:
+        ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
+    return ids, vals, labels
+
+
+def _mapped_features(dataset, used: list[str]):
+    """The `datasets.Features` after tokenisation (the kept columns + FEATURE_COLUMNS), None when unknown."""
+    import datasets
+
+    new_feats = {
+        "input_ids": datasets.List(datasets.Value("int64")),
+        "numeric_values": datasets.List(datasets.Value("float32")),
+        "labels": datasets.List(datasets.Value("int64")),
+        "label_values": datasets.List(datasets.Value("float32")),
+    }
+    if getattr(dataset, "features", None) is None:
+        return None
+    kept = {k: v for k, v in dataset.features.items() if k not in used and k not in new_feats}
+    return datasets.Features({**kept, **new_feats})
 
 
 _PIPELINE_VERSION = 1
@@ -503,12 +514,12 @@ class NumericCollator:
                 raise ValueError(f"feature {i} has no 'input_ids' (keys: {sorted(f)})")
             if ("labels" in f) != has_labels:
                 raise ValueError(f"feature {i}: 'labels' present in some features of the batch but not all")
-            ids = _as_list(f["input_ids"])
+            ids = _to_list(f["input_ids"])
             n = len(ids)
-            vals = _as_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
-            mask = _as_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
-            labels = _as_list(f["labels"]) if has_labels else None
-            lvals = _as_list(f.get("label_values")) if f.get("label_values") is not None else None
+            vals = _to_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
+            mask = _to_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
+            labels = _to_list(f["labels"]) if has_labels else None
+            lvals = _to_list(f.get("label_values")) if f.get("label_values") is not None else None
             for name, seq in (("numeric_values", vals), ("attention_mask", mask), ("labels", labels),
                               ("label_values", lvals)):
                 if seq is not None and len(seq) != n:
@@ -559,10 +570,3 @@ class NumericCollator:
                 out[key] = torch.tensor(vals_k, dtype=torch.float64)  # exact (not a model input)
         return out
 
-
-def _as_list(x) -> list:
-    if x is None:
-        return None
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return list(x)

@@ -25,6 +25,10 @@ string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the bac
 being fed the pad token, as transformers does, so batching never changes a row's output).
 
 The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
+
+`generate` runs as named steps: `_options` (arguments checked) -> `_prepare` (ids, devices, scorer,
+warpers: a `_Run`) -> `_allocate` (the output buffers: a `_Trace`) -> `_generate_loop` (per step
+`_choose`, then `_record`) -> `_output`.
 """
 from __future__ import annotations
 
@@ -328,16 +332,52 @@ def generate(
     processor, <NUM> exempt: repeated numbers are different values). Any other transformers argument
     is refused with the list of what each mode accepts (`accepted_generate_kwargs`).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    hf = _hf_generate_args(mode, generation_config, kwargs, dict(
+    opts = _options(mode, generation_config, kwargs, logits_processor, shared_individual, return_eps, dict(
         max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty))
-    max_new_tokens, max_length, min_new_tokens = hf["max_new_tokens"], hf["max_length"], hf["min_new_tokens"] or 0
-    eos_token_id, pad_token_id, stop_strings = hf["eos_token_id"], hf["pad_token_id"], hf["stop_strings"]
-    do_sample, temperature, top_k, top_p = hf["do_sample"], hf["temperature"], hf["top_k"], hf["top_p"]
-    repetition_penalty = hf["repetition_penalty"]
+    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    if opts.stop_strings and ntok is None:
+        raise ValueError("stop_strings need tokenizer=...")
+    input_ids, numeric_values, attention_mask = _resolve_inputs(
+        model, inputs, input_ids, numeric_values, attention_mask, ntok)
+    run = _prepare(model, opts, ntok, input_ids, seed, generator, ovr_pruning, cache_abs_weight)
+    trace = _allocate(run, input_ids, numeric_values)
+    streamer = _number_text_streamer(streamer, run.num_id)
+    if streamer is not None:
+        _put(streamer, input_ids, numeric_values)
+    _generate_loop(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
+    return _output(run, trace, input_ids, numeric_values, attention_mask, model.config.value_calibration)
+
+
+@dataclass
+class _Options:
+    """`generate`'s decoding arguments, merged with a GenerationConfig and checked (`_options`)."""
+
+    mode: str
+    max_new_tokens: int | None
+    max_length: int | None
+    min_new_tokens: int
+    eos_token_id: int | Sequence[int] | None
+    pad_token_id: int | None
+    stop_strings: list[str]
+    do_sample: bool
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    logits_processor: Any
+    shared_individual: bool
+    return_eps: bool
+
+
+def _options(mode: str, generation_config, kwargs: dict, logits_processor, shared_individual: bool,
+             return_eps: bool, given: dict) -> _Options:
+    """Step 1: the arguments `mode` can honour, with a GenerationConfig's fields under the explicit ones."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    hf = _hf_generate_args(mode, generation_config, kwargs, given)
+    temperature, top_k, top_p, do_sample = hf["temperature"], hf["top_k"], hf["top_p"], hf["do_sample"]
     sampling_args = any(x is not None for x in (temperature, top_k, top_p)) or logits_processor is not None
     if mode != "softmax" and (do_sample or sampling_args):
         raise ValueError(f"do_sample / temperature / top_k / top_p / logits_processor apply to mode='softmax', "
@@ -346,160 +386,261 @@ def generate(
         raise ValueError("shared_individual / return_eps apply to mode='causal'")
     if do_sample is None:
         do_sample = mode == "softmax" and any(x is not None for x in (temperature, top_k, top_p))
+    stop_strings = hf["stop_strings"]
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
-    stop_strings = [s for s in (stop_strings or []) if s]
+    return _Options(
+        mode=mode, max_new_tokens=hf["max_new_tokens"], max_length=hf["max_length"],
+        min_new_tokens=hf["min_new_tokens"] or 0, eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"],
+        stop_strings=[s for s in (stop_strings or []) if s], do_sample=do_sample, temperature=temperature,
+        top_k=top_k, top_p=top_p, repetition_penalty=hf["repetition_penalty"], logits_processor=logits_processor,
+        shared_individual=shared_individual, return_eps=return_eps)
 
-    ntok = _number_tokenizer(tokenizer, model.num_token_id)
-    if stop_strings and ntok is None:
-        raise ValueError("stop_strings need tokenizer=...")
-    input_ids, numeric_values, attention_mask = _resolve_inputs(
-        model, inputs, input_ids, numeric_values, attention_mask, ntok)
-    eos, pad_id = _default_ids(model, eos_token_id, pad_token_id, ntok)
+
+@dataclass
+class _Run:
+    """What stays fixed during one `generate` call (`_prepare`). B batch, S prompt length, T step budget,
+    C causal size; `device` is the embedding's (the sequences live there), `hdev` / `hdtype` the heads'."""
+
+    opts: _Options
+    ntok: Any
+    eos: list[int]
+    eos_t: Tensor  # [len(eos)] on `device`
+    pad_id: int
+    num_id: int
+    device: torch.device
+    hdev: torch.device
+    hdtype: torch.dtype
+    gen: torch.Generator | None
+    scorer: OvRScorer
+    warpers: Any  # a LogitsProcessorList (softmax mode) or None
+    decimals: int | None
+    B: int
+    S: int
+    T: int
+    C: int
+
+
+def _prepare(model, opts: _Options, ntok, input_ids: Tensor, seed, generator, ovr_pruning: bool,
+             cache_abs_weight: bool) -> _Run:
+    """Step 2: eos / pad ids, devices, the random generator, the OvR scorer, sizes and logits warpers."""
+    eos, pad_id = _default_ids(model, opts.eos_token_id, opts.pad_token_id, ntok)
     device, hdev = input_ids.device, model.device  # the embedding's, the heads'
     gen = _make_generator(seed, generator, hdev)  # draws (eps, multinomial) are made with the heads
     scorer = OvRScorer(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
-    hdtype = scorer.dtype
     B, S = input_ids.shape
-    T = _new_token_budget(max_new_tokens, max_length, S)
-    C = model.abduction.loc.weight.shape[0]
-    num_id = model.num_token_id
+    T = _new_token_budget(opts.max_new_tokens, opts.max_length, S)
+    return _Run(opts=opts, ntok=ntok, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
+                pad_id=pad_id, num_id=model.num_token_id, device=device, hdev=hdev, hdtype=scorer.dtype, gen=gen,
+                scorer=scorer, warpers=_warpers(opts, model.num_token_id), decimals=model.config.value_decimals,
+                B=B, S=S, T=T, C=model.abduction.loc.weight.shape[0])
 
+
+def _warpers(opts: _Options, num_id: int):
+    """softmax mode's logits processors (transformers' warpers, then the repetition penalty first), or None."""
     warpers = None
-    if mode == "softmax" and do_sample:
+    if opts.mode == "softmax" and opts.do_sample:
         from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                   TopPLogitsWarper)
 
-        warpers = LogitsProcessorList(list(logits_processor or []))
-        if temperature is not None and temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k is not None and top_k != 0:
-            warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p is not None and top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=top_p))
-    elif logits_processor is not None:
+        warpers = LogitsProcessorList(list(opts.logits_processor or []))
+        if opts.temperature is not None and opts.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(opts.temperature))
+        if opts.top_k is not None and opts.top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=opts.top_k))
+        if opts.top_p is not None and opts.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=opts.top_p))
+    elif opts.logits_processor is not None:
         from transformers import LogitsProcessorList
 
-        warpers = LogitsProcessorList(list(logits_processor))
-    if mode == "softmax" and repetition_penalty is not None and repetition_penalty != 1.0:
+        warpers = LogitsProcessorList(list(opts.logits_processor))
+    penalty = opts.repetition_penalty
+    if opts.mode == "softmax" and penalty is not None and penalty != 1.0:
         from transformers import LogitsProcessorList
 
-        warpers = LogitsProcessorList([_NumExemptRepetitionPenalty(repetition_penalty, num_id)] + list(warpers or []))
+        warpers = LogitsProcessorList([_NumExemptRepetitionPenalty(penalty, num_id)] + list(warpers or []))
+    return warpers
 
-    sequences = torch.cat([input_ids, torch.full((B, T), pad_id, dtype=torch.long, device=device)], 1)
+
+@dataclass
+class _Trace:
+    """What generation writes, step t at column S + t of sequences / values and t of the rest (`_allocate`).
+
+    sequences, values: [B, S+T] prompt + generated ids / values (values in `vdtype`: the prompt's
+    dtype promoted with the heads'); token_probs, loc_Y, scale_Y: [B, T] in the heads' dtype;
+    exact: [B, T] generated values before rounding; eps: [B, T, C] (return_eps) or None;
+    finished: [B] bool; lengths: [B] generated tokens per row; steps: steps taken.
+    """
+
+    sequences: Tensor
+    values: Tensor
+    vdtype: torch.dtype
+    token_probs: Tensor
+    loc_Y: Tensor
+    scale_Y: Tensor
+    exact: Tensor
+    eps: Tensor | None
+    finished: Tensor
+    lengths: Tensor
+    steps: int = 0
+
+
+def _allocate(run: _Run, input_ids: Tensor, numeric_values: Tensor) -> _Trace:
+    """Step 3: the output buffers, the prompt [B, S] copied in and T pad / zero columns after it."""
+    B, T, device, hdtype = run.B, run.T, run.device, run.hdtype
     vdtype = torch.promote_types(numeric_values.dtype, hdtype)
-    values = torch.cat([numeric_values.to(vdtype), torch.zeros(B, T, dtype=vdtype, device=device)], 1)
-    token_probs = torch.zeros(B, T, dtype=hdtype, device=device)
-    loc_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
-    scale_Y_all = torch.zeros(B, T, dtype=hdtype, device=device)
-    exact_all = torch.zeros(B, T, dtype=vdtype, device=device)  # generated values before rounding
-    decimals = model.config.value_decimals
-    eps_all = torch.zeros(B, T, C, dtype=hdtype, device=device) if return_eps else None
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    return _Trace(
+        sequences=torch.cat([input_ids, torch.full((B, T), run.pad_id, dtype=torch.long, device=device)], 1),
+        values=torch.cat([numeric_values.to(vdtype), torch.zeros(B, T, dtype=vdtype, device=device)], 1),
+        vdtype=vdtype,
+        token_probs=torch.zeros(B, T, dtype=hdtype, device=device),
+        loc_Y=torch.zeros(B, T, dtype=hdtype, device=device),
+        scale_Y=torch.zeros(B, T, dtype=hdtype, device=device),
+        exact=torch.zeros(B, T, dtype=vdtype, device=device),
+        eps=torch.zeros(B, T, run.C, dtype=hdtype, device=device) if run.opts.return_eps else None,
+        finished=torch.zeros(B, dtype=torch.bool, device=device),
+        lengths=torch.zeros(B, dtype=torch.long, device=device))
 
-    streamer = _number_text_streamer(streamer, num_id)
-    if streamer is not None:
-        _put(streamer, input_ids, numeric_values)
 
+def _generate_loop(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_values: Tensor,
+                   attention_mask: Tensor, streamer, callback) -> None:
+    """Step 4: the decoding loop in eval mode (the model's training mode is restored, the streamer ended)."""
     was_training = model.training
     model.eval()
     try:
-        steps = 0
-        shared_eps = None
-        if T > 0:
-            mask = attention_mask
-            position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-            # the backbone creates its own cache: key/value, plus conv/recurrent states in hybrid models
-            out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
-                                position_ids=position_ids, use_cache=True)
-            cache = out.past_key_values
-            last_pos = position_ids[:, -1:]
-            if mode == "causal" and shared_individual:
-                shared_eps = _draw_eps(B, C, hdtype, hdev, gen)
-        for t in range(T):
-            z = out.last_hidden_state[:, -1]
-            with full_precision(z.device):  # the heads as in forward, whatever autocast is active
-                loc_U, scale_U = model.abduction(z)
-                scale_Up = model.action.noisy_scale(scale_U)
-                loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
-                if mode == "causal":
-                    eps = shared_eps if shared_individual else _draw_eps(B, C, hdtype, hdev, gen)
-                    u = cauchy_icdf(eps, loc_U, scale_Up).to(hdtype)
-                    decision, y = model.action.decision_scores(u, scorer.W_cls)
-                    if t < min_new_tokens and eos:
-                        decision[:, eos_t.to(hdev)] = -math.inf
-                    tok = decision.argmax(-1)
-                    val = y
-                    prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
-                    if eps_all is not None:
-                        eps_all[:, t] = eps
-                else:
-                    loc_S = scorer.loc_scores(loc_U)
-                    if t < min_new_tokens and eos:
-                        loc_S[:, eos_t.to(hdev)] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
-                    val = loc_Y
-                    if mode == "deterministic":
-                        tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
-                    else:
-                        scores = loc_S
-                        if warpers is not None and len(warpers):
-                            scores = warpers(sequences[:, :S + t].to(hdev), scores)
-                        if do_sample:
-                            probs = torch.softmax(scores, -1)
-                            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-                        else:
-                            tok = scores.argmax(-1)
-                        prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
-            tok, val, prob = tok.to(device), val.to(device), prob.to(device)  # back with the sequences
-            tok = torch.where(finished, pad_id, tok)
-            val = torch.where(tok == num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
-            exact_all[:, t] = val
-            if decimals is not None:  # shown and fed back as the data writes values; the exact one is kept
-                val = torch.round(val, decimals=decimals)
-            live = ~finished
-            sequences[:, S + t] = tok
-            values[:, S + t] = val
-            token_probs[:, t] = torch.where(live, prob.to(hdtype), 0)
-            loc_Y_all[:, t] = loc_Y
-            scale_Y_all[:, t] = scale_Y
-            lengths += live.long()
-            steps = t + 1
-            if eos:
-                finished = finished | (live & torch.isin(tok, eos_t))
-            if stop_strings:
-                finished = finished | _hit_stop(ntok, sequences, values, S, steps, lengths, live & ~finished,
-                                                 stop_strings)
-            if streamer is not None:
-                _put(streamer, tok, val)
-            if callback is not None:
-                callback(t, tok, val)
-            if t == T - 1 or bool(finished.all()):
-                break
-            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-            last_pos = last_pos + 1
-            out = model.decoder(inputs_embeds=model.embed(tok.unsqueeze(1), val.unsqueeze(1)), attention_mask=mask,
-                                position_ids=last_pos, past_key_values=cache, use_cache=True)
+        if run.T > 0:
+            _decode_steps(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
     finally:
         model.train(was_training)
         if streamer is not None:
             streamer.end()
 
-    sequences, values = sequences[:, :S + steps], values[:, :S + steps]
-    gen_mask = torch.arange(steps, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+
+def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_values: Tensor,
+                  attention_mask: Tensor, streamer, callback) -> None:
+    """The prompt [B, S] through the backbone (it creates its cache: key/value, plus conv / recurrent states
+    in hybrid models), then one position per step: choose, record, feed the token and its value back."""
+    mask = attention_mask
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
+                        position_ids=position_ids, use_cache=True)
+    cache = out.past_key_values
+    last_pos = position_ids[:, -1:]
+    shared_eps = None
+    if run.opts.mode == "causal" and run.opts.shared_individual:
+        shared_eps = _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
+    for t in range(run.T):
+        with full_precision(out.last_hidden_state.device):  # the heads as in forward, whatever autocast is active
+            chosen = _choose(model, run, trace, t, out.last_hidden_state[:, -1], shared_eps)
+        tok, val = _record(run, trace, t, *chosen)
+        if streamer is not None:
+            _put(streamer, tok, val)
+        if callback is not None:
+            callback(t, tok, val)
+        if t == run.T - 1 or bool(trace.finished.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(run.B, 1)], 1)
+        last_pos = last_pos + 1
+        out = model.decoder(inputs_embeds=model.embed(tok.unsqueeze(1), val.unsqueeze(1)), attention_mask=mask,
+                            position_ids=last_pos, past_key_values=cache, use_cache=True)
+
+
+def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tensor | None):
+    """The heads on the last position z [B, H]: (token [B], value [B], P_k of the token [B], loc_Y [B],
+    scale_Y [B]), on the heads' device, chosen as `run.opts.mode` says (module docstring)."""
+    loc_U, scale_U = model.abduction(z)
+    scale_Up = model.action.noisy_scale(scale_U)
+    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
+    if run.opts.mode == "causal":
+        tok, val, prob = _choose_causal(model, run, trace, t, loc_U, scale_Up, shared_eps)
+    else:
+        tok, val, prob = _choose_by_scores(run, trace, t, loc_U, scale_Up, loc_Y)
+    return tok, val, prob, loc_Y, scale_Y
+
+
+def _choose_causal(model, run: _Run, trace: _Trace, t: int, loc_U: Tensor, scale_Up: Tensor,
+                   shared_eps: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """causal mode: an individual u [B, C] drawn from eps, then the noiseless action on u."""
+    scorer = run.scorer
+    eps = shared_eps if run.opts.shared_individual else _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
+    u = cauchy_icdf(eps, loc_U, scale_Up).to(run.hdtype)
+    decision, y = model.action.decision_scores(u, scorer.W_cls)
+    if t < run.opts.min_new_tokens and run.eos:
+        decision[:, run.eos_t.to(run.hdev)] = -math.inf
+    tok = decision.argmax(-1)
+    prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
+    if trace.eps is not None:
+        trace.eps[:, t] = eps
+    return tok, y, prob
+
+
+def _choose_by_scores(run: _Run, trace: _Trace, t: int, loc_U: Tensor, scale_Up: Tensor,
+                      loc_Y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """deterministic mode (argmax of the OvR P_k) and softmax mode (greedy or sampled from loc_S [B, V])."""
+    scorer = run.scorer
+    loc_S = scorer.loc_scores(loc_U)
+    if t < run.opts.min_new_tokens and run.eos:
+        loc_S[:, run.eos_t.to(run.hdev)] = -math.inf  # as transformers' MinNewTokensLengthLogitsProcessor
+    if run.opts.mode == "deterministic":
+        tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
+        return tok, loc_Y, prob
+    scores = loc_S
+    if run.warpers is not None and len(run.warpers):
+        scores = run.warpers(trace.sequences[:, :run.S + t].to(run.hdev), scores)
+    if run.opts.do_sample:
+        probs = torch.softmax(scores, -1)
+        tok = torch.multinomial(probs, 1, generator=run.gen).squeeze(1)
+    else:
+        tok = scores.argmax(-1)
+    prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+    return tok, loc_Y, prob
+
+
+def _record(run: _Run, trace: _Trace, t: int, tok: Tensor, val: Tensor, prob: Tensor, loc_Y: Tensor,
+            scale_Y: Tensor) -> tuple[Tensor, Tensor]:
+    """Write step t into the trace (pad / value 0 for finished rows, values rounded to `decimals`), mark rows
+    that emitted eos or completed a stop string finished; returns the token [B] and value [B] fed back."""
+    device, vdtype, S = run.device, trace.vdtype, run.S
+    tok, val, prob = tok.to(device), val.to(device), prob.to(device)  # back with the sequences
+    tok = torch.where(trace.finished, run.pad_id, tok)
+    val = torch.where(tok == run.num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=device))
+    trace.exact[:, t] = val
+    if run.decimals is not None:  # shown and fed back as the data writes values; the exact one is kept
+        val = torch.round(val, decimals=run.decimals)
+    live = ~trace.finished
+    trace.sequences[:, S + t] = tok
+    trace.values[:, S + t] = val
+    trace.token_probs[:, t] = torch.where(live, prob.to(run.hdtype), 0)
+    trace.loc_Y[:, t] = loc_Y
+    trace.scale_Y[:, t] = scale_Y
+    trace.lengths += live.long()
+    trace.steps = t + 1
+    if run.eos:
+        trace.finished = trace.finished | (live & torch.isin(tok, run.eos_t))
+    if run.opts.stop_strings:
+        trace.finished = trace.finished | _hit_stop(run.ntok, trace.sequences, trace.values, S, trace.steps,
+                                                    trace.lengths, live & ~trace.finished, run.opts.stop_strings)
+    return tok, val
+
+
+def _output(run: _Run, trace: _Trace, input_ids: Tensor, numeric_values: Tensor, attention_mask: Tensor,
+            calibration: dict | None) -> GenerationOutput:
+    """Step 5: the trace cut to the steps taken, the attention mask extended, numbers and texts."""
+    S, steps, lengths = run.S, trace.steps, trace.lengths
+    sequences, values = trace.sequences[:, :S + steps], trace.values[:, :S + steps]
+    gen_mask = torch.arange(steps, device=run.device).unsqueeze(0) < lengths.unsqueeze(1)
     full_mask = torch.cat([attention_mask, gen_mask.long()], 1)
     new_tokens, new_values = sequences[:, S:], values[:, S:]
-    numbers = _numbers(new_tokens, new_values, loc_Y_all[:, :steps], scale_Y_all[:, :steps], gen_mask, num_id, S,
-                       exact_all[:, :steps], model.config.value_calibration)
+    numbers = _numbers(new_tokens, new_values, trace.loc_Y[:, :steps], trace.scale_Y[:, :steps], gen_mask,
+                       run.num_id, S, trace.exact[:, :steps], calibration)
     texts = None
-    if ntok is not None:
-        texts = [_decode(ntok, new_tokens[b, :int(lengths[b])], new_values[b, :int(lengths[b])],
-                         int(input_ids[b, -1]), float(numeric_values[b, -1])) for b in range(B)]
+    if run.ntok is not None:
+        texts = [_decode(run.ntok, new_tokens[b, :int(lengths[b])], new_values[b, :int(lengths[b])],
+                              int(input_ids[b, -1]), float(numeric_values[b, -1])) for b in range(run.B)]
     return GenerationOutput(
         sequences=sequences, numeric_values=values, attention_mask=full_mask, new_tokens=new_tokens,
-        new_values=new_values, lengths=lengths, finished=finished, token_probs=token_probs[:, :steps],
-        numbers=numbers, texts=texts, eps=None if eps_all is None else eps_all[:, :steps], mode=mode,
+        new_values=new_values, lengths=lengths, finished=trace.finished, token_probs=trace.token_probs[:, :steps],
+        numbers=numbers, texts=texts, eps=None if trace.eps is None else trace.eps[:, :steps], mode=run.opts.mode,
     )
 
 

@@ -11,6 +11,7 @@ Shapes: N token rows (the caller flattens batch x sequence), C causal size, V vo
 
 `reference_ovr_loss` is this formula verbatim (it materialises [N, V]); `fused_ovr_loss`
 gives the same value and gradients without ever holding more than one [T, Vc] block.
+The total L = L_cls + lambda * L_reg is formed in one place, `total_loss`.
 """
 from __future__ import annotations
 
@@ -314,29 +315,25 @@ def _floor_bounds(su_c: Tensor, W: Tensor, tok, vch, dt, need_rows: bool) -> tup
 def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     """One sweep over [n, V] in [T, Vc] blocks.
 
+    lu, su: [n, C] (rows with a label); W: [V, C]; b: [V] or None; thr: 0-dim or [V]; y: [n];
+    needs: which of (lu, su, W, b, thr) need a gradient.
     Returns (sum over rows of sum_k log-terms as a 0-dim device tensor, grads) where the loss is
     -sum/n and grads is (g_lu, g_su, g_W, g_b, g_thr) of the MEAN loss (None where not needed).
     Every column is first treated as a non-target (term log(1 - P)); each row's target
     column is then corrected with an O(n C) gather (term log P - log(1 - P)). One host sync in all
     (`_floor_bounds`): the block sums accumulate on the device.
     """
-    need_lu, need_su, need_W, need_b, need_thr = needs
+    need_W = needs[2]
     grads = any(needs)
     n, C = lu.shape
     V = W.shape[0]
     dt, floor, gemm = plan.dtype, plan.floor, plan.gemm if plan.dtype == torch.float32 else "fp32"
     T, Vc = plan.token_chunk, plan.vocab_chunk
-    thr_vec = thr.numel() > 1
     inv = 1.0 / max(1, n)
     lu_c, su_c = lu.to(dt), su.to(dt)
     lu_g, su_g = _gemm_operand(lu_c, gemm), _gemm_operand(su_c, gemm)
     dev = lu.device
-
-    g_lu = torch.zeros_like(lu_c) if need_lu else None
-    g_su = torch.zeros_like(su_c) if need_su else None
-    g_W = torch.zeros_like(W) if need_W else None
-    colsum = torch.zeros(V, dtype=dt, device=dev) if (need_b or (need_thr and thr_vec)) else None
-    gz_total = torch.zeros((), dtype=dt, device=dev) if (need_thr and not thr_vec) else None
+    g_lu, g_su, g_W, colsum, gz_total = _grad_accumulators(lu_c, su_c, W, thr, needs)
     total = torch.zeros((), dtype=torch.float64 if dev.type != "mps" else dt, device=dev)
 
     tok = [(t0, min(n, t0 + T)) for t0 in range(0, n, T)]
@@ -355,27 +352,22 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
         accL, accS = (acc_flat[j, : v * C].view(v, C).zero_() for j in range(2)) if need_W else (None, None)
         for (t0, t1), sm in zip(tok, smin):
             l, si = lu_g[t0:t1], su_g[t0:t1]
-            Z, S, R, B1, B2, Nf = (buf[: (t1 - t0) * v].view(t1 - t0, v) for buf in flat)
-            torch.addmm(off, l, Wg.T, out=Z)  # z = loc_S - C
-            torch.mm(si, aWg.T, out=S)  # raw scale_S
+            block = tuple(buf[: (t1 - t0) * v].view(t1 - t0, v) for buf in flat)  # Z, S, R, B1, B2, Nf
+            _block_scores(block, off, l, si, Wg, aWg)
             Fm = None
-            if compiled and _run_compiled_kernel(flat[0], flat[1], flat[2], Z.numel(), floor_t, grads):
-                total.add_(R.sum())  # (the floor mask is already applied)
+            if compiled and _run_compiled_kernel(flat[0], flat[1], flat[2], block[0].numel(), floor_t, grads):
+                total.add_(block[2].sum())  # (the floor mask is already applied)
             else:
                 if compiled:  # the kernel failed (and may have written into the block): eager from here on
                     compiled = False
-                    torch.addmm(off, l, Wg.T, out=Z)
-                    torch.mm(si, aWg.T, out=S)
-                if not (sm > 0 and sm * rowmin >= 2 * floor):
-                    Fm = mask_flat[: Z.numel()].view_as(Z)
-                    torch.ge(S, floor, out=Fm)  # where the floor is inactive (clamp_min's grad mask)
-                    S.clamp_min_(floor)
-                total.add_(_block_terms(Z, S, R, B1, B2, Nf, grads))
+                    _block_scores(block, off, l, si, Wg, aWg)
+                floored = not (sm > 0 and sm * rowmin >= 2 * floor)
+                Fm = _eager_block(block, mask_flat if floored else None, floor, grads, total)
             if not grads:
                 continue
             if Fm is not None:
-                Z.mul_(Fm)
-            _add_block_grads(S, Z, Wg, aWg, l, si, slice(t0, t1), slice(v0, v1), inv / math.pi, gemm,
+                block[0].mul_(Fm)
+            _add_block_grads(block[1], block[0], Wg, aWg, l, si, slice(t0, t1), slice(v0, v1), inv / math.pi, gemm,
                              (g_lu, g_su, colsum, gz_total, accL, accS))
         if need_W:  # d|W|/dW = sign(W)
             g_W[v0:v1] = accL.addcmul_(torch.sign(Wc), accS)
@@ -384,11 +376,55 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
                                g_lu, g_su, g_W, colsum, gz_total))
     if not grads:
         return total, None
+    return total, _mean_loss_grads(lu, su, b, thr, plan, needs, (g_lu, g_su, g_W, colsum, gz_total))
+
+
+def _grad_accumulators(lu_c: Tensor, su_c: Tensor, W: Tensor, thr: Tensor, needs) -> tuple:
+    """Zeroed gradient accumulators of a sweep, None where not needed: g_lu, g_su [n, C] (compute dtype),
+    g_W [V, C] (W's dtype), colsum [V] (the column sums of dL/dz: b's gradient, and a vector C's) and
+    gz_total 0-dim (a scalar C's)."""
+    need_lu, need_su, need_W, need_b, need_thr = needs
+    thr_vec = thr.numel() > 1
+    dt, dev = lu_c.dtype, lu_c.device
+    return (torch.zeros_like(lu_c) if need_lu else None,
+            torch.zeros_like(su_c) if need_su else None,
+            torch.zeros_like(W) if need_W else None,
+            torch.zeros(W.shape[0], dtype=dt, device=dev) if (need_b or (need_thr and thr_vec)) else None,
+            torch.zeros((), dtype=dt, device=dev) if (need_thr and not thr_vec) else None)
+
+
+def _block_scores(block: tuple[Tensor, ...], off: Tensor, l: Tensor, si: Tensor, Wg: Tensor, aWg: Tensor) -> None:
+    """The block's two GEMMs, into its first two [t, v] buffers: Z = loc_S - C, S = the raw scale_S."""
+    torch.addmm(off, l, Wg.T, out=block[0])  # z = loc_S - C
+    torch.mm(si, aWg.T, out=block[1])  # raw scale_S
+
+
+def _eager_block(block: tuple[Tensor, ...], mask_flat: Tensor | None, floor: float, grads: bool,
+                 total: Tensor) -> Tensor | None:
+    """`_block_terms` on block = (Z, S, R, B1, B2, Nf), its sum added to `total`. With `mask_flat` (some
+    scale_S of the block may be under the floor) S is floored first and the mask of where the floor is
+    inactive (clamp_min's grad mask, [t, v] bool) is returned; else None."""
+    Z, S = block[0], block[1]
+    Fm = None
+    if mask_flat is not None:
+        Fm = mask_flat[: Z.numel()].view_as(Z)
+        torch.ge(S, floor, out=Fm)  # where the floor is inactive (clamp_min's grad mask)
+        S.clamp_min_(floor)
+    total.add_(_block_terms(*block, grads))
+    return Fm
+
+
+def _mean_loss_grads(lu: Tensor, su: Tensor, b: Tensor | None, thr: Tensor, plan: _Plan, needs, acc: tuple) -> tuple:
+    """(g_lu, g_su, g_W, g_b, g_thr) from the accumulators acc = (g_lu, g_su, g_W, colsum, gz_total), each in
+    its input's dtype and shape (None where not needed); W rows replaced by a row override get 0."""
+    need_lu, need_su, need_W, need_b, need_thr = needs
+    g_lu, g_su, g_W, colsum, gz_total = acc
     if need_W and plan.exclude is not None:
         g_W[plan.exclude] = 0  # those rows are replaced: their gradient goes to the override
     g_b = colsum.to(b.dtype) if need_b else None
+    thr_vec = thr.numel() > 1
     g_thr = (-(colsum if thr_vec else gz_total)).to(thr.dtype).reshape(thr.shape) if need_thr else None  # dz/dC = -1
-    return total, (g_lu.to(lu.dtype) if need_lu else None, g_su.to(su.dtype) if need_su else None, g_W, g_b, g_thr)
+    return g_lu.to(lu.dtype) if need_lu else None, g_su.to(su.dtype) if need_su else None, g_W, g_b, g_thr
 
 
 def _add_block_grads(gz: Tensor, gsn: Tensor, Wg: Tensor, aWg: Tensor, l: Tensor, si: Tensor, rows: slice,
@@ -566,6 +602,13 @@ def fused_ovr_loss(
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
         loss = loss + corr / max(1, n)
     return loss
+
+
+# --------------------------------------------------------------------------- total
+def total_loss(loss_cls, loss_reg, reg_weight: float):
+    """L = L_cls + lambda * L_reg (SPEC 3), lambda = `CausalAdapterConfig.reg_weight`: the one place it is
+    formed, for 0-dim tensors (the model's loss) and for floats (the metrics' split-wide aggregates)."""
+    return loss_cls + reg_weight * loss_reg
 
 
 # --------------------------------------------------------------------------- <NUM> and regression

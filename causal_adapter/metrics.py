@@ -40,6 +40,7 @@ from .data import IGNORE_INDEX
 from .heads import full_precision
 from .integrations import unwrap_model
 from .intervals import interval
+from .loss import total_loss
 
 INTERVAL_LEVELS = (0.5, 0.8, 0.9, 0.95)
 SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)
@@ -176,7 +177,7 @@ class MetricAccumulator:
         out: dict[str, Any] = {
             "eval_tokens": n,
             "num_targets": k,
-            "loss": None if loss_cls is None else loss_cls + self.reg_weight * loss_reg,
+            "loss": None if loss_cls is None else total_loss(loss_cls, loss_reg, self.reg_weight),
             "loss_cls": loss_cls,
             "loss_reg": loss_reg,
             "accuracy": _ratio(self.correct, n),

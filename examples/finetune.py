@@ -10,7 +10,7 @@ The same run from the command line: ``causal-adapter train --output-dir runs/sun
 import argparse
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.data import build_corpus
+from causal_adapter.corpora import build_corpus
 from causal_adapter.metrics import format_metrics_table
 from causal_adapter.train import TrainConfig, train
 

@@ -9,17 +9,9 @@ import datasets
 import pytest
 import torch
 
-from causal_adapter.data import (
-    CORPORA,
-    IGNORE_INDEX,
-    NumericCollator,
-    build_corpus,
-    load_text_dataset,
-    sunspots_corpus,
-    tokenize_dataset,
-    write_corpus_jsonl,
-)
+from causal_adapter.corpora import CORPORA, build_corpus, sunspots_corpus, write_corpus_jsonl
 from causal_adapter.corpora import main as data_main
+from causal_adapter.data import IGNORE_INDEX, NumericCollator, load_text_dataset, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer, find_numbers
 
 datasets.disable_progress_bars()
@@ -298,7 +290,8 @@ def test_write_corpus_offline_in_fresh_process(tmp_path):
     script = textwrap.dedent(f"""
         import datasets, json
         assert datasets.config.HF_DATASETS_OFFLINE
-        from causal_adapter.data import write_corpus_jsonl, load_text_dataset
+        from causal_adapter.corpora import write_corpus_jsonl
+        from causal_adapter.data import load_text_dataset
         paths = write_corpus_jsonl("nile", {str(out)!r}, window=5)
         ds = load_text_dataset(paths["test"])
         st = load_text_dataset(paths["train"], streaming=True)
