@@ -26,7 +26,7 @@ from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_
                        resolve_lora_settings, text_config)
 from .heads import AbductionHead, ActionHead, NumericEmbedding, full_precision
 from .intervals import interval
-from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
+from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 
 _LORA_PREFIX = "lora."
 
@@ -443,7 +443,7 @@ class CausalModel(nn.Module):
                                 scale_floor=act.scale_floor)
         loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.config.alpha)
         loss_reg = loss_reg.to(loss_cls.dtype)
-        return loss_cls + self.config.reg_weight * loss_reg, loss_cls, loss_reg
+        return total_loss(loss_cls, loss_reg, self.config.reg_weight), loss_cls, loss_reg
 
     # ------------------------------------------------------------------ parameters
     def adapter_state_dict(self) -> dict[str, Tensor]:

@@ -11,7 +11,7 @@ What a run does
   trainable below the heads runs under ``torch.no_grad()`` inside `CausalModel.forward`: no
   activations, no backward through the transformer.
 * Data: local files (`data.load_text_dataset`: jsonl/json/csv/tsv/parquet/txt, a ``text``
-  column or ``prompt`` + ``completion``) or a built-in offline corpus (`data.build_corpus`,
+  column or ``prompt`` + ``completion``) or a built-in offline corpus (`corpora.build_corpus`,
   default ``sunspots``), tokenised number-aware (`data.tokenize_dataset`), padded on the right.
 * Optimisation: AdamW (weight decay on matrices only), `transformers.get_scheduler`, gradient
   accumulation, gradient clipping, mixed precision via accelerate.
@@ -207,7 +207,8 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
     else tokenised; otherwise the files or built-in corpus of `config` are loaded."""
     import datasets
 
-    from .data import build_corpus, load_text_dataset, tokenize_dataset
+    from .corpora import build_corpus
+    from .data import load_text_dataset, tokenize_dataset
 
     if train_dataset is None:
         if config.train_file:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from .assets import DTYPES
 from .config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
-from .data import CORPORA
+from .corpora import CORPORA
 
 #: ``freeze`` groups -> parameter-name prefixes of `CausalModel` (any other string is taken as a prefix).
 PARAMETER_GROUPS = {
