@@ -8,6 +8,10 @@
 The calibration map is a small dict stored in `CausalAdapterConfig.value_calibration` (hence in
 the adapter's config file): ``{"n": n, "scores": [...]}``, the sorted scores, thinned to at most
 `MAX_SCORES` evenly spaced order statistics (interpolated between) for large validation sets.
+
+`choose_scale_exponent` picks how much of a fitted per-row width to keep (scale = base * ratio^a) by a
+held-out interval score: conformal maps cross-fitted on halves of the validation rows
+(`crossfit_interval_score`), so no map is scored on the rows it was fitted on.
 """
 from __future__ import annotations
 

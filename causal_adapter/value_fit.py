@@ -9,7 +9,8 @@
   a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
   (`center_abduction`, exact for every token score), ridge on per-feature standardised features
   with the penalty chosen on the validation split (else by exact leave-one-out) under an optional
-  bf16-rounding bound (`fit_linear_head`), a robust M-estimate by IRLS (Huber by default), and, with
+  bf16-rounding bound (`fit_linear_head`), the loss (least squares, or a Huber / Cauchy M-estimate by
+  IRLS) chosen per fit on validation by default, and, with
   the per-row scale, a log-linear width (`fit_log_scale`) and the out-of-depth statistics
   (`fit_depth`). docs/values.md has the validation figures behind each default. Measured before:
   the information about the value sits in low-variance directions of the final-norm features, where

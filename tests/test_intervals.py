@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.intervals import (SCALE_EXPONENTS, choose_scale_exponent, conformal_multiplier, crossfit_interval_score,
-                                      fit_calibration, interval, multiplier, winkler)
+from causal_adapter.intervals import (SCALE_EXPONENTS, choose_scale_exponent, conformal_multiplier,
+                                      crossfit_interval_score, fit_calibration, interval, multiplier, winkler)
 
 
 def test_raw_cauchy_interval_has_its_nominal_coverage():
@@ -67,7 +67,7 @@ def test_crossfit_interval_score_fits_on_one_half_and_scores_the_other():
     for fit_rows, score_rows in (halves, halves[::-1]):
         scores = ((y[fit_rows] - loc[fit_rows]).abs() / ratio[fit_rows]).sort().values
         for q in (0.5, 0.8):
-            c = float(scores[math.ceil((len(fit_rows) + 1) * q) - 1])  # the (n + 1) order statistic of the OTHER half
+            c = float(scores[math.ceil((len(fit_rows) + 1) * q) - 1])  # (n + 1) order statistic, OTHER half
             lo, hi = loc[score_rows] - c * ratio[score_rows], loc[score_rows] + c * ratio[score_rows]
             expected.append(float(winkler(y[score_rows], lo, hi, q).mean()))
     assert got == pytest.approx(sum(expected) / len(expected), rel=1e-12)

@@ -20,8 +20,8 @@ from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.intervals import fit_calibration, interval
 from causal_adapter.metrics import coverage_metrics, evaluate_dataset
 from causal_adapter.train import TrainConfig, train
-from causal_adapter.value_fit import (LOSSES, RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head, ridge_warm_start,
-                                      standardize)
+from causal_adapter.value_fit import (LOSSES, RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head,
+                                      ridge_warm_start, standardize)
 from conftest import small_vocab_qwen
 
 NUM = 300
