@@ -8,6 +8,10 @@
 The calibration map is a small dict stored in `CausalAdapterConfig.value_calibration` (hence in
 the adapter's config file): ``{"n": n, "scores": [...]}``, the sorted scores, thinned to at most
 `MAX_SCORES` evenly spaced order statistics (interpolated between) for large validation sets.
+
+`choose_scale_exponent` picks how much of a fitted per-row width to keep (scale = base * ratio^a) by a
+held-out interval score: conformal maps cross-fitted on halves of the validation rows
+(`crossfit_interval_score`), so no map is scored on the rows it was fitted on.
 """
 from __future__ import annotations
 
@@ -74,3 +78,55 @@ def interval(loc: Tensor, scale: Tensor, level: float, calibration: dict | None 
     c = multiplier(level, calibration)
     half = scale * c if math.isfinite(c) else torch.full_like(scale, math.inf)
     return loc - half, loc + half
+
+
+#: exponents tried on the per-row part of the width (scale = base * ratio^a: 0 = a constant width times the
+#: out-of-depth factor, 1 = the fitted per-row width), `choose_scale_exponent`
+SCALE_EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: levels whose interval (Winkler) scores are summed by `choose_scale_exponent`
+SCORE_LEVELS = (0.5, 0.8, 0.9)
+
+
+def winkler(y: Tensor, lower: Tensor, upper: Tensor, level: float) -> Tensor:
+    """Interval (Winkler) score of the central `level` interval per row: width + 2 / (1 - level) x miss."""
+    a = 1.0 - check_level(level)
+    return (upper - lower) + (2.0 / a) * ((lower - y).clamp_min(0) + (y - upper).clamp_min(0))
+
+
+def crossfit_interval_score(y: Tensor, loc: Tensor, scale: Tensor, levels: Sequence[float] = SCORE_LEVELS) -> float:
+    """Held-out interval score of conformal intervals loc -+ c_q scale: the rows split into two interleaved
+    halves; the calibration map is fitted on one half and the mean Winkler score summed over `levels` taken
+    on the other, both ways, averaged. A level with no finite conformal quantile on a half is skipped (the
+    same levels for any `scale` of the same rows); nan when no level is left."""
+    halves = (torch.arange(0, len(y), 2), torch.arange(1, len(y), 2))
+    total, used = 0.0, 0
+    for fit_rows, score_rows in (halves, halves[::-1]):
+        cal = fit_calibration(y[fit_rows], loc[fit_rows], scale[fit_rows])
+        if cal is None:
+            continue
+        for q in levels:
+            c = conformal_multiplier(cal, q)
+            if not math.isfinite(c):
+                continue
+            half = c * scale[score_rows]
+            lo, hi = loc[score_rows] - half, loc[score_rows] + half
+            total += float(winkler(y[score_rows], lo, hi, q).mean())
+            used += 1
+    return total / used if used else math.nan
+
+
+def choose_scale_exponent(y: Sequence[float] | Tensor, loc: Sequence[float] | Tensor, base: Sequence[float] | Tensor,
+                          ratio: Sequence[float] | Tensor, exponents: Sequence[float] = SCALE_EXPONENTS
+                          ) -> tuple[float, dict]:
+    """The exponent a of `exponents` whose widths base * ratio^a give the smallest held-out interval score
+    (`crossfit_interval_score`) on validation rows (y, loc), with `base` [n] the width without the per-row
+    part and `ratio` [n] > 0 the per-row part. Returns (a, {a: score}); a = 1 (the fitted width) with fewer
+    than 8 rows or no finite score; the earlier of `exponents` on a tie."""
+    y, loc, base, ratio = (torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in (y, loc, base, ratio))
+    keep = torch.isfinite(y) & torch.isfinite(loc) & (base > 0) & (ratio > 0)
+    y, loc, base, log_r = y[keep], loc[keep], base[keep], ratio[keep].log()
+    scores = {float(a): crossfit_interval_score(y, loc, base * (a * log_r).exp()) for a in exponents}
+    finite = {a: s for a, s in scores.items() if math.isfinite(s)}
+    if len(y) < 8 or not finite:
+        return 1.0, scores
+    return min(finite, key=finite.get), scores

@@ -64,7 +64,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: the training API in one 
 from .config import DEFAULT_SCALE_FLOOR
 from .data import IGNORE_INDEX
 from .integrations import unwrap_model
-from .intervals import fit_calibration
+from .intervals import choose_scale_exponent, fit_calibration
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, format_metrics_table, train_median
 from .plotting import plot_training
 from .train_config import (  # noqa: F401  (re-exported: the training API in one place)
@@ -542,8 +542,7 @@ def train(
     last_eval_step = -1
     predictions: dict | None = None
 
-    def run_eval(split: str = "eval") -> dict:
-        nonlocal last_eval, last_eval_step, predictions
+    def evaluate() -> MetricAccumulator:
         idx = list(range(rank, len(eval_ds), world))
         batches = (collator(_rows(eval_ds, idx[i:i + config.per_device_eval_batch_size]))
                    for i in range(0, len(idx), config.per_device_eval_batch_size))
@@ -553,7 +552,11 @@ def train(
                                                                 calibration=inner.config.value_calibration),
                          device=device)
         states = gather_object([acc.state()]) if world > 1 else [acc.state()]
-        merged = MetricAccumulator.merged(states)
+        return MetricAccumulator.merged(states)
+
+    def run_eval(split: str = "eval") -> dict:
+        nonlocal last_eval, last_eval_step, predictions
+        merged = evaluate()
         last_eval = merged.compute(constant)
         predictions = merged.predictions()
         last_eval_step = state.global_step
@@ -666,8 +669,13 @@ def train(
         last_eval_step = -1  # the head changed since the step's evaluation
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
-    if eval_ds is not None and config.calibrate_scale and _calibrate_regression_scale(inner, predictions):
-        run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
+    if eval_ds is not None and config.calibrate_scale:
+        base = _base_scale(inner, lambda: evaluate().predictions())
+        calibrated = _calibrate_regression_scale(inner, predictions, base)
+        if calibrated:
+            if is_main and calibrated is not True:
+                print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
+            run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
     adapter_dir = out_dir / ADAPTER_SUBDIR
     plot_path = None
     if is_main:
@@ -731,23 +739,59 @@ def _check_distributed_type(accelerator) -> None:
                          "docs/distributed.md)")
 
 
-def _calibrate_regression_scale(inner, predictions: dict | None) -> bool:
-    """After training, on the validation predictions: multiply |b_noise_Y| by the median normalised
-    residual |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50%
-    interval is calibrated), then fit the split-conformal map of every level on the rescaled normalised
-    residuals (`intervals.fit_calibration`) into `config.value_calibration`. False (nothing done)
-    without a regression scale of its own or validation values."""
-    if inner.action.b_noise_Y is None or not predictions or not predictions["y_true"]:
+def _base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
+    """With a per-row scale: the validation widths without their per-row part (w_scale_Y . loc_U = 0, the
+    out-of-depth factor kept), from one more pass of `predict` (rows in the order of the last evaluation's);
+    else None."""
+    act = inner.action
+    if act.w_scale_Y is None or act.b_noise_Y is None:
+        return None
+    saved = act.w_scale_Y.detach().clone(), act.log_scale_range.clone()
+    try:
+        with torch.no_grad():
+            act.w_scale_Y.zero_()
+            act.log_scale_range.zero_()
+        return predict()["scale"]
+    finally:
+        with torch.no_grad():
+            act.w_scale_Y.copy_(saved[0])
+            act.log_scale_range.copy_(saved[1])
+
+
+def _calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
+                                ) -> dict | bool:
+    """After training, on the validation predictions. With a per-row scale and `base_scale` (`_base_scale`):
+    shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
+    interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
+    validation rows) and applied as w_scale_Y *= a, log_scale_range *= a (still an exact Cauchy; the
+    out-of-depth factor stays). Then multiply |b_noise_Y| by the median normalised residual
+    |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
+    calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
+    (`intervals.fit_calibration`) into `config.value_calibration`. Returns {"scale_exponent": a, ...} (or
+    True without the exponent's choice); False (nothing done) without a regression scale of its own or
+    validation values."""
+    act = inner.action
+    if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return False
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    info: dict | bool = True
+    if base_scale is not None and act.w_scale_Y is not None and len(base_scale) == len(scale):
+        base = torch.tensor(base_scale, dtype=torch.float64)
+        a, scores = choose_scale_exponent(y, loc, base, scale / base)
+        info = {"scale_exponent": a, **{f"interval_score_a{k:g}": round(v, 6) for k, v in scores.items()}}
+        if a != 1.0:
+            with torch.no_grad():
+                act.w_scale_Y.mul_(a)
+                act.log_scale_range.mul_(a)
+            scale = base * (scale / base) ** a
     factor = float(((y - loc).abs() / scale).median())
     if not math.isfinite(factor) or factor <= 0:
         return False
     with torch.no_grad():
-        new = max(float(inner.action.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
-        inner.action.b_noise_Y.fill_(new)
-    inner.config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(inner.action.scale_floor))
-    return True
+        new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
+        act.b_noise_Y.fill_(new)
+    inner.config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
+    return info
 
 
 def _reset_log(path: Path, keep_until: int | None) -> None:

@@ -88,10 +88,11 @@ class TrainConfig:
                             "step k is the adapter a run stopped at k would give; the refits are part of the "
                             "run); 'end': after the last step only (evaluations and checkpoints during training "
                             "then use a head fitted on older features)", choices=["eval", "end"])
-    value_loss: str = flag("huber", "loss of the value head's fit before / after training: a robust M-estimate "
-                           "by IRLS from the ridge solution ('cauchy', 'huber') or least squares ('squared'); "
-                           "docs/values.md has the validation figures behind the default",
-                           choices=["cauchy", "huber", "squared"])
+    value_loss: str = flag("auto", "loss of the value head's fit before / after training: 'auto' fits each of "
+                           "least squares ('squared') and the robust M-estimates by IRLS from the ridge solution "
+                           "('huber', 'cauchy') and keeps the one with the smallest validation MAE (else LOO MAE); "
+                           "a name fixes it. docs/values.md has the validation figures behind the default",
+                           choices=["auto", "cauchy", "huber", "squared"])
     bf16_safe_head: str = flag("auto", "bound the value head's ridge penalty so that rounding loc_U to bf16 moves "
                                "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the heads "
                                "themselves are 16-bit (elsewhere the heads compute in fp32 and the bound costs "

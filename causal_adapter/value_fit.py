@@ -9,7 +9,8 @@
   a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
   (`center_abduction`, exact for every token score), ridge on per-feature standardised features
   with the penalty chosen on the validation split (else by exact leave-one-out) under an optional
-  bf16-rounding bound (`fit_linear_head`), a robust M-estimate by IRLS (Huber by default), and, with
+  bf16-rounding bound (`fit_linear_head`), the loss (least squares, or a Huber / Cauchy M-estimate by
+  IRLS) chosen per fit on validation by default, and, with
   the per-row scale, a log-linear width (`fit_log_scale`) and the out-of-depth statistics
   (`fit_depth`). docs/values.md has the validation figures behind each default. Measured before:
   the information about the value sits in low-variance directions of the final-norm features, where
@@ -32,8 +33,11 @@ RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
 BF16_MAX_SHIFT = 0.005
 #: IRLS iterations of a robust fit (per round; two rounds)
 IRLS_ITERS = 30
-#: robust loss of the value head's fit ('cauchy', 'huber' or 'squared'; chosen on validation, docs/values.md)
-ROBUST_LOSS = "huber"
+#: losses a value head's fit can use (the order breaks ties of loss='auto')
+LOSSES = ("squared", "huber", "cauchy")
+#: loss of the value head's fit: 'auto' = the one of LOSSES with the smallest validation MAE, per fit
+#: (docs/values.md); 'cauchy', 'huber' or 'squared' fix it
+ROBUST_LOSS = "auto"
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -173,10 +177,19 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     the standardised features) is the grid entry with the smallest validation MAE (X_val, t_val), else
     mean |LOO residual|, among those whose weights keep the bf16-rounding shift <= `max_shift`.
     loss != 'squared': IRLS M-estimate started from the ridge solution, then the penalty is chosen again
-    under the final weights and IRLS runs once more.
+    under the final weights and IRLS runs once more. loss 'auto': each of `LOSSES` is fitted so and the
+    one with the smallest validation MAE of its final weights (else mean |LOO residual|) is returned
+    (the earlier of `LOSSES` on a tie).
 
     Returns {"w": [C], "b": float, "lam": relative penalty, "loo": LOO residuals [n], "weights": [n],
-    "shift": bf16 shift, "chosen_on": str}."""
+    "shift": bf16 shift, "chosen_on": str, "loss": the loss used, "score": its selection score,
+    "scores": {loss: score} (the candidates')}."""
+    if loss == "auto":
+        fits = [fit_linear_head(X, t, X_val, t_val, loss=name, grid=grid, max_shift=max_shift, iters=iters)
+                for name in LOSSES]
+        best = min(fits, key=lambda f: f["score"])
+        return {**best, "scores": {f["loss"]: f["score"] for f in fits}}
+    robust_weights(t[:1], loss)  # an unknown loss fails here, before any work
     mean, sd, Xs, unit = _standardized(X)
     has_val = X_val is not None and t_val is not None and len(t_val) > 0
 
@@ -197,8 +210,10 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
             weights = robust_weights(resid, loss).clamp_min(1e-12)
             _, w, b, loo = next(_ridge_path(Xs, t, weights, [lam]))
     w_raw = w / sd
+    final = score(w_raw, b, loo)
     return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "loo": loo, "weights": weights,
-            "shift": bf16_shift(X, w_raw), "chosen_on": "validation" if has_val else "leave-one-out"}
+            "shift": bf16_shift(X, w_raw), "chosen_on": "validation" if has_val else "leave-one-out",
+            "loss": loss, "score": final, "scores": {loss: final}}
 
 
 def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_val: Tensor | None = None, *,
@@ -302,7 +317,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     X = X - mean
     X_val = None if X_val is None else X_val - mean
     fit = fit_linear_head(X, t, X_val, t_val, loss=loss, max_shift=max_shift)
-    summary = {"rows": int(X.shape[0]), "loss": loss, "ridge_lambda": fit["lam"], "chosen_on": fit["chosen_on"],
+    summary = {"rows": int(X.shape[0]), "loss": fit["loss"], "ridge_lambda": fit["lam"],
+               "chosen_on": fit["chosen_on"],
                "w_norm": float(fit["w"].norm()), "bf16_shift": fit["shift"] * act.value_scale,
                "loo_mae": float(fit["loo"].abs().mean()) * act.value_scale,
                "finite": bool(math.isfinite(float(fit["w"].abs().sum())))}

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.intervals import conformal_multiplier, fit_calibration, interval, multiplier
+from causal_adapter.intervals import (SCALE_EXPONENTS, choose_scale_exponent, conformal_multiplier,
+                                      crossfit_interval_score, fit_calibration, interval, multiplier, winkler)
 
 
 def test_raw_cauchy_interval_has_its_nominal_coverage():
@@ -46,3 +47,39 @@ def test_calibration_map_round_trips_through_the_config_and_is_validated():
             CausalAdapterConfig(value_calibration=bad)
     with pytest.raises(ValueError, match="level"):
         multiplier(1.0)
+
+
+def _hetero_rows(n, seed, informative=True):
+    """(y, loc, base, ratio): Cauchy-free normal residuals with sd = ratio when `informative`, else sd 1
+    whatever the ratio (then the per-row part of the width is noise)."""
+    g = torch.Generator().manual_seed(seed)
+    ratio = torch.exp(torch.randn(n, generator=g, dtype=torch.float64))
+    sd = ratio if informative else torch.ones(n, dtype=torch.float64)
+    y = torch.randn(n, generator=g, dtype=torch.float64) * sd
+    return y, torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64), ratio
+
+
+def test_crossfit_interval_score_fits_on_one_half_and_scores_the_other():
+    y, loc, base, ratio = _hetero_rows(41, 0)
+    got = crossfit_interval_score(y, loc, ratio, levels=(0.5, 0.8))
+    halves = (torch.arange(0, 41, 2), torch.arange(1, 41, 2))
+    expected = []
+    for fit_rows, score_rows in (halves, halves[::-1]):
+        scores = ((y[fit_rows] - loc[fit_rows]).abs() / ratio[fit_rows]).sort().values
+        for q in (0.5, 0.8):
+            c = float(scores[math.ceil((len(fit_rows) + 1) * q) - 1])  # (n + 1) order statistic, OTHER half
+            lo, hi = loc[score_rows] - c * ratio[score_rows], loc[score_rows] + c * ratio[score_rows]
+            expected.append(float(winkler(y[score_rows], lo, hi, q).mean()))
+    assert got == pytest.approx(sum(expected) / len(expected), rel=1e-12)
+    assert math.isnan(crossfit_interval_score(y[:2], loc[:2], ratio[:2], levels=(0.9,)))  # no finite quantile
+
+
+def test_scale_exponent_keeps_an_informative_width_and_drops_a_noise_one():
+    y, loc, base, ratio = _hetero_rows(400, 1, informative=True)
+    a, scores = choose_scale_exponent(y, loc, base, ratio)
+    assert a == 1.0 and set(scores) == set(SCALE_EXPONENTS)
+    assert a == min(scores, key=scores.get)
+    y, loc, base, ratio = _hetero_rows(400, 2, informative=False)
+    a, scores = choose_scale_exponent(y, loc, base, ratio)
+    assert a == 0.0 and scores[0.0] < 0.9 * scores[1.0], scores  # a noise width costs interval score
+    assert choose_scale_exponent(y[:5], loc[:5], base[:5], ratio[:5])[0] == 1.0  # too few rows: no choice

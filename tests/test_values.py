@@ -20,8 +20,8 @@ from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.intervals import fit_calibration, interval
 from causal_adapter.metrics import coverage_metrics, evaluate_dataset
 from causal_adapter.train import TrainConfig, train
-from causal_adapter.value_fit import (RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head, ridge_warm_start,
-                                      standardize)
+from causal_adapter.value_fit import (LOSSES, RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head,
+                                      ridge_warm_start, standardize)
 from conftest import small_vocab_qwen
 
 NUM = 300
@@ -105,6 +105,36 @@ def test_robust_fit_resists_shuffled_targets(loss):
     err = {name: float((fit_linear_head(X, t_noisy, Xv, tv, loss=name, max_shift=math.inf)["w"] - w).norm())
            for name in ("squared", loss)}
     assert err[loss] < 0.3 * err["squared"] and err["squared"] > 0.5, err
+
+
+def _corrupted_problem(seed):
+    """(X, t, t with 30% of the targets shuffled, Xv, clean tv) of one linear model with noise sd 0.3."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.25], dtype=torch.float64)
+    t = X @ w + 0.3 * torch.randn(200, generator=g, dtype=torch.float64)
+    bad = torch.randperm(200, generator=g)[:60]
+    noisy = t.clone()
+    noisy[bad] = t[bad[torch.randperm(60, generator=g)]]
+    Xv = torch.randn(60, 5, generator=g, dtype=torch.float64)
+    return X, t, noisy, Xv, Xv @ w + 0.3 * torch.randn(60, generator=g, dtype=torch.float64)
+
+
+def test_auto_loss_is_the_validation_best_fit():
+    X, t, noisy, Xv, tv = _corrupted_problem(1)
+    fits = {name: fit_linear_head(X, noisy, Xv, tv, loss=name, max_shift=math.inf) for name in LOSSES}
+    val_mae = {name: float((Xv @ f["w"] + f["b"] - tv).abs().mean()) for name, f in fits.items()}
+    auto = fit_linear_head(X, noisy, Xv, tv, loss="auto", max_shift=math.inf)
+    assert auto["loss"] == min(val_mae, key=val_mae.get) == "cauchy", val_mae
+    torch.testing.assert_close(auto["w"], fits["cauchy"]["w"])
+    assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation"
+    # without validation rows the LOO MAE decides, and picks another loss on these data
+    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "huber"
+    # clean targets: least squares wins on validation and is kept
+    X, t, _, Xv, tv = _corrupted_problem(0)
+    assert fit_linear_head(X, t, Xv, tv, loss="auto", max_shift=math.inf)["loss"] == "squared"
+    with pytest.raises(ValueError, match="robust loss"):
+        fit_linear_head(X, t, loss="l1")
 
 
 def test_bf16_bound_and_centring_keep_scores():
@@ -192,6 +222,34 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
     assert any(abs(doubled[f"coverage_{round(100 * q)}"] - q) >= 0.08 for q in (0.5, 0.8, 0.9, 0.95)), doubled
     lo, hi = interval(torch.tensor(preds["loc"]), torch.tensor(preds["scale"]), 0.9, cal)
     assert bool((hi > lo).all())
+
+
+@pytest.mark.parametrize("informative", [False, True])
+def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informative):
+    from causal_adapter.train import _calibrate_regression_scale
+
+    model = wrap(value_loc=0.0, value_scale=1.0)
+    act = model.action
+    w0 = torch.linspace(-0.2, 0.2, act.w_scale_Y.numel())
+    with torch.no_grad():
+        act.w_scale_Y.copy_(w0)
+        act.log_scale_range.copy_(torch.tensor([-1.0, 1.0]))
+    g = torch.Generator().manual_seed(4)
+    ratio = torch.exp(torch.randn(300, generator=g, dtype=torch.float64))
+    base = torch.full((300,), 2.0, dtype=torch.float64)
+    y = torch.randn(300, generator=g, dtype=torch.float64) * (2.0 * ratio if informative else 2.0)
+    preds = {"y_true": y.tolist(), "loc": [0.0] * 300, "scale": (base * ratio).tolist()}
+    info = _calibrate_regression_scale(model, preds, base.tolist())
+    a = info["scale_exponent"]
+    assert a == (1.0 if informative else 0.0), info
+    torch.testing.assert_close(act.w_scale_Y.detach(), a * w0)  # the choice is in the adapter, not only the map
+    torch.testing.assert_close(act.log_scale_range, torch.tensor([-a, a]))
+    width = base * ratio ** a
+    factor = float((y.abs() / width).median())
+    assert float(act.b_noise_Y.detach().abs()) == pytest.approx(factor, rel=1e-5)  # |b_noise_Y| was 1
+    expected = fit_calibration(y, torch.zeros(300), width * factor)
+    torch.testing.assert_close(torch.tensor(model.config.value_calibration["scores"]),
+                               torch.tensor(expected["scores"]), rtol=1e-6, atol=1e-9)
 
 
 def test_independent_scale_adapters_still_load_and_behave(tmp_path):
