@@ -817,7 +817,8 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
         if name not in args.variants:
             continue
         results[name] = run_causal(args, name == "causal_lora", splits, tokenizer, work / corpus)
-        _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}")
+        _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}, "
+             f"validation MAE {_fmt(results[name]['validation']['mae'])}")
         if corpus == "heteroscedastic":
             sds = [noise_sd(p) for p in splits["test"]["prompt"]]
             results[name]["scale_spearman"] = scale_spearman(results[name]["test"]["scales"], sds)
@@ -844,6 +845,8 @@ def main(argv=None) -> int:
             all_results[corpus] = results
             tables.append(format_table(corpus, results, constant))
             tables.append(format_interval_table(corpus, results))
+            # this corpus's figures now (a long run that is stopped keeps the corpora it finished)
+            _log("\n".join(tables[-2:]) + f"\n[{corpus} done] " + result_line({corpus: results}, args)[len("RESULT "):])
             for frac in args.label_noise:
                 if frac > 0:
                     noisy.setdefault(corpus, {})[frac] = run_corpus(args, corpus, tokenizer, Path(tmp) / f"noise{frac}",
