@@ -25,7 +25,18 @@ VALIDATION split and every figure reported on the TEST split:
 * ``digit_lora``: what a user would otherwise pick: peft LoRA with the same settings, numbers
   written as digit tokens by the plain tokenizer, the base model's cross-entropy on the
   completion, greedy generation, first number parsed (a failure is predicted as the train
-  median, and the parse rate is reported).
+  median, and the parse rate is reported). Its intervals (``--digit-samples``, default 20): that
+  many temperature-1 samples per TEST prompt (no top-k / top-p), each sample's first number, the
+  empirical quantiles of a prompt's parsed samples as its interval edges at every level (unparsable
+  samples are missing; a prompt with none gets the point train median); scored with the same
+  coverage / Winkler / pinball as the adapter's intervals. No NLL: samples give no density.
+
+Cost beside quality: sequence forwards per prediction (the rows of every forward call, counted by a
+hook: 1 for the adapter's teacher-forced forward; samples x generated tokens for the digit LoRA, KV
+cache on) and wall seconds per prediction on the test split.
+
+Input path (``--input-path default|seeds``, issue 20 item 7): the RESULT line and the interval table
+carry the VALIDATION MAE and Winkler 90 of the trained adapters, the figures the default is chosen on.
 
 Every trained variant: the same random tiny base (`assets.build_tiny_qwen`, `--hidden-size`,
 `--layers`, `--base-seed`), the same number of optimizer steps, batch, example order, AdamW,
@@ -37,7 +48,10 @@ Columns: MAE, median AE, MAE / persistence (constant where there is no persisten
 markdown tables (``--output``, default ``numeric_quality.md``), the JSON beside it, and ONE last
 line ``RESULT key=value ...`` with, per corpus, ``<c>_frozen_vs_probe``,
 ``<c>_lora_vs_persistence`` (or ``_vs_constant``), ``<c>_lora_vs_digit``, ``<c>_cov50``,
-``<c>_cov90`` (frozen adapter) and ``<c>_lora_cov50`` / ``<c>_lora_cov90``.
+``<c>_cov90`` (frozen adapter) and ``<c>_lora_cov50`` / ``<c>_lora_cov90``; ``<c>_frozen_val_mae``,
+``<c>_frozen_val_winkler90``; with the digit LoRA ``<c>_winkler90_vs_digit_sampled`` (also 50 and pinball;
+frozen adapter / sampled digit intervals), ``<c>_digit_sample_parse_rate``, ``<c>_seconds_per_pred_causal`` /
+``_digit`` and ``<c>_forwards_per_pred_causal`` / ``_digit``.
 """
 from __future__ import annotations
 
@@ -85,8 +99,10 @@ MAX_GRAD_NORM = 1.0
 LORA_R, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.0
 Q90 = math.tan(math.pi * 0.45)  # half-width of the central 90% Cauchy interval, in scales
 RIDGE_GRID = tuple(10.0 ** k for k in range(-8, 4))
-QUICK = dict(steps=2, batch_size=4, hidden_size=16, layers=1, max_train=12, max_eval=4, corpora=("sunspots", "diabetes"))
-DEFAULTS = dict(steps=150, batch_size=16, hidden_size=64, layers=2, max_train=None, max_eval=None, corpora=CORPORA)
+QUICK = dict(steps=2, batch_size=4, hidden_size=16, layers=1, max_train=12, max_eval=4, corpora=("sunspots", "diabetes"),
+             digit_samples=4)
+DEFAULTS = dict(steps=150, batch_size=16, hidden_size=64, layers=2, max_train=None, max_eval=None, corpora=CORPORA,
+                digit_samples=20)
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -139,31 +155,48 @@ def interval_scores(y, loc, scale, calibration=None, coverage_only=False):
     loc -+ c_q scale (`intervals.interval`: conformal c_q with `calibration`, else Cauchy)."""
     from causal_adapter.intervals import interval
 
-    cov = []
-    for q in LEVELS:
-        lo, hi = interval(loc, scale, q, calibration)
-        cov.append(float(((y >= lo) & (y <= hi)).double().mean()))
     if coverage_only:
-        return cov
-    out = {f"coverage_{round(100 * q)}": c for q, c in zip(LEVELS, cov)}
-    for q in (0.5, 0.9):
-        lo, hi = interval(loc, scale, q, calibration)
-        a = 1 - q
-        w = (hi - lo) + (2 / a) * ((lo - y).clamp_min(0) + (y - hi).clamp_min(0))
-        out[f"winkler_{round(100 * q)}"] = float(w.mean())
+        return [float(((y >= lo) & (y <= hi)).double().mean())
+                for lo, hi in (interval(loc, scale, q, calibration) for q in LEVELS)]
+
+    def quantile(tau: float):  # quantile tau = the edge of the central |2 tau - 1| interval (the median at 0.5)
+        if tau == 0.5:
+            return loc
+        lo, hi = interval(loc, scale, round(abs(2 * tau - 1), 6), calibration)
+        return hi if tau > 0.5 else lo
+    return quantile_scores(y, quantile)
+
+
+def quantile_scores(y, quantile) -> dict:
+    """Coverage of the central intervals [quantile((1 - q) / 2), quantile((1 + q) / 2)] at `LEVELS`, their
+    Winkler scores at 50% / 90%, the mean 90% width and the mean pinball loss over `PINBALL_LEVELS`, where
+    `quantile(tau)` gives the predicted tau-quantile of every row ([n] float64)."""
+    out = {}
+    for q in LEVELS:
+        lo, hi = quantile(round((1 - q) / 2, 6)), quantile(round((1 + q) / 2, 6))
+        out[f"coverage_{round(100 * q)}"] = float(((y >= lo) & (y <= hi)).double().mean())
+        if q in (0.5, 0.9):
+            a = 1 - q
+            w = (hi - lo) + (2 / a) * ((lo - y).clamp_min(0) + (y - hi).clamp_min(0))
+            out[f"winkler_{round(100 * q)}"] = float(w.mean())
         if q == 0.9:
             out["width_90"] = float((hi - lo).mean())
     losses = []
-    for tau in PINBALL_LEVELS:  # quantile tau = the edge of the central |2 tau - 1| interval (the median at 0.5)
-        if tau == 0.5:
-            qv = loc
-        else:
-            lo, hi = interval(loc, scale, abs(2 * tau - 1), calibration)
-            qv = hi if tau > 0.5 else lo
-        d = y - qv
+    for tau in PINBALL_LEVELS:
+        d = y - quantile(tau)
         losses.append(torch.maximum(tau * d, (tau - 1) * d).mean())
     out["pinball"] = float(torch.stack(losses).mean())
     return out
+
+
+def sample_quantiles(samples: list[list[float]], fallback: float):
+    """`quantile(tau)` of `quantile_scores` from per-row samples: the empirical tau-quantile (linear
+    interpolation, `torch.quantile`) of each row's parsed samples; a row without one is the point `fallback`."""
+    rows = [torch.tensor(s if s else [fallback], dtype=torch.float64) for s in samples]
+
+    def quantile(tau: float):
+        return torch.stack([torch.quantile(r, tau) for r in rows])
+    return quantile
 
 
 def constwidth_scores(val: dict, test: dict, y_val, y_test) -> dict:
@@ -325,15 +358,23 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
     y = {}
     for split in ("validation", "test"):
         ds = tokenize_dataset(splits[split], ntok, add_eos_token=True)
+        rows_seen = []
+        handle = result.model.register_forward_pre_hook(
+            lambda mod, a, kw: rows_seen.append(int(kw.get("input_ids", a[0] if a else None).shape[0])),
+            with_kwargs=True)
         t1 = time.perf_counter()
-        m, preds = evaluate_dataset(result.model, ds, ntok.pad_token_id, batch_size=args.batch_size,
-                                    return_predictions=True)
+        try:
+            m, preds = evaluate_dataset(result.model, ds, ntok.pad_token_id, batch_size=args.batch_size,
+                                        return_predictions=True)
+        finally:
+            handle.remove()
         if m["num_targets"] != len(splits[split]):
             raise RuntimeError(f"{name}: {m['num_targets']} <NUM> targets in {split}, expected {len(splits[split])}")
         out[split] = score(preds["loc"], preds["y_true"], preds["scale"], cal)
         out[split]["num_recall"] = m.get("num_recall")
         # one teacher-forced forward per row gives the value and every interval
         out[split]["seconds_per_prediction"] = (time.perf_counter() - t1) / max(1, len(ds))
+        out[split]["forwards_per_prediction"] = sum(rows_seen) / max(1, len(ds))
         y[split] = preds["y_true"]
     out["constwidth"] = constwidth_scores(out["validation"], out["test"], y["validation"], y["test"])
     return out
@@ -470,6 +511,52 @@ def score_plain(texts: list[str], targets: list[float], fallback: float) -> dict
             "parsed": sum(parsed), "mae_parsed_only": sum(ok) / len(ok) if ok else None, "texts": texts}
 
 
+@torch.no_grad()
+def sample_plain(model, rows: list[dict], tokenizer, max_new_tokens: int, n_samples: int, seed: int) -> dict:
+    """`n_samples` temperature-1 completions per prompt (pure sampling: no top-k / top-p), the samples of one
+    prompt in one batch; the cost: wall seconds and sequence forwards (the rows of every forward call of the
+    base model, KV cache on) per prompt."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    count = {"calls": 0, "rows": 0}
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count["calls"] += 1
+        count["rows"] += int(ids.shape[0]) if ids is not None else 0
+    handle = model.get_base_model().register_forward_pre_hook(hook, with_kwargs=True)
+    torch.manual_seed(seed)
+    texts, t0 = [], time.perf_counter()
+    try:
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"]])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n_samples,
+                                 eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
+            texts.append([tokenizer.decode(o[ids.shape[1]:], skip_special_tokens=True) for o in out])
+    finally:
+        handle.remove()
+    n = max(1, len(rows))
+    return {"texts": texts, "seconds_per_prediction": (time.perf_counter() - t0) / n,
+            "forwards_per_prediction": count["rows"] / n, "forward_calls_per_prediction": count["calls"] / n}
+
+
+def score_samples(texts: list[list[str]], targets: list[float], fallback: float) -> dict:
+    """Intervals from sampled completions: each sample's first number (find_numbers); an unparsable sample is
+    missing; the quantiles of a prompt's parsed samples give its intervals at every level (`sample_quantiles`;
+    a prompt with none gets the point `fallback`). Winkler / pinball / coverage as for the Cauchy intervals;
+    no NLL (samples define no density)."""
+    from causal_adapter.numbers import find_numbers
+
+    samples = [[nums[0].value for nums in map(find_numbers, row) if nums] for row in texts]
+    total = sum(len(row) for row in texts)
+    y = torch.tensor([float(t) for t in targets], dtype=torch.float64)
+    out = quantile_scores(y, sample_quantiles(samples, fallback))
+    out.update(n=len(y), nll=None, parse_rate=sum(map(len, samples)) / total if total else None,
+               prompts_without_number=sum(1 for s in samples if not s),
+               samples_per_prompt=total / len(texts) if texts else 0)
+    return out
+
+
 def run_plain(args, splits, tokenizer, fallback: float) -> dict:
     rows = encode_plain(splits["train"], tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -479,8 +566,15 @@ def run_plain(args, splits, tokenizer, fallback: float) -> dict:
     out["max_new_tokens"] = max_new
     for split in ("validation", "test"):
         srows = encode_plain(splits[split], tokenizer)
+        t0 = time.perf_counter()
         texts = generate_plain(model, srows, tokenizer, max_new)
         out[split] = score_plain(texts, [float(v) for v in splits[split]["target"]], fallback)
+        out[split]["seconds_per_prediction"] = (time.perf_counter() - t0) / max(1, len(srows))
+    if args.digit_samples > 0:  # the sampled intervals, on test only
+        srows = encode_plain(splits["test"], tokenizer)
+        smp = sample_plain(model, srows, tokenizer, max_new, args.digit_samples, args.seed)
+        out["sampled"] = {**score_samples(smp.pop("texts"), [float(v) for v in splits["test"]["target"]], fallback),
+                          **smp}
     return out
 
 
@@ -514,7 +608,7 @@ def format_table(corpus: str, results: dict, constant: float) -> str:
 
 
 def result_line(all_results: dict, args, noisy: dict | None = None) -> str:
-    kv = {"steps": args.steps}
+    kv = {"steps": args.steps, "input_path": args.input_path}
     for corpus, res in all_results.items():
         ref = ref_name(res)
         t = {k: res[k]["test"] for k in res if isinstance(res[k], dict) and "test" in res[k]}
@@ -530,6 +624,16 @@ def result_line(all_results: dict, args, noisy: dict | None = None) -> str:
             kv[f"{corpus}_winkler50_vs_constwidth"] = f["winkler_50"] / cw["winkler_50"]
             kv[f"{corpus}_pinball_vs_constwidth"] = f["pinball"] / cw["pinball"]
             kv[f"{corpus}_nll_minus_constwidth"] = f["nll"] - cw["nll"]
+            v = res["causal_frozen"]["validation"]  # item 7: the input path chosen on validation
+            kv[f"{corpus}_frozen_val_mae"] = v["mae"]
+            kv[f"{corpus}_frozen_val_winkler90"] = v["winkler_90"]
+            kv[f"{corpus}_seconds_per_pred_causal"] = f["seconds_per_prediction"]
+            kv[f"{corpus}_forwards_per_pred_causal"] = f["forwards_per_prediction"]
+            smp = res.get("digit_lora", {}).get("sampled")
+            if smp:
+                for key in ("winkler90", "winkler50", "pinball"):
+                    k = key.replace("winkler", "winkler_")
+                    kv[f"{corpus}_{key}_vs_digit_sampled"] = f[k] / smp[k] if smp[k] else math.nan
             if "scale_spearman" in res["causal_frozen"]:
                 kv["synthetic_scale_spearman"] = res["causal_frozen"]["scale_spearman"]
         if "causal_lora" in t:
@@ -541,6 +645,11 @@ def result_line(all_results: dict, args, noisy: dict | None = None) -> str:
             kv[f"{corpus}_lora_cov90"] = t["causal_lora"]["coverage_90"]
             if "digit_lora" in t:
                 kv[f"{corpus}_lora_vs_digit"] = t["causal_lora"]["mae"] / t["digit_lora"]["mae"]
+        smp = res.get("digit_lora", {}).get("sampled")
+        if smp:
+            kv[f"{corpus}_digit_sample_parse_rate"] = smp["parse_rate"]
+            kv[f"{corpus}_seconds_per_pred_digit"] = smp["seconds_per_prediction"]
+            kv[f"{corpus}_forwards_per_pred_digit"] = smp["forwards_per_prediction"]
     for corpus, by_frac in (noisy or {}).items():
         clean = all_results[corpus]
         for frac, res in by_frac.items():
@@ -571,20 +680,35 @@ def format_noise_table(all_results: dict, noisy: dict) -> str:
 
 def format_interval_table(corpus: str, results: dict) -> str:
     """Interval quality on test: the adapter's per-row calibrated intervals vs a constant-width
-    split-conformal interval on the same point predictions."""
+    split-conformal interval on the same point predictions and vs the digit-token LoRA's sampled intervals,
+    with the cost of each (sequence forwards and seconds per prediction), and the validation split's MAE
+    and Winkler 90 (what the input path is chosen on)."""
     lines = [f"| {corpus} TEST intervals | cov 50/80/90/95 | raw Cauchy cov 50/90 | Winkler 50 | Winkler 90 | "
-             "pinball | NLL | s / prediction |", "| --- " * 8 + "|"]
+             "pinball | NLL | forwards / prediction | s / prediction | VALIDATION MAE | VALIDATION Winkler 90 |",
+             "| --- " * 11 + "|"]
     for name in ("causal_frozen", "causal_lora"):
         if name not in results:
             continue
-        t, cw = results[name]["test"], results[name]["constwidth"]
+        t, cw, v = results[name]["test"], results[name]["constwidth"], results[name]["validation"]
         covs = "/".join(_fmt(t[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
         lines.append(f"| {LABELS[name]} | {covs} | {_fmt(t['cauchy_coverage_50'], 2)}/{_fmt(t['cauchy_coverage_90'], 2)} "
                      f"| {_fmt(t['winkler_50'])} | {_fmt(t['winkler_90'])} | {_fmt(t['pinball'])} | {_fmt(t['nll'])} "
-                     f"| {_fmt(t['seconds_per_prediction'], 2)} |")
+                     f"| {_fmt(t['forwards_per_prediction'], 3)} | {_fmt(t['seconds_per_prediction'], 2)} "
+                     f"| {_fmt(v['mae'])} | {_fmt(v['winkler_90'])} |")
         covs = "/".join(_fmt(cw[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
         lines.append(f"| same points, constant-width conformal | {covs} | | {_fmt(cw['winkler_50'])} "
-                     f"| {_fmt(cw['winkler_90'])} | {_fmt(cw['pinball'])} | {_fmt(cw['nll'])} | |")
+                     f"| {_fmt(cw['winkler_90'])} | {_fmt(cw['pinball'])} | {_fmt(cw['nll'])} | | | | |")
+    smp = results.get("digit_lora", {}).get("sampled")
+    if smp:
+        covs = "/".join(_fmt(smp[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| digit-token LoRA, quantiles of {_fmt(smp['samples_per_prompt'], 3)} samples (T = 1) | {covs} "
+                     f"| | {_fmt(smp['winkler_50'])} | {_fmt(smp['winkler_90'])} | {_fmt(smp['pinball'])} "
+                     f"| n/a (samples) | {_fmt(smp['forwards_per_prediction'], 3)} "
+                     f"| {_fmt(smp['seconds_per_prediction'], 2)} | | |")
+        lines.append(f"\ndigit-token LoRA samples: {_fmt(100 * smp['parse_rate'], 3)}% held a number; "
+                     f"{smp['prompts_without_number']}/{smp['n']} prompts had none (their interval is the point "
+                     "train median). No NLL: samples give no density. Forwards = rows of the base's forward calls "
+                     "(KV cache on) per prompt.")
     return "\n".join(lines)
 
 
@@ -615,16 +739,20 @@ def parse_args(argv=None):
                     "scored on the clean test split (the seeds' anchor experiment)")
     ap.add_argument("--freeze", nargs="+", default=None, help="TrainConfig.freeze of the causal adapters (default: "
                     "the recipe's, abduction_loc; 'none' trains W_loc too)")
+    ap.add_argument("--digit-samples", type=int, default=None, help="temperature-1 samples per test prompt of "
+                    "the digit-token LoRA, whose quantiles give its intervals (default 20, quick: 4; 0: none)")
     ap.add_argument("--quick", action="store_true", help="toy size for CI: few steps, small base, few examples")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
-    for k in ("steps", "batch_size", "hidden_size", "layers", "corpora"):
+    for k in ("steps", "batch_size", "hidden_size", "layers", "corpora", "digit_samples"):
         if getattr(args, k) is None:
             setattr(args, k, defaults[k])
     args.max_train, args.max_eval = defaults["max_train"], defaults["max_eval"]
     for k in ("steps", "batch_size", "hidden_size", "layers"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.digit_samples < 0:
+        ap.error("--digit-samples must be >= 0")
     if not (args.lr > 0 and args.lora_lr > 0):
         ap.error("--lr and --lora-lr must be > 0")
     return args
@@ -689,7 +817,8 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
         if name not in args.variants:
             continue
         results[name] = run_causal(args, name == "causal_lora", splits, tokenizer, work / corpus)
-        _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}")
+        _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}, "
+             f"validation MAE {_fmt(results[name]['validation']['mae'])}")
         if corpus == "heteroscedastic":
             sds = [noise_sd(p) for p in splits["test"]["prompt"]]
             results[name]["scale_spearman"] = scale_spearman(results[name]["test"]["scales"], sds)
@@ -716,6 +845,8 @@ def main(argv=None) -> int:
             all_results[corpus] = results
             tables.append(format_table(corpus, results, constant))
             tables.append(format_interval_table(corpus, results))
+            # this corpus's figures now (a long run that is stopped keeps the corpora it finished)
+            _log("\n".join(tables[-2:]) + f"\n[{corpus} done] " + result_line({corpus: results}, args)[len("RESULT "):])
             for frac in args.label_noise:
                 if frac > 0:
                     noisy.setdefault(corpus, {})[frac] = run_corpus(args, corpus, tokenizer, Path(tmp) / f"noise{frac}",

@@ -42,6 +42,13 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
         assert float(kv[f"{corpus}_winkler50_vs_constwidth"]) > 0
         # 4 validation rows have no finite conformal 90% quantile (it needs n >= 9): inf / inf there
         assert f"{corpus}_winkler90_vs_constwidth" in kv and f"{corpus}_pinball_vs_constwidth" in kv
+        # the digit LoRA's sampled intervals and the cost beside the quality (issue 20 item 6b)
+        assert 0.0 <= float(kv[f"{corpus}_digit_sample_parse_rate"]) <= 1.0
+        assert float(kv[f"{corpus}_winkler50_vs_digit_sampled"]) > 0
+        assert float(kv[f"{corpus}_forwards_per_pred_causal"]) == 1.0
+        assert float(kv[f"{corpus}_forwards_per_pred_digit"]) >= 4  # 4 samples (--quick), >= 1 token each
+        assert float(kv[f"{corpus}_seconds_per_pred_causal"]) > 0 and float(kv[f"{corpus}_seconds_per_pred_digit"]) > 0
+    assert kv["input_path"] == "default"
 
     # the markdown: one table per corpus, a row per variant that applies, finite MAE and ratio
     text = out.read_text(encoding="utf-8")
@@ -67,6 +74,11 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
         assert float(kv[f"{corpus}_lora_vs_{ref}"]) == pytest.approx(
             res["causal_lora"]["test"]["mae"] / res[ref]["test"]["mae"], rel=1e-3)
         assert res["causal_frozen"]["steps"] == res["causal_lora"]["steps"] == data["settings"]["steps"]
+        # item 7: the validation split's MAE of the frozen adapter, in the RESULT line and the interval table
+        assert float(kv[f"{corpus}_frozen_val_mae"]) == pytest.approx(res["causal_frozen"]["validation"]["mae"], rel=1e-3)
+        smp = res["digit_lora"]["sampled"]
+        assert smp["samples_per_prompt"] == 4 and smp["nll"] is None
+        assert f"| digit-token LoRA, quantiles of 4 samples (T = 1) |" in text
     # the AR(p) baseline really uses the window: on sunspots it beats the constant
     sun = data["results"]["sunspots"]
     assert sun["linear"]["choice"].startswith("AR(")
@@ -106,3 +118,49 @@ def test_score_plain_counts_failures_and_uses_fallback(nq):
     assert s["predictions"] == [12.5, 15.0, 7.0]
     assert s["mae"] == pytest.approx((2.5 + 5.0 + 1.0) / 3)
     assert s["mae_parsed_only"] == pytest.approx((2.5 + 1.0) / 2)
+
+
+def test_sample_intervals_use_the_right_quantile_levels(nq):
+    # row i's samples are 10 i + 0..100: its tau-quantile is exactly 10 i + 100 tau (order shuffled, one
+    # unparsable sample per row that must be ignored)
+    g = torch.Generator().manual_seed(0)
+    texts = [[f" {10 * i + k}" for k in torch.randperm(101, generator=g).tolist()] + [" n/a"] for i in range(3)]
+    y = [3.0, 10 + 50.0, 20 + 99.0]  # below the 5%, at the median, between the 95% and the max
+    s = nq.score_samples(texts, y, fallback=-1.0)
+    assert s["parse_rate"] == pytest.approx(303 / 306) and s["prompts_without_number"] == 0 and s["nll"] is None
+    # 90%: [10 i + 5, 10 i + 95]; 50%: [10 i + 25, 10 i + 75]
+    cover90 = [5 <= 3 <= 95, True, False]
+    assert s["coverage_90"] == pytest.approx(sum(cover90) / 3) and s["width_90"] == pytest.approx(90.0)
+    w90 = [90 + 20 * (5 - 3), 90, 90 + 20 * (99 - 95)]
+    w50 = [50 + 4 * (25 - 3), 50, 50 + 4 * (99 - 75)]
+    assert s["winkler_90"] == pytest.approx(sum(w90) / 3) and s["winkler_50"] == pytest.approx(sum(w50) / 3)
+    rel = [3.0, 50.0, 99.0]  # y - 10 i, against the quantile 100 tau
+    pin = [max(t * (r - 100 * t), (t - 1) * (r - 100 * t)) for t in nq.PINBALL_LEVELS for r in rel]
+    assert s["pinball"] == pytest.approx(sum(pin) / len(pin))
+    # 50%: only the median row; 95% = [10 i + 2.5, 10 i + 97.5]: rows 0 and 1
+    assert s["coverage_50"] == pytest.approx(1 / 3) and s["coverage_95"] == pytest.approx(2 / 3)
+
+
+def test_sample_intervals_missing_samples_and_fallback(nq):
+    s = nq.score_samples([[" 10", "none", " 30 and 99"], ["x", "y"]], [20.0, 7.0], fallback=7.0)
+    assert s["parse_rate"] == pytest.approx(2 / 5) and s["prompts_without_number"] == 1
+    # row 0: samples [10, 30] -> 90% [11, 29] covers 20; row 1: the point 7 (= y: covered, zero width)
+    assert s["coverage_90"] == 1.0 and s["width_90"] == pytest.approx(18 / 2)
+    assert s["winkler_90"] == pytest.approx(18 / 2)
+
+
+def test_cauchy_interval_scores_closed_form(nq):
+    y = torch.tensor([0.5, -20.0, 3.0], dtype=torch.float64)
+    loc, scale = torch.zeros(3, dtype=torch.float64), torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    s = nq.interval_scores(y, loc, scale)
+
+    def q(tau, i):  # the Cauchy tau-quantile of row i
+        return float(scale[i]) * math.tan(math.pi * (tau - 0.5))
+    w90 = [q(0.95, i) - q(0.05, i) + 20 * (max(q(0.05, i) - float(y[i]), 0) + max(float(y[i]) - q(0.95, i), 0))
+           for i in range(3)]
+    assert s["winkler_90"] == pytest.approx(sum(w90) / 3)
+    pin = [max(t * (float(y[i]) - q(t, i)), (t - 1) * (float(y[i]) - q(t, i))) for t in nq.PINBALL_LEVELS
+           for i in range(3)]
+    assert s["pinball"] == pytest.approx(sum(pin) / len(pin))
+    # |y| / scale = 0.5, 10, 6: the 50% half-width is 1, the 95% one tan(0.475 pi) = 12.7
+    assert s["coverage_50"] == pytest.approx(1 / 3) and s["coverage_95"] == 1.0
