@@ -137,6 +137,25 @@ def test_auto_loss_is_the_validation_best_fit():
         fit_linear_head(X, t, loss="l1")
 
 
+def test_auto_loss_keeps_least_squares_unless_a_robust_fit_wins_by_one_standard_error():
+    from causal_adapter.value_fit import _one_standard_error_choice
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.rand(40, generator=gen) * 10
+    noise = torch.randn(40, generator=gen)
+
+    def fit(name, errors):
+        return {"loss": name, "abs_errors": errors, "score": float(errors.mean())}
+    # a smaller MAE by less than one standard error of the paired difference: least squares stays
+    slightly = fit("cauchy", ref - 0.05 + noise)
+    assert slightly["score"] < ref.mean()
+    assert _one_standard_error_choice([fit("squared", ref), slightly])["loss"] == "squared"
+    # clearly smaller: the robust fit with the smallest MAE among those that clear the bar
+    clearly_h, clearly_c = fit("huber", ref * 0.5), fit("cauchy", ref * 0.4)
+    assert _one_standard_error_choice([fit("squared", ref), clearly_h, clearly_c])["loss"] == "cauchy"
+    assert _one_standard_error_choice([fit("squared", ref), clearly_h, slightly])["loss"] == "huber"
+
+
 def test_bf16_bound_and_centring_keep_scores():
     train_ds, _ = regime_rows(120, 0)
     val_ds, _ = regime_rows(40, 1)
