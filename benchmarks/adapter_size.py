@@ -75,7 +75,7 @@ def families_table() -> None:
     """Adapter sizes for one real shape of every family, on the meta device."""
     import transformers
 
-    from causal_adapter.families import EXPERT_LORA_PARAMETERS, FAMILIES
+    from causal_adapter.modeling.families import EXPERT_LORA_PARAMETERS, FAMILIES
 
     print(f"{'family':<12}{'shape':<24}{'params B':>9}{'bf16 GiB':>9}{'frozen MiB':>11}{'%':>8}"
           f"{'LoRA r8 MiB':>12}{'%':>8}{'+experts MiB':>13}{'%':>8}")
@@ -101,7 +101,7 @@ def families_table() -> None:
         if moe:
             result[f"{family}_lora_experts_mb"] = round(sizes[2] / 2**20, 1)
     print("(tensor bytes in float32; the safetensors file adds a header of a few KiB. LoRA targets: "
-          "causal_adapter.families defaults; '+experts' adds peft target_parameters on the fused experts)")
+          "causal_adapter.modeling.families defaults; '+experts' adds peft target_parameters on the fused experts)")
     result.update(expert_lora_step_cost())
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
@@ -110,8 +110,8 @@ def expert_lora_step_cost(steps: int = 5) -> dict:
     """Seconds per training step (forward + backward) of a small Qwen3-MoE, default LoRA vs + expert LoRA."""
     import time
 
-    from causal_adapter.assets import build_tiny_qwen
-    from causal_adapter.families import EXPERT_LORA_PARAMETERS
+    from causal_adapter.saving.assets import build_tiny_qwen
+    from causal_adapter.modeling.families import EXPERT_LORA_PARAMETERS
 
     out = {}
     ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))

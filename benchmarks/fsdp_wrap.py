@@ -37,7 +37,7 @@ NUM_TOKEN_ID, STEPS = 300, 4
 
 
 def tiny_base(dtype: torch.dtype):
-    from causal_adapter.assets import build_tiny_qwen
+    from causal_adapter.saving.assets import build_tiny_qwen
 
     return build_tiny_qwen("qwen2", vocab_size=320, hidden_size=32, num_layers=2, dtype=dtype)
 
@@ -68,7 +68,7 @@ def use_fsdp_on_cpu(accelerator) -> None:
 
 
 def toy_batch(rank: int) -> dict:
-    from causal_adapter.data import NumericCollator
+    from causal_adapter.data.pipeline import NumericCollator
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -85,7 +85,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
     from safetensors.torch import save_file
 
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from causal_adapter.integrations import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
+    from causal_adapter.saving.integrations import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
 
     accelerator = Accelerator()
     use_fsdp_on_cpu(accelerator)

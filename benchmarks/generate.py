@@ -29,7 +29,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter import scoring
+from causal_adapter.modeling import scoring
 
 MODES = ("softmax", "deterministic", "causal")
 

@@ -31,14 +31,14 @@ import time
 
 import torch
 
-from causal_adapter.assets import load_base
-from causal_adapter.corpora import build_corpus
-from causal_adapter.data import tokenize_dataset
-from causal_adapter.demo import demo_train_config
-from causal_adapter.metrics import evaluate_dataset
-from causal_adapter.model import get_causal_model
+from causal_adapter.saving.assets import load_base
+from causal_adapter.data.corpora import build_corpus
+from causal_adapter.data.pipeline import tokenize_dataset
+from causal_adapter.training.demo import demo_train_config
+from causal_adapter.training.metrics import evaluate_dataset
+from causal_adapter.saving.model import get_causal_model
 from causal_adapter.numbers import NumberTokenizer, find_numbers
-from causal_adapter.train import train
+from causal_adapter.training.loop import train
 
 SEPARATOR = ";"
 
@@ -69,7 +69,7 @@ def generation_scores(model, tokenizer, rows, fallback: float, new_tokens: int, 
 def diagnose(model, tokenizer, prompt: str) -> dict:
     """Why the token side does (not) learn: the top OvR probabilities at the last position of `prompt`
     ending ":" and ": ", and the sizes the OvR probability depends on."""
-    from causal_adapter.cauchy import ovr_probability
+    from causal_adapter.modeling.cauchy import ovr_probability
 
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     k, act = model.num_token_id, model.action

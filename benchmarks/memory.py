@@ -8,7 +8,7 @@ Each variant runs in its OWN process (a fresh interpreter: no allocator state sh
 model (random weights, float32), resets the peak (``echo 5 > /proc/self/clear_refs``: the build's
 transients are not the step's), runs one warm-up step and ``--steps`` timed steps, and reports
 ``VmHWM`` (peak resident set) from /proc/self/status. A step is forward + loss + backward + AdamW step + zero_grad, as
-`causal_adapter.train` does it. Variants:
+`causal_adapter.training.loop` does it. Variants:
 
 * ``frozen``: frozen backbone, fixed d: the backbone runs under no_grad (no activations kept);
   checkpointing changes nothing there, this is the floor.

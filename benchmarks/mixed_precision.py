@@ -50,7 +50,7 @@ def grad_check(heads_in_autocast: bool) -> dict:
 
     model = bf16_model()
     ids, values = numeric_batch()
-    ctx = (mock.patch("causal_adapter.model.full_precision", lambda device: contextlib.nullcontext())
+    ctx = (mock.patch("causal_adapter.modeling.heads.full_precision", lambda device: contextlib.nullcontext())
            if heads_in_autocast else contextlib.nullcontext())
     with ctx:
         ref, ref_grads = run(model, ids, values)
@@ -65,7 +65,8 @@ def grad_check(heads_in_autocast: bool) -> dict:
 # ----------------------------------------------------------------------------- sunspots
 def train_run(mixed_precision: str, steps: int, out_dir: Path) -> dict:
     """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir."""
-    from causal_adapter.train import TrainConfig, train
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
     config = TrainConfig(max_steps=steps, mixed_precision=mixed_precision, output_dir=str(out_dir), cpu=True,
                          plot=False, progress=False, eval_steps=0)
@@ -83,11 +84,11 @@ def train_run(mixed_precision: str, steps: int, out_dir: Path) -> dict:
 def test_mae(adapter_dir: Path, autocast: bool) -> float:
     """Test-split value MAE of a saved adapter, as `causal-adapter eval` computes it (fresh float32
     model), optionally under CPU bf16 autocast."""
-    from causal_adapter.assets import load_base
-    from causal_adapter.corpora import build_corpus
-    from causal_adapter.data import tokenize_dataset
-    from causal_adapter.metrics import evaluate_dataset
-    from causal_adapter.model import CausalModel
+    from causal_adapter.saving.assets import load_base
+    from causal_adapter.data.corpora import build_corpus
+    from causal_adapter.data.pipeline import tokenize_dataset
+    from causal_adapter.training.metrics import evaluate_dataset
+    from causal_adapter.saving.model import CausalModel
     from causal_adapter.numbers import NumberTokenizer
 
     base, tokenizer = load_base(None, "qwen2", "float32", 64, 2)
@@ -102,9 +103,9 @@ def test_mae(adapter_dir: Path, autocast: bool) -> float:
 def gemm_accuracy(rows: int = 128) -> dict:
     """Fused-loss accuracy per gemm_precision against float64, at the real vocabulary."""
     from causal_adapter import CausalAdapterConfig, get_causal_model
-    from causal_adapter.assets import build_tiny_qwen
-    from causal_adapter.heads import linear_in_dtype
-    from causal_adapter.loss import fused_ovr_loss
+    from causal_adapter.saving.assets import build_tiny_qwen
+    from causal_adapter.modeling.heads import linear_in_dtype
+    from causal_adapter.modeling.loss import fused_ovr_loss
 
     model = get_causal_model(build_tiny_qwen("qwen2", seed=0), CausalAdapterConfig(num_token_id=151665))
     g = torch.Generator().manual_seed(0)

@@ -119,7 +119,7 @@ def _fmt(v, digits=4):
 
 
 def _base(args):
-    from causal_adapter.assets import build_tiny_qwen
+    from causal_adapter.saving.assets import build_tiny_qwen
 
     return build_tiny_qwen(args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.base_seed)
 
@@ -133,7 +133,7 @@ def score(preds, targets, scales=None, calibration=None) -> dict:
     """MAE, median AE and, with Cauchy scales: coverage of the reported intervals at `LEVELS` (calibrated
     by `calibration`, an `intervals` map, when given; raw Cauchy beside), Winkler scores at 50% / 90%,
     the mean pinball loss over 0.05..0.95, mean 90% width and mean Cauchy NLL."""
-    from causal_adapter.cauchy import cauchy_nll
+    from causal_adapter.modeling.cauchy import cauchy_nll
 
     y = torch.tensor([float(t) for t in targets], dtype=torch.float64)
     p = torch.tensor([float(v) for v in preds], dtype=torch.float64)
@@ -153,7 +153,7 @@ def score(preds, targets, scales=None, calibration=None) -> dict:
 def interval_scores(y, loc, scale, calibration=None, coverage_only=False):
     """Coverage at `LEVELS`, Winkler 50/90, mean pinball loss and mean 90% width of the intervals
     loc -+ c_q scale (`intervals.interval`: conformal c_q with `calibration`, else Cauchy)."""
-    from causal_adapter.intervals import interval
+    from causal_adapter.modeling.intervals import interval
 
     if coverage_only:
         return [float(((y >= lo) & (y <= hi)).double().mean())
@@ -202,8 +202,8 @@ def sample_quantiles(samples: list[list[float]], fallback: float):
 def constwidth_scores(val: dict, test: dict, y_val, y_test) -> dict:
     """The constant-width split-conformal interval on the same point predictions: half-width c_q = the
     conformal quantile of the validation |residuals|; its Cauchy NLL uses scale = median |residual|."""
-    from causal_adapter.cauchy import cauchy_nll
-    from causal_adapter.intervals import fit_calibration
+    from causal_adapter.modeling.cauchy import cauchy_nll
+    from causal_adapter.modeling.intervals import fit_calibration
 
     yv, pv = torch.tensor(y_val, dtype=torch.float64), torch.tensor(val["predictions"], dtype=torch.float64)
     yt, pt = torch.tensor(y_test, dtype=torch.float64), torch.tensor(test["predictions"], dtype=torch.float64)
@@ -235,7 +235,7 @@ def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def huber_fit(X: torch.Tensor, t: torch.Tensor, lam: float, iters: int = 50) -> torch.Tensor:
     """Huber M-estimate (IRLS, k = 1.345 robust sd, `value_fit.robust_weights`) of the ridge model of
     `ridge_fit`, started from its least-squares solution; w [d + 1] with the intercept last."""
-    from causal_adapter.value_fit import robust_weights
+    from causal_adapter.training.value_fit import robust_weights
 
     mu, sd = X.mean(0), X.std(0).clamp_min(1e-12)
     A = torch.cat([(X - mu) / sd, torch.ones(len(X), 1, dtype=X.dtype)], 1)
@@ -302,9 +302,9 @@ def run_probe(args, splits, tokenizer, **input_path) -> dict:
     """Ridge on the frozen base's features (the causal adapter's loc_U at init, in its value units).
     `input_path`: CausalAdapterConfig overrides of the input side (the ``--input-ablation`` rows)."""
     from causal_adapter import CausalAdapterConfig, get_causal_model
-    from causal_adapter.data import NumericCollator, tokenize_dataset
+    from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
     from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.value_fit import fit_value_units, num_label_features
+    from causal_adapter.training.value_fit import fit_value_units, num_label_features
 
     loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
     model = get_causal_model(_base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale,
@@ -329,10 +329,11 @@ def run_probe(args, splits, tokenizer, **input_path) -> dict:
 def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
     """`train.train` with its defaults (validation split given: it calibrates the scale)."""
     from causal_adapter import get_causal_model
-    from causal_adapter.data import tokenize_dataset
-    from causal_adapter.metrics import evaluate_dataset
+    from causal_adapter.data.pipeline import tokenize_dataset
+    from causal_adapter.training.metrics import evaluate_dataset
     from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.train import TrainConfig, train
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
     name = "causal_lora" if lora else "causal_frozen"
     config = TrainConfig(
@@ -447,7 +448,7 @@ def train_plain_lora(args, model, rows: list[dict], pad_id: int) -> dict:
     `train.train` (`EpochSampler`, seed + epoch), `args.steps` optimizer steps."""
     from transformers import get_scheduler
 
-    from causal_adapter.train import EpochSampler
+    from causal_adapter.training.loop import EpochSampler
 
     torch.manual_seed(args.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -793,8 +794,8 @@ def scale_spearman(scales, sds) -> float:
 
 
 def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.0) -> tuple[dict, float]:
-    from causal_adapter.corpora import build_corpus, noise_sd
-    from causal_adapter.metrics import train_median
+    from causal_adapter.data.corpora import build_corpus, noise_sd
+    from causal_adapter.training.metrics import train_median
 
     dd = build_corpus(corpus)
     splits = {k: dd[k] for k in ("train", "validation", "test")}
@@ -833,7 +834,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(k, "1")
-    from causal_adapter.assets import load_qwen_tokenizer
+    from causal_adapter.saving.assets import load_qwen_tokenizer
 
     t0 = time.perf_counter()
     tokenizer = load_qwen_tokenizer()

@@ -76,7 +76,7 @@ def child(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from causal_adapter.loss import chunk_sizes, fused_ovr_loss, reference_ovr_loss
+    from causal_adapter.modeling.loss import chunk_sizes, fused_ovr_loss, reference_ovr_loss
 
     torch.set_num_threads(spec["threads"])
     N, C, V, variant, trainable = spec["N"], spec["C"], spec["V"], spec["variant"], spec["trainable"]

@@ -20,7 +20,7 @@ import time
 
 
 def build_texts(target_mb: float) -> list[str]:
-    from causal_adapter.corpora import build_corpus
+    from causal_adapter.data.corpora import build_corpus
 
     pool: list[str] = []
     for name, kws in (
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    from causal_adapter.assets import load_qwen_tokenizer
+    from causal_adapter.saving.assets import load_qwen_tokenizer
     from causal_adapter.numbers import NumberTokenizer
 
     tok = load_qwen_tokenizer()

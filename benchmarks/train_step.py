@@ -9,7 +9,7 @@ models and a warm-up step included); 24 layers do not fit in a minute, hence the
 
 Shapes: hidden 896, 14 query / 2 key-value heads, intermediate 4864, vocab 151,936, tied
 embeddings, random weights (float32, CPU). Every position carries a label (plain text).
-One timed step (the fastest of --steps) = forward + loss + backward + AdamW step + zero_grad, as `causal_adapter.train`
+One timed step (the fastest of --steps) = forward + loss + backward + AdamW step + zero_grad, as `causal_adapter.training.loop`
 does it:
 
 * ``frozen``: `get_causal_model` with a frozen backbone: the backbone runs under no_grad,

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+#: label of positions without a loss (the transformers convention)
+IGNORE_INDEX = -100
 #: default lower bound of the scales scale_S / scale_Y (a zero row of W_cls must not give scale 0)
 DEFAULT_SCALE_FLOOR = 1e-6
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -15,13 +17,36 @@ FORBIDDEN_LORA_TARGETS = ("embed_tokens", "lm_head")
 SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
 
+#: what each metric key measures (metric tables, the adapter card)
+METRIC_LABELS = {
+    "loss": "L = L_cls + lambda L_reg",
+    "loss_cls": "L_cls (OvR)",
+    "loss_reg": "L_reg (gated Cauchy NLL)",
+    "accuracy": "next-token accuracy (argmax P)",
+    "num_precision": "<NUM> precision",
+    "num_recall": "<NUM> recall",
+    "num_f1": "<NUM> F1",
+    "perplexity": "perplexity, softmax(loc_S)",
+    "value_mae": "value MAE (loc_Y)",
+    "value_median_ae": "value median AE (loc_Y)",
+    "tokens": "tokens scored",
+    "num_targets": "<NUM> targets scored",
+    "global_step": "optimizer steps",
+    "coverage_50": "coverage of 50% interval",
+    "coverage_80": "coverage of 80% interval",
+    "coverage_90": "coverage of 90% interval",
+    "coverage_95": "coverage of 95% interval",
+    "cauchy_coverage_50": "coverage of raw Cauchy 50% interval",
+    "cauchy_coverage_90": "coverage of raw Cauchy 90% interval",
+}
+
 
 @dataclass
 class LoraSettings:
     """LoRA on the backbone through peft (`None` in CausalAdapterConfig.lora = frozen backbone).
 
     target_modules: `nn.Linear` names inside the decoder; the default list stands for the family's
-    defaults (`causal_adapter.families`: attention, dense/shared-expert MLP and, in hybrid models,
+    defaults (`causal_adapter.modeling.families`: attention, dense/shared-expert MLP and, in hybrid models,
     the linear-attention projections), resolved when the model is wrapped.
     target_parameters: fused parameters for peft's `target_parameters`, e.g. the MoE experts
     `families.EXPERT_LORA_PARAMETERS` (opt-in: costly, see README).
@@ -91,7 +116,7 @@ class CausalAdapterConfig:
         GradScaler need them); False keeps the base's dtype (half the adapter memory, bf16-precise
         heads). Saved tensors have this dtype. Adapters written before this field load as True.
     value_calibration: the split-conformal calibration map of the value intervals
-        (`causal_adapter.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
+        (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
     """
 

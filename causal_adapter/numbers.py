@@ -504,8 +504,9 @@ def pad_batch(rows_ids, rows_vals, pad_token_id: int, padding_side: str = "right
                 out_vals.append([0.0] * k + list(vals))
                 out_mask.append([0] * k + [1] * len(ids))
         return {"input_ids": out_ids, "numeric_values": out_vals, "attention_mask": out_mask}
-    import torch
     from itertools import chain
+
+    import torch
 
     b = len(rows_ids)
     lengths = torch.tensor([len(r) for r in rows_ids], dtype=torch.long).reshape(b, 1)

@@ -5,20 +5,21 @@
     accelerate launch examples/finetune.py ...           # the same script under any accelerate config
 
 The same run from the command line: ``causal-adapter train --output-dir runs/sunspots``
-(``python -m causal_adapter.train --help`` lists every flag).
+(``python -m causal_adapter train --help`` lists every flag).
 """
 import argparse
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.corpora import build_corpus
-from causal_adapter.metrics import format_metrics_table
-from causal_adapter.train import TrainConfig, train
+from causal_adapter.data.corpora import build_corpus
+from causal_adapter.training.metrics import format_metrics_table
+from causal_adapter.training.config import TrainConfig
+from causal_adapter.training.loop import train
 
 
 def load_base(path):
     """A fresh base model and its tokenizer (the embedded tiny Qwen by default)."""
     if path is None:
-        from causal_adapter.assets import build_tiny_qwen, load_qwen_tokenizer
+        from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
 
         return build_tiny_qwen("qwen2"), load_qwen_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer

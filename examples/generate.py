@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter.generation import NumberStreamer
+from causal_adapter.modeling.generation import NumberStreamer
 from causal_adapter.numbers import NumberTokenizer
 
 PROMPT = "In 1749 the yearly sunspot number was 80.9; in 1750 it was"
@@ -22,7 +22,7 @@ PROMPT = "In 1749 the yearly sunspot number was 80.9; in 1750 it was"
 
 def load(base_dir):
     if base_dir is None:
-        from causal_adapter.assets import build_tiny_qwen, load_qwen_tokenizer
+        from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
 
         return build_tiny_qwen("qwen2"), load_qwen_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -13,7 +13,7 @@ from causal_adapter import CausalAdapterConfig, CausalModel, get_causal_model
 
 def load(base_dir):
     if base_dir is None:
-        from causal_adapter.assets import build_tiny_qwen, load_qwen_tokenizer
+        from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
 
         return build_tiny_qwen("qwen2"), load_qwen_tokenizer(), lambda: build_tiny_qwen("qwen2")
     from transformers import AutoModelForCausalLM, AutoTokenizer

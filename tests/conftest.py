@@ -14,14 +14,14 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
-    from causal_adapter.assets import load_qwen_tokenizer
+    from causal_adapter.saving.assets import load_qwen_tokenizer
 
     return load_qwen_tokenizer()
 
 
 def small_vocab_qwen(arch="qwen2", vocab_size=320, dtype=torch.float32, seed=0, **kw):
     """A tiny Qwen with a small vocabulary, for tests whose subject is not the vocabulary."""
-    from causal_adapter.assets import build_tiny_qwen
+    from causal_adapter.saving.assets import build_tiny_qwen
 
     kw.setdefault("hidden_size", 32)
     return build_tiny_qwen(arch, vocab_size=vocab_size, dtype=dtype, seed=seed, **kw)

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.artifacts import CONFIG_NAME, WEIGHTS_NAME
-from causal_adapter.assets import build_tiny_qwen
-from causal_adapter.value_fit import fit_depth
+from causal_adapter.saving.artifacts import CONFIG_NAME, WEIGHTS_NAME
+from causal_adapter.saving.assets import build_tiny_qwen
+from causal_adapter.training.value_fit import fit_depth
 
 NUM = 151_669
 
@@ -65,8 +65,9 @@ def test_save_reload_identical_outputs(tmp_path, arch, lora):
     loaded = CausalModel.from_pretrained(fresh_base, tmp_path / "adapter")
     for a, b in zip(outputs(model, ids, vals), outputs(loaded, ids, vals)):
         assert torch.equal(a, b)
-    if lora is not None:
-        assert any("lora_A" in k for k in load_file(str(tmp_path / "adapter" / WEIGHTS_NAME)))
+    if lora is not None:  # LoRA in peft's file, once
+        assert any("lora_A" in k for k in load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+        assert not any("lora_A" in k for k in load_file(str(tmp_path / "adapter" / WEIGHTS_NAME)))
 
 
 def test_saved_file_holds_only_adapter_tensors(tmp_path):
@@ -80,8 +81,9 @@ def test_saved_file_holds_only_adapter_tensors(tmp_path):
              "action.depth_basis", "action.depth_weight", "action.depth_resid", "action.depth_ref",
              "action.log_scale_range"}
     assert heads <= set(tensors)
-    others = set(tensors) - heads
-    assert others and all(k.startswith("lora.") and ("lora_A" in k or "lora_B" in k) for k in others)
+    assert set(tensors) == heads  # the LoRA tensors are in peft's file only
+    peft = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert peft and all("lora_A" in k or "lora_B" in k for k in peft)
     for k, t in tensors.items():
         if k in ("action.b_cls", "action.thresholds"):
             assert t.shape == (V,)
@@ -101,7 +103,7 @@ def test_reload_in_a_new_process(tmp_path):
     code = textwrap.dedent(f"""
         import torch
         from causal_adapter import CausalModel
-        from causal_adapter.assets import build_tiny_qwen
+        from causal_adapter.saving.assets import build_tiny_qwen
         ref = torch.load({str(tmp_path / 'ref.pt')!r})
         m = CausalModel.from_pretrained(build_tiny_qwen("qwen3", seed=0), {str(tmp_path / 'a')!r})
         with torch.no_grad():
@@ -158,7 +160,7 @@ def test_adapter_of_another_configuration_is_refused(tmp_path):
     model, _, _ = trained_model("qwen2", steps=1)
     model.save_pretrained(tmp_path / "a")
     plain = get_causal_model(build_tiny_qwen(), CausalAdapterConfig(num_token_id=NUM))  # no vector thresholds
-    from causal_adapter.artifacts import read_adapter_files
+    from causal_adapter.saving.artifacts import read_adapter_files
 
     _, tensors = read_adapter_files(tmp_path / "a")
     with pytest.raises(ValueError, match="thresholds.*has shape"):
@@ -173,7 +175,7 @@ def test_crash_during_save_leaves_previous_adapter(tmp_path, monkeypatch):
     d = tmp_path / "a"
     model.save_pretrained(d)
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    import causal_adapter.model as model_module
+    import causal_adapter.saving.model as model_module
 
     def crash(directory, config, tensors):  # the new weights file is half written, then the process dies
         (directory / WEIGHTS_NAME).write_bytes(b"partial")
@@ -209,7 +211,7 @@ def _fork_saver(model, versions, directory, ready, rounds=None):
 
 
 def _version_of(directory, versions):
-    from causal_adapter.artifacts import read_adapter_files
+    from causal_adapter.saving.artifacts import read_adapter_files
 
     _, tensors = read_adapter_files(directory)
     for i, v in enumerate(versions):
@@ -273,3 +275,75 @@ def test_concurrent_saves_give_one_complete_adapter(tmp_path):
         assert p.exitcode == 0
     assert _version_of(d, versions) in (0, 1)
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+def test_model_card_usage_runs_as_written_offline(tmp_path):
+    """The card's Usage snippet, executed verbatim in a fresh offline process from the directory the adapter
+    was saved from, loads the adapter onto the embedded default base (rebuilt locally: no hub lookup)."""
+    import re
+    import subprocess
+    import sys
+
+    from causal_adapter import get_causal_model
+    from causal_adapter.saving.assets import build_tiny_qwen
+
+    model = get_causal_model(build_tiny_qwen("qwen2"))
+    fresh_count = model.get_nb_trainable_parameters()[0]
+    model.requires_grad_(False)  # as after a run that froze parts: the card keeps the adapter's size as built
+    model.save_pretrained(tmp_path / "adapter", metrics={"eval_tokens": 7, "eval_value_mae": 1.5, "train_loss": 2.0})
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    snippet = re.search(r"## Usage\n\n```python\n(.*?)```", card, re.S).group(1)
+    assert "'causal-adapter/tiny-qwen2-h64-l2-seed0'" in snippet and "huggingface.co/causal-adapter" not in card
+    assert f"adapter parameters: {fresh_count:,d} trainable" in card
+    assert "| validation | tokens scored | 7 |" in card and "eval_eval" not in card and "| train |" in card
+    code = snippet + "\nprint(type(model).__name__, model.num_token_id)\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # any hub call would fail
+    out = subprocess.run([sys.executable, "-c", code.replace(str(tmp_path / "adapter"), "adapter")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["CausalModel", str(model.num_token_id)]
+
+
+def test_from_pretrained_none_uses_the_recorded_embedded_base(tmp_path):
+    from causal_adapter import CausalModel, get_causal_model
+    from causal_adapter.saving.assets import build_tiny_qwen
+
+    model = get_causal_model(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, seed=3))
+    model.save_pretrained(tmp_path)
+    again = CausalModel.from_pretrained(None, tmp_path)
+    assert again.backbone.name_or_path == "causal-adapter/tiny-qwen3-h32-l1-seed3"
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).loc_Y, model(ids).loc_Y)
+
+
+def test_lora_tensors_are_stored_once_and_old_directories_still_load(tmp_path):
+    """save_pretrained keeps the LoRA tensors in peft's adapter_model.safetensors only; a directory of an
+    earlier version (LoRA in our file as well) loads to the same model."""
+    from safetensors.torch import load_file
+
+    from causal_adapter.saving.artifacts import write_adapter_files
+    from causal_adapter.saving.integrations import LORA_PREFIX, PEFT_WEIGHTS_NAME
+
+    model, ids, vals = trained_model("qwen2", lora=LoraSettings(r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(tmp_path / "new")
+    ours, peft = load_file(tmp_path / "new" / WEIGHTS_NAME), load_file(tmp_path / "new" / PEFT_WEIGHTS_NAME)
+    lora = {k: v for k, v in model.adapter_state_dict().items() if k.startswith(LORA_PREFIX)}
+    assert lora and peft and not any(k.startswith(LORA_PREFIX) or "lora_" in k for k in ours)
+    assert len(peft) == len(lora)
+    reloaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2"), tmp_path / "new")
+    for a, b in zip(outputs(model, ids, vals), outputs(reloaded, ids, vals)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the old layout: every tensor in our file too (peft's file beside it, as before)
+    import shutil
+
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / CONFIG_NAME).read_text())
+    write_adapter_files(tmp_path / "old", meta, {**ours, **{k: v + 0.0 for k, v in lora.items()}})
+    (tmp_path / "old" / PEFT_WEIGHTS_NAME).unlink()  # the old layout did not need it to load
+    old = CausalModel.from_pretrained(build_tiny_qwen("qwen2"), tmp_path / "old")
+    for a, b in zip(outputs(model, ids, vals), outputs(old, ids, vals)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (tmp_path / "new" / PEFT_WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+        CausalModel.from_pretrained(build_tiny_qwen("qwen2"), tmp_path / "new")

@@ -1,4 +1,4 @@
-"""Stable Cauchy math (causal_adapter/cauchy.py) against mpmath and closed forms."""
+"""Stable Cauchy math (causal_adapter/modeling/cauchy.py) against mpmath and closed forms."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import mpmath
 import pytest
 import torch
 
-from causal_adapter.cauchy import (
+from causal_adapter.modeling.cauchy import (
     cauchy_cdf,
     cauchy_icdf,
     cauchy_nll,

@@ -1,5 +1,6 @@
 """The product surface at toy size: the main job end to end, the CLI, the examples."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from causal_adapter.artifacts import CONFIG_NAME, WEIGHTS_NAME
-from causal_adapter.cli import main
+from causal_adapter.saving.artifacts import CONFIG_NAME, WEIGHTS_NAME
+from causal_adapter.commands.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_data_command_writes_jsonl(tmp_path):
 
 def test_help_of_every_command():
     for cmd in ("demo", "train", "eval", "generate", "predict", "verify", "data"):
-        r = subprocess.run([sys.executable, "-m", "causal_adapter.cli", cmd, "--help"], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "causal_adapter.commands.main", cmd, "--help"], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0 and "usage:" in r.stdout, (cmd, r.stderr[-500:])
 
@@ -70,3 +71,36 @@ def test_examples_run(tmp_path, script, args):
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
                        timeout=600, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+COMMAND_NAMES = ("demo", "train", "eval", "generate", "predict", "verify")
+
+
+def _help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", COMMAND_NAMES)
+def test_help_says_each_default_once(command, capsys):
+    text = " ".join(_help(command, capsys).split())  # argparse wraps lines
+    assert "(default: None)" not in text
+    assert not re.search(r"\(default:[^()]*(\([^()]*\))?[^()]*\) \(default:", text), text
+
+
+@pytest.mark.parametrize("command", ("demo", "train", "eval", "generate", "predict", "verify"))
+def test_one_dtype_vocabulary(command, capsys):
+    text = _help(command, capsys)
+    assert "float16" in text.replace("bfloat16", "") and "--dtype" in text
+
+
+def test_one_dataset_flag_with_the_old_spelling_kept():
+    from causal_adapter.commands.main import build_parser
+    from causal_adapter.commands.train import parse_train_args
+
+    parser = build_parser()
+    for flag in ("--dataset", "--corpus"):
+        args = parser.parse_args(["eval", "adapter-dir", flag, "nile"])
+        assert args.dataset == "nile"
+        assert parse_train_args([flag, "nile"])[0].dataset == "nile"

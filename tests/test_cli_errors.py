@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from causal_adapter.artifacts import WEIGHTS_NAME
+from causal_adapter.saving.artifacts import WEIGHTS_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, cwd=None, env=None, stdin=subprocess.DEVNULL, umask=None, timeout=180):
-    """Run `python -m causal_adapter.cli ARGS` (this checkout) -> (returncode, stdout, stderr, seconds)."""
+    """Run `python -m causal_adapter ARGS` (this checkout) -> (returncode, stdout, stderr, seconds)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     for k, v in list(full_env.items()):
         if v is None:
             del full_env[k]
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "causal_adapter.cli", *map(str, args)], cwd=cwd, env=full_env,
+    r = subprocess.run([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)], cwd=cwd, env=full_env,
                        stdin=stdin, capture_output=True, text=True, timeout=timeout,
                        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
@@ -36,7 +36,7 @@ def run_cli_on_terminal(*args, cwd=None, timeout=180):
     import pty
 
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "causal_adapter.cli", *map(str, args)], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)], cwd=cwd,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=secondary)
     os.close(secondary)
@@ -72,8 +72,8 @@ def assert_short_error(rc, err, *needles, code=1, max_lines=2):
 @pytest.fixture(scope="module")
 def adapter32(tmp_path_factory, qwen_tokenizer):
     """A real saved adapter for the embedded tiny base with --tiny-hidden-size 32 --tiny-layers 1."""
-    from causal_adapter.assets import build_tiny_qwen
-    from causal_adapter.model import get_causal_model
+    from causal_adapter.saving.assets import build_tiny_qwen
+    from causal_adapter.saving.model import get_causal_model
 
     path = tmp_path_factory.mktemp("adapter32") / "adapter"
     get_causal_model(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), tokenizer=qwen_tokenizer) \
@@ -260,7 +260,8 @@ def test_train_config_parses_with_the_real_hf_argument_parser(tmp_path):
 
     from transformers import HfArgumentParser
 
-    from causal_adapter.train import TrainConfig, build_arg_parser, parse_train_args
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.commands.train import build_arg_parser, parse_train_args
 
     (cfg,) = HfArgumentParser(TrainConfig).parse_args_into_dataclasses(
         ["--train_file", "a.jsonl", "b.jsonl", "--freeze", "cls_bias", "--no_plot", "--lora"], look_for_args_file=False)
@@ -285,7 +286,7 @@ def test_train_config_parses_with_the_real_hf_argument_parser(tmp_path):
 
 
 def test_train_config_file_and_command_line_overrides(tmp_path):
-    from causal_adapter.train import parse_train_args
+    from causal_adapter.commands.train import parse_train_args
 
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"max_steps": 7, "learning-rate": 0.05, "train_file": "a.jsonl", "lora": True}))

@@ -9,9 +9,10 @@ import datasets
 import pytest
 import torch
 
-from causal_adapter.corpora import CORPORA, build_corpus, sunspots_corpus, write_corpus_jsonl
-from causal_adapter.corpora import main as data_main
-from causal_adapter.data import IGNORE_INDEX, NumericCollator, load_text_dataset, tokenize_dataset
+from causal_adapter.data.corpora import CORPORA, build_corpus, sunspots_corpus, write_corpus_jsonl
+from causal_adapter.commands.data import main as data_main
+from causal_adapter.config import IGNORE_INDEX
+from causal_adapter.data.pipeline import NumericCollator, load_text_dataset, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer, find_numbers
 
 datasets.disable_progress_bars()
@@ -290,8 +291,8 @@ def test_write_corpus_offline_in_fresh_process(tmp_path):
     script = textwrap.dedent(f"""
         import datasets, json
         assert datasets.config.HF_DATASETS_OFFLINE
-        from causal_adapter.corpora import write_corpus_jsonl
-        from causal_adapter.data import load_text_dataset
+        from causal_adapter.data.corpora import write_corpus_jsonl
+        from causal_adapter.data.pipeline import load_text_dataset
         paths = write_corpus_jsonl("nile", {str(out)!r}, window=5)
         ds = load_text_dataset(paths["test"])
         st = load_text_dataset(paths["train"], streaming=True)

@@ -1,4 +1,4 @@
-"""FSDP through accelerate (2 gloo processes on CPU), the launchers causal_adapter.train refuses,
+"""FSDP through accelerate (2 gloo processes on CPU), the launchers causal_adapter.training.loop refuses,
 1-element scalars (and adapters saved with 0-d ones), placement on several devices."""
 import json
 import subprocess
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from causal_adapter import CausalAdapterConfig, CausalModel, get_causal_model
-from causal_adapter.artifacts import WEIGHTS_NAME, write_adapter_files
+from causal_adapter.saving.artifacts import WEIGHTS_NAME, write_adapter_files
 from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from causal_adapter.integrations import FSDP_IGNORED_MODULES, finish_fsdp_wrap
+    from causal_adapter.saving.integrations import FSDP_IGNORED_MODULES, finish_fsdp_wrap
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:
@@ -87,7 +87,7 @@ def test_train_refuses_deepspeed_and_fsdp_at_start_naming_the_launchers(tmp_path
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    from causal_adapter.train import _check_distributed_type
+    from causal_adapter.training.loop import _check_distributed_type
 
     AcceleratorState._reset_state(True)
     try:
@@ -151,7 +151,7 @@ def split_model(head_device: str):
 def test_split_placement_inputs_go_to_the_embedding_not_to_lm_head():
     """Shapes only (lm_head on the meta device): what can be checked without a second device. Before,
     generate put prompts on model.device (lm_head's) and check_inputs refused them."""
-    from causal_adapter.generation import _resolve_inputs
+    from causal_adapter.modeling.generation import _resolve_inputs
 
     model = split_model("meta")
     assert model.input_device == torch.device("cpu") and model.device.type == "meta"

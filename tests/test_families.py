@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.assets import QWEN3_5_VOCAB_SIZE, build_tiny_qwen
+from causal_adapter.saving.assets import QWEN3_5_VOCAB_SIZE, build_tiny_qwen
 from causal_adapter.config import DEFAULT_LORA_TARGETS
-from causal_adapter.families import EXPERT_LORA_PARAMETERS, FAMILIES, family_name
+from causal_adapter.modeling.families import EXPERT_LORA_PARAMETERS, FAMILIES, family_name
 from test_artifacts import optimise
 from test_generation import NUM_SMALL, perturb, reference_generate, small_prompts
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter.assets import build_tiny_qwen
-from causal_adapter.generation import GenerationOutput, NumberStreamer, generate
+from causal_adapter.saving.assets import build_tiny_qwen
+from causal_adapter.modeling.generation import GenerationOutput, NumberStreamer, generate
 from causal_adapter.numbers import NumberTokenizer, find_numbers, format_number
-from causal_adapter.scoring import OvRScorer
+from causal_adapter.modeling.scoring import OvRScorer
 from conftest import small_vocab_qwen
 
 NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)

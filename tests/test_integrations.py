@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.artifacts import CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME
-from causal_adapter.data import NumericCollator
+from causal_adapter.saving.artifacts import CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME
+from causal_adapter.data.pipeline import NumericCollator
 from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
 from conftest import toy_rows as conftest_toy_rows
 
@@ -71,7 +71,7 @@ def trainer_args(out, **kw):
 
 
 def make_trainer(model, out, eval_dataset=None, **kw):
-    from causal_adapter.hf_trainer import CausalTrainer
+    from causal_adapter.saving.hf_trainer import CausalTrainer
 
     return CausalTrainer(model=model, args=trainer_args(out, **kw), train_dataset=toy_dataset(),
                          eval_dataset=eval_dataset, data_collator=NumericCollator(0))
@@ -133,7 +133,7 @@ def test_trainer_save_model_keeps_checkpoints_and_best_model_reloads(tmp_path):
 def accelerate_run(model, steps=3):
     from accelerate import Accelerator
 
-    from causal_adapter.integrations import register_accelerate_hooks
+    from causal_adapter.saving.integrations import register_accelerate_hooks
 
     acc = Accelerator(cpu=True)
     register_accelerate_hooks(acc)
@@ -235,10 +235,16 @@ def test_peft_loaders_read_the_lora_part_and_never_meet_our_schema(tmp_path, loc
 def test_legacy_directories_with_peft_file_names_still_load(tmp_path):
     model = trained(tiny_model(lora=LORA))
     model.save_pretrained(tmp_path / "a")
+    # that layout held every adapter tensor, LoRA included, in the one weights file
+    from causal_adapter.saving.artifacts import write_adapter_files
+
+    both = tmp_path / "both"
+    both.mkdir()
+    write_adapter_files(both, json.loads((tmp_path / "a" / CONFIG_NAME).read_text()), model.adapter_state_dict())
     old = tmp_path / "old"
     old.mkdir()
-    (old / LEGACY_CONFIG_NAME).write_bytes((tmp_path / "a" / CONFIG_NAME).read_bytes())
-    (old / LEGACY_WEIGHTS_NAME).write_bytes((tmp_path / "a" / WEIGHTS_NAME).read_bytes())
+    (old / LEGACY_CONFIG_NAME).write_bytes((both / CONFIG_NAME).read_bytes())
+    (old / LEGACY_WEIGHTS_NAME).write_bytes((both / WEIGHTS_NAME).read_bytes())
     loaded = CausalModel.from_pretrained(tiny_base(), old)
     assert_same_tensors(adapter_tensors(loaded), adapter_tensors(model))
     # a real peft adapter directory is named as such, not misread
@@ -302,7 +308,7 @@ def test_from_pretrained_like_peft(tmp_path, local_base_dir):
         CausalModel.from_pretrained("nobody/no-such-base", tmp_path / "a")
     # the model card names the base, the configuration and the metrics
     card = (tmp_path / "a" / "README.md").read_text()
-    assert f"base_model: {local_base_dir}" in card and '"r": 4' in card and "| eval_loss | 1.25 |" in card
+    assert f"base_model: {local_base_dir}" in card and '"r": 4' in card and "| validation | L = L_cls + lambda L_reg | 1.25 |" in card
 
 
 def test_hub_ids_fail_fast_and_clearly_offline(tmp_path, monkeypatch):
@@ -368,7 +374,7 @@ def test_generate_accepts_generation_config_and_length_penalty_arguments():
 def test_text_streamer_gets_the_numbers(qwen_tokenizer, capsys):
     from transformers import TextIteratorStreamer, TextStreamer
 
-    from causal_adapter.assets import build_tiny_qwen
+    from causal_adapter.saving.assets import build_tiny_qwen
 
     tok = qwen_tokenizer
     model = get_causal_model(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), tokenizer=tok).eval()
@@ -388,7 +394,8 @@ def test_text_streamer_gets_the_numbers(qwen_tokenizer, capsys):
 def test_train_on_a_streaming_dataset_with_exact_resume(tmp_path):
     import datasets
 
-    from causal_adapter.train import TrainConfig, train
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
     rows = toy_rows(40)
 
@@ -419,9 +426,9 @@ from safetensors.torch import save_file
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter.assets import build_tiny_qwen
-from causal_adapter.data import NumericCollator
-from causal_adapter.integrations import fully_shard_causal_model, full_adapter_state_dict, save_fsdp_adapter
+from causal_adapter.saving.assets import build_tiny_qwen
+from causal_adapter.data.pipeline import NumericCollator
+from causal_adapter.saving.integrations import fully_shard_causal_model, full_adapter_state_dict, save_fsdp_adapter
 out = sys.argv[1]
 base = build_tiny_qwen("qwen2", vocab_size=320, hidden_size=32, num_layers=2)
 model = fully_shard_causal_model(get_causal_model(base, CausalAdapterConfig(num_token_id=300)))
@@ -487,7 +494,7 @@ def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
 
 
 def test_saving_into_a_shared_directory_replaces_only_our_files(tmp_path):
-    from causal_adapter.integrations import save_adapter_into
+    from causal_adapter.saving.integrations import save_adapter_into
 
     d = tmp_path / "out"
     (d / "checkpoint-1").mkdir(parents=True)

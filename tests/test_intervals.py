@@ -5,8 +5,16 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.intervals import (SCALE_EXPONENTS, choose_scale_exponent, conformal_multiplier,
-                                      crossfit_interval_score, fit_calibration, interval, multiplier, winkler)
+from causal_adapter.modeling.intervals import (
+    SCALE_EXPONENTS,
+    choose_scale_exponent,
+    conformal_multiplier,
+    crossfit_interval_score,
+    fit_calibration,
+    interval,
+    multiplier,
+    winkler,
+)
 
 
 def test_raw_cauchy_interval_has_its_nominal_coverage():

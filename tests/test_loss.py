@@ -12,9 +12,9 @@ import mpmath
 import pytest
 import torch
 
-from causal_adapter.cauchy import cauchy_nll, ovr_probability
-from causal_adapter import loss as loss_module
-from causal_adapter.loss import (
+from causal_adapter.modeling.cauchy import cauchy_nll, ovr_probability
+from causal_adapter.modeling import loss as loss_module
+from causal_adapter.modeling.loss import (
     COMPILE_ENV,
     COMPILE_MIN_ELEMENTS,
     chunk_sizes,
@@ -150,7 +150,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(tmp_path):
     warning naming the fallback (real torch.compile failure, fresh cache, CXX=/bin/false)."""
     script = """
 import warnings, torch
-from causal_adapter.loss import fused_ovr_loss, reference_ovr_loss
+from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
 g = torch.Generator().manual_seed(0)
 lu, su = torch.randn(6, 4, generator=g), torch.rand(6, 4, generator=g) + 0.5
 W, y = torch.randn(50, 4, generator=g), torch.randint(0, 50, (6,), generator=g)

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-from causal_adapter.data import NumericCollator
-from causal_adapter.train import TrainConfig, build_arg_parser, config_from_args, train
+from causal_adapter.data.pipeline import NumericCollator
+from causal_adapter.training.config import TrainConfig
+from causal_adapter.commands.train import build_arg_parser, config_from_args
+from causal_adapter.training.loop import train
 from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
 from conftest import toy_rows as conftest_toy_rows
 
@@ -115,7 +117,7 @@ def test_cli_flag():
 def test_trainer_gradient_checkpointing_argument(tmp_path):
     from transformers import TrainingArguments
 
-    from causal_adapter.hf_trainer import CausalTrainer
+    from causal_adapter.saving.hf_trainer import CausalTrainer
 
     def run(name, checkpointing):
         model = tiny_model(lora=LORA, learnable_direction=True)
@@ -144,7 +146,7 @@ def load_quantized(path, quantization, **kw):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from causal_adapter.assets import bnb_config
+    from causal_adapter.saving.assets import bnb_config
 
     config = bnb_config(quantization, torch.float32) if not kw else BitsAndBytesConfig(**kw)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
@@ -202,7 +204,7 @@ def test_a_quantized_lm_head_is_refused(base_dir, quantization):
 def test_train_quantization_flag_runs_the_qlora_recipe(tmp_path, qwen_tokenizer):
     """`causal-adapter train --base-model DIR --quantization 4bit --lora --gradient-checkpointing`."""
     bnb = pytest.importorskip("bitsandbytes")
-    from causal_adapter.assets import build_tiny_qwen
+    from causal_adapter.saving.assets import build_tiny_qwen
 
     with pytest.raises(ValueError, match="--quantization needs --base-model"):
         TrainConfig(quantization="4bit")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-from causal_adapter import loss as loss_module
-from causal_adapter.heads import linear_in_dtype
-from causal_adapter.loss import fused_ovr_loss, reference_ovr_loss
+from causal_adapter.modeling import loss as loss_module
+from causal_adapter.modeling.heads import linear_in_dtype
+from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
 from conftest import small_vocab_qwen
 
 NUM = 300  # <NUM> row of the small-vocabulary models (vocab 320)
@@ -117,7 +117,7 @@ def test_linear_in_dtype_is_float32_accurate_on_a_bf16_weight(monkeypatch):
     W = torch.randn(1000, 64, generator=g).bfloat16()
     x = torch.randn(3, 64, generator=g) * 30
     exact = x.double() @ W.double().T
-    monkeypatch.setattr("causal_adapter.heads.LINEAR_CHUNK_ROWS", 256)  # several chunks
+    monkeypatch.setattr("causal_adapter.modeling.heads.LINEAR_CHUNK_ROWS", 256)  # several chunks
     got = linear_in_dtype(x, W)
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
@@ -252,8 +252,8 @@ def test_train_bf16_fits_the_ridge_in_the_training_autocast(tmp_path, monkeypatc
     same autocast as the training steps (bf16 backbone, float32 heads); LoRA stays float32; finite."""
     from accelerate.state import AcceleratorState
 
-    from causal_adapter import value_fit
-    from causal_adapter.train import train
+    from causal_adapter.training import value_fit
+    from causal_adapter.training.loop import train
     from test_train import quick_config, small_model, synthetic_dataset
 
     seen = []

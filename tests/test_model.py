@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model, verify_initialization
-from causal_adapter.assets import QWEN_VOCAB_SIZE, build_tiny_qwen
-from causal_adapter.cauchy import cauchy_nll
-from causal_adapter.loss import reference_ovr_loss
+from causal_adapter.saving.assets import QWEN_VOCAB_SIZE, build_tiny_qwen
+from causal_adapter.modeling.cauchy import cauchy_nll
+from causal_adapter.modeling.loss import reference_ovr_loss
 from conftest import small_vocab_qwen
 
 NUM_SMALL = 300  # <NUM> row in the small-vocabulary models (vocab 320)
@@ -124,7 +124,7 @@ def test_forward_closed_forms_at_init():
     torch.testing.assert_close(shared_scale_Y, torch.full_like(shared_scale_Y, 7.3 * shared.action.w_reg.abs().sum().item()))
     # OvR probability formula, independently
     P = 0.5 + torch.atan((out.loc_S - 50.0) / out.scale_S) / math.pi
-    from causal_adapter.cauchy import ovr_probability
+    from causal_adapter.modeling.cauchy import ovr_probability
 
     torch.testing.assert_close(ovr_probability(out.loc_S, out.scale_S, model.action.thresholds), P)
 
@@ -324,7 +324,7 @@ def test_model_loss_with_the_compiled_kernel_equals_eager(monkeypatch):
     """CAUSAL_ADAPTER_COMPILE_LOSS=1 (what a GPU gets by default for batches with N x V >= 2^24)
     routes the model's loss through the torch.compile'd block kernel; loss and head gradients
     equal the eager kernel's."""
-    from causal_adapter import loss as loss_module
+    from causal_adapter.modeling import loss as loss_module
 
     monkeypatch.setenv(loss_module.COMPILE_ENV, "1")
     model = wrap(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, vocab_size=QWEN_VOCAB_SIZE, seed=3),

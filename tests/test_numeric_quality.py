@@ -98,7 +98,7 @@ def test_history_and_ridge_helpers(nq):
 
 def test_plain_lora_kept_positions_loss_equals_full_labels_loss(nq, qwen_tokenizer):
     args = nq.parse_args(["--quick"])
-    from causal_adapter.corpora import build_corpus
+    from causal_adapter.data.corpora import build_corpus
 
     rows = nq.encode_plain(build_corpus("sunspots")["train"].select(range(5)), qwen_tokenizer)
     rows[1] = {**rows[1], "prompt_ids": rows[1]["prompt_ids"][:-7], "input_ids": rows[1]["input_ids"][7:],

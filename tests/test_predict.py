@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from causal_adapter.cli import main
-from causal_adapter.intervals import cauchy_multiplier, conformal_multiplier, fit_calibration
+from causal_adapter.commands.main import main
+from causal_adapter.modeling.intervals import cauchy_multiplier, conformal_multiplier, fit_calibration
 
 TINY32 = ["--tiny-hidden-size", "32", "--tiny-layers", "1"]
 PROMPTS = [
@@ -23,8 +23,8 @@ PROMPTS = [
 def saved(tmp_path_factory, qwen_tokenizer):
     """(adapter dir, the loaded model): value units and a calibration map whose 90% multiplier
     differs from the Cauchy one, so a test can tell calibrated from raw intervals."""
-    from causal_adapter.assets import load_base
-    from causal_adapter.model import CausalModel, get_causal_model
+    from causal_adapter.saving.assets import load_base
+    from causal_adapter.saving.model import CausalModel, get_causal_model
 
     base, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = get_causal_model(base, tokenizer=qwen_tokenizer)
@@ -146,8 +146,8 @@ def test_predict_command_errors_are_short_and_keep_the_previous_output(tmp_path,
 
 
 def test_demo_interval_summary_and_plot_use_the_calibration_map(tmp_path, saved):
-    from causal_adapter.demo import format_interval_summary, interval_summary
-    from causal_adapter.plotting import plot_training
+    from causal_adapter.training.demo import format_interval_summary, interval_summary
+    from causal_adapter.training.plotting import plot_training
 
     _, model = saved
     g = torch.Generator().manual_seed(1)

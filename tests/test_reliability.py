@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
-from causal_adapter.artifacts import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
-from causal_adapter.assets import build_tiny_qwen
-from causal_adapter.cauchy import cauchy_nll, ovr_probability
-from causal_adapter.heads import symlog
-from causal_adapter.loss import fused_ovr_loss, gated_regression_loss, reference_ovr_loss
+from causal_adapter.saving.artifacts import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
+from causal_adapter.saving.assets import build_tiny_qwen
+from causal_adapter.modeling.cauchy import cauchy_nll, ovr_probability
+from causal_adapter.modeling.heads import symlog
+from causal_adapter.modeling.loss import fused_ovr_loss, gated_regression_loss, reference_ovr_loss
 from causal_adapter.numbers import FLOAT32_MAX, NumberTokenizer, find_numbers
 from conftest import small_vocab_qwen
 
@@ -396,8 +396,9 @@ def test_adapter_onto_base_with_other_vocab_size(saved_adapter):
 
 # =========================================================================== data
 def test_empty_data_is_refused(tmp_path, ntok):
-    from causal_adapter.data import load_text_dataset, tokenize_dataset
-    from causal_adapter.train import TrainConfig, train
+    from causal_adapter.data.pipeline import load_text_dataset, tokenize_dataset
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -436,7 +437,8 @@ def _train_child(out_dir: str, resume: bool) -> None:
     """Forked child: one training run (resumed from the latest checkpoint if asked); exits, never returns."""
     code = 1
     try:
-        from causal_adapter.train import TrainConfig, train
+        from causal_adapter.training.config import TrainConfig
+        from causal_adapter.training.loop import train
 
         torch.set_num_threads(1)  # the same reduction order in every run
         torch.manual_seed(0)  # peft draws the LoRA init from the global RNG
@@ -464,8 +466,8 @@ def test_kill_9_during_training_resumes_to_the_same_adapter(tmp_path):
     import tqdm.auto  # noqa: F401
     from transformers import get_scheduler  # noqa: F401
 
-    import causal_adapter.metrics  # noqa: F401
-    from causal_adapter.train import list_checkpoints
+    import causal_adapter.training.metrics  # noqa: F401
+    from causal_adapter.training.checkpoints import list_checkpoints
 
     ctx = mp.get_context("fork")
 
@@ -522,7 +524,8 @@ def test_kill_9_during_training_resumes_to_the_same_adapter(tmp_path):
 
 
 def test_diverged_training_stops_with_a_clear_error_and_saves_nothing(tmp_path):
-    from causal_adapter.train import TrainConfig, train
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
     model = wrap(small_vocab_qwen(num_layers=1))
     with torch.no_grad():
@@ -658,7 +661,7 @@ def test_ovr_log_probs_gradient_finite_for_huge_z():
     """z^2 overflows float32 beyond 1.8e19: the closed-form backward must not form it."""
     import mpmath
 
-    from causal_adapter.cauchy import ovr_log_probs
+    from causal_adapter.modeling.cauchy import ovr_log_probs
 
     zs, ss = [-1e20, 1e20, -3e38, 3e38, -1e20], [10.0, 10.0, 1.0, 1e-6, 1e25]
     z = torch.tensor(zs, requires_grad=True)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, CausalModel, get_causal_model
-from causal_adapter.artifacts import CONFIG_NAME
-from causal_adapter.cauchy import cauchy_icdf
-from causal_adapter.metrics import evaluate_dataset
-from causal_adapter.train import TrainConfig, train
-from causal_adapter.value_fit import fit_value_units, ridge_loo, value_decimals
+from causal_adapter.saving.artifacts import CONFIG_NAME
+from causal_adapter.modeling.cauchy import cauchy_icdf
+from causal_adapter.training.metrics import evaluate_dataset
+from causal_adapter.training.config import TrainConfig
+from causal_adapter.training.loop import train
+from causal_adapter.training.value_fit import fit_value_units, ridge_loo, value_decimals
 from conftest import small_vocab_qwen
 
 NUM = 300

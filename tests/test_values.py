@@ -17,11 +17,19 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter.intervals import fit_calibration, interval
-from causal_adapter.metrics import coverage_metrics, evaluate_dataset
-from causal_adapter.train import TrainConfig, train
-from causal_adapter.value_fit import (LOSSES, RIDGE_GRID, bf16_shift, center_abduction, fit_linear_head,
-                                      ridge_warm_start, standardize)
+from causal_adapter.modeling.intervals import fit_calibration, interval
+from causal_adapter.training.metrics import coverage_metrics, evaluate_dataset
+from causal_adapter.training.config import TrainConfig
+from causal_adapter.training.loop import train
+from causal_adapter.training.value_fit import (
+    LOSSES,
+    RIDGE_GRID,
+    bf16_shift,
+    center_abduction,
+    fit_linear_head,
+    ridge_warm_start,
+    standardize,
+)
 from conftest import small_vocab_qwen
 
 NUM = 300
@@ -54,7 +62,7 @@ def regime_rows(n, seed):
 
 
 def batches(ds, size=32):
-    from causal_adapter.data import NumericCollator
+    from causal_adapter.data.pipeline import NumericCollator
 
     collate = NumericCollator(0)
     return [collate([ds[j] for j in range(i, min(i + size, len(ds)))]) for i in range(0, len(ds), size)]
@@ -138,7 +146,7 @@ def test_auto_loss_is_the_validation_best_fit():
 
 
 def test_auto_loss_keeps_least_squares_unless_a_robust_fit_wins_by_one_standard_error():
-    from causal_adapter.value_fit import _one_standard_error_choice
+    from causal_adapter.training.value_fit import _one_standard_error_choice
 
     gen = torch.Generator().manual_seed(0)
     ref = torch.rand(40, generator=gen) * 10
@@ -245,7 +253,7 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
 
 @pytest.mark.parametrize("informative", [False, True])
 def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informative):
-    from causal_adapter.train import _calibrate_regression_scale
+    from causal_adapter.training.loop import _calibrate_regression_scale
 
     model = wrap(value_loc=0.0, value_scale=1.0)
     act = model.action
@@ -288,8 +296,8 @@ def test_independent_scale_adapters_still_load_and_behave(tmp_path):
 
 
 def test_bf16_bound_is_on_for_16_bit_heads_only():
-    from causal_adapter.train import _head_shift_bound
-    from causal_adapter.value_fit import BF16_MAX_SHIFT
+    from causal_adapter.training.loop import _head_shift_bound
+    from causal_adapter.training.value_fit import BF16_MAX_SHIFT
 
     fp32 = wrap()
     base16 = small_vocab_qwen(num_layers=1, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@
   file under peft's names. `merge_lora` / `disable_lora` back `CausalModel.merge_and_unload`,
   `unload` and `disable_adapter` with peft's own layer methods (`merge`, `get_base_layer`,
   `enable_adapters`).
-* transformers.Trainer: `causal_adapter.hf_trainer.CausalTrainer`, a Trainer subclass whose checkpoints are adapter-only
+* transformers.Trainer: `causal_adapter.saving.hf_trainer.CausalTrainer`, a Trainer subclass whose checkpoints are adapter-only
   (`_save` -> `save_pretrained`; `_load_from_checkpoint` / `_load_best_model` read the adapter,
   strictly). Plain `Trainer` saves `state_dict()` of any model that is not a `PreTrainedModel` /
   `PeftModel`, i.e. the whole base (or crashes on tied weights).
@@ -33,8 +33,18 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .artifacts import (CONFIG_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, read_adapter_files,
-                        resolve_adapter_dir)
+from ..config import METRIC_LABELS
+from .artifacts import (
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    LEGACY_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    atomic_write_dir,
+    read_adapter_files,
+    resolve_adapter_dir,
+    write_adapter_files,
+)
+from .assets import TINY_NAME, tiny_qwen_from_name
 
 PEFT_CONFIG_NAME = "adapter_config.json"  # peft's file names (peft's schema only)
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -89,50 +99,72 @@ def write_peft_lora(directory: Path, model) -> None:
     peft_lora_config(model).save_pretrained(str(directory))
 
 
-def write_extra_files(directory: Path, model, metrics: dict | None = None) -> None:
-    """What `save_pretrained` writes besides our two files: the model card and, with LoRA, peft's files."""
-    (directory / MODEL_CARD_NAME).write_text(model_card(model, metrics), encoding="utf-8")
+def write_extra_files(directory: Path, model, metrics: dict | None = None, final_directory: str | None = None) -> None:
+    """What `save_pretrained` writes besides our two files: the model card and, with LoRA, peft's files.
+    final_directory: where the files end up (the card's Usage snippet loads from there)."""
+    card = model_card(model, metrics, final_directory or str(directory))
+    (directory / MODEL_CARD_NAME).write_text(card, encoding="utf-8")
     if model.config.lora is not None:
         write_peft_lora(directory, model)
 
 
 # ============================================================================ model card
-def model_card(model, metrics: dict | None = None) -> str:
-    """A short README.md: base model, adapter configuration, metrics when known, how to load."""
+def model_card(model, metrics: dict | None = None, directory: str = "<this directory or repo id>") -> str:
+    """A short README.md: base model, adapter configuration, metrics by split when known, and a Usage
+    snippet that loads the adapter from `directory` as written."""
     meta = model.adapter_metadata()
-    base = meta.get("base_model_name_or_path") or "unknown"
+    base = meta.get("base_model_name_or_path")
+    tiny = base is not None and TINY_NAME.fullmatch(str(base)) is not None
     lora = model.config.lora
     tags = ["causal_adapter", "cauchy", "numbers"] + (["peft", "lora"] if lora is not None else [])
-    front = ["---", "library_name: causal_adapter"]
-    if base != "unknown":
-        front.append(f"base_model: {base}")
+    front = ["---", "library_name: causal_adapter"] + ([f"base_model: {base}"] if base and not tiny else [])
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
-    trainable, total = model.get_nb_trainable_parameters()
+    where = (f"`{base}`: the embedded random tiny Qwen, rebuilt locally by `causal_adapter.saving.assets."
+             "build_tiny_qwen` (no hub repo)") if tiny else (f"[`{base}`](https://huggingface.co/{base})" if base
+                                                            else "not recorded (pass it to from_pretrained)")
     lines = [
-        f"# Causal adapter for `{base}`",
+        f"# Causal adapter for `{base or 'a Qwen model'}`",
         "",
         "Cauchy causal heads (abduction, OvR classification, regression of `<NUM>` values) on a "
         f"{'LoRA-tuned' if lora is not None else 'frozen'} `{meta['model_type']}` backbone, made with "
-        f"[causal_adapter](https://pypi.org/project/causal-adapter/) {meta['library_version']}.",
+        f"causal_adapter {meta['library_version']}.",
         "",
-        f"- base model: `{base}` (model_type `{meta['model_type']}`, hidden size {meta['hidden_size']}, "
+        f"- base model: {where} (model_type `{meta['model_type']}`, hidden size {meta['hidden_size']}, "
         f"{meta['vocab_size']} vocabulary rows, tied embeddings: {meta['tie_word_embeddings']})",
         f"- `<NUM>` token id: {meta['num_token_id']}",
-        f"- parameters: {trainable:,d} trainable of {total:,d}",
+        f"- adapter parameters: {model.trainable_at_init:,d} trainable as `get_causal_model` sets them "
+        "(a run's `freeze` may have trained fewer)",
     ]
     if lora is not None:
-        lines.append(f"- LoRA: r={lora.r}, alpha={lora.alpha}, targets {list(lora.target_modules)}; also saved as a "
-                     f"peft LoRA adapter (`{PEFT_CONFIG_NAME}`, `{PEFT_WEIGHTS_NAME}`)")
+        lines.append(f"- LoRA: r={lora.r}, alpha={lora.alpha}, targets {list(lora.target_modules)}, in peft's "
+                     f"files (`{PEFT_CONFIG_NAME}`, `{PEFT_WEIGHTS_NAME}`)")
     lines += ["", "## Configuration", "", "```json", json.dumps(model.config.to_dict(), indent=2, sort_keys=True), "```"]
-    if metrics:
-        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-        for k, v in metrics.items():
-            if isinstance(v, (int, float, str, bool)) or v is None:
-                lines.append(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |")
-    lines += ["", "## Usage", "", "```python", "from causal_adapter import CausalModel",
-              f"model = CausalModel.from_pretrained({base!r}, \"<this directory or repo id>\")",
+    lines += _card_metrics(metrics or {})
+    lines += ["", "## Usage", "", "```python", "from causal_adapter import CausalModel", "",
+              f"model = CausalModel.from_pretrained({base!r}, {directory!r})  # or the hub repo id it was pushed to",
               "```", ""]
     return "\n".join(front + lines)
+
+
+#: a metric key's prefix -> the split it was measured on (train() logs the validation split as eval_*)
+SPLIT_PREFIXES = (("eval_", "validation"), ("validation_", "validation"), ("test_", "test"), ("train_", "train"))
+
+
+def _card_metrics(metrics: dict) -> list[str]:
+    """The card's metrics table: one row per scalar metric with the split it was measured on."""
+    rows = []
+    for key, v in metrics.items():
+        if not (isinstance(v, (int, float, str, bool)) or v is None):
+            continue
+        split, name = next(((s, key[len(p):]) for p, s in SPLIT_PREFIXES if key.startswith(p)), ("run", key))
+        shown = f"{v:.6g}" if isinstance(v, float) else str(v)
+        rows.append(f"| {split} | {METRIC_LABELS.get(name, name)} | {shown} |")
+    if not rows:
+        return []
+    return ["", "## Metrics", "", "Measured by the run that saved the adapter. Its calibration map was fitted on "
+            "the validation split, so validation coverage is in-sample. Perplexity is that of softmax(loc_S) "
+            "over the whole vocabulary (large for a random base).", "", "| split | metric | value |",
+            "|---|---|---|", *rows]
 
 
 # ============================================================================ merge / unload / disable
@@ -228,6 +260,9 @@ def load_base_model(base, meta: dict, *, dtype=None, device_map=None, **kwargs) 
         return base
     if not isinstance(base, (str, os.PathLike)):
         raise TypeError(f"base_model must be a *ForCausalLM module, a local path or a hub name, got {type(base).__name__}")
+    tiny = None if kwargs or Path(base).exists() else tiny_qwen_from_name(str(base))
+    if tiny is not None:  # the embedded default base: rebuilt locally, never looked up on the hub
+        return load_base_model(tiny, meta, dtype=dtype, device_map=device_map)
     from transformers import AutoModelForCausalLM
 
     if _hub_offline() and not Path(base).exists():
@@ -296,10 +331,33 @@ def save_adapter_into(model, directory: str | os.PathLike, **save_kwargs) -> Pat
     return directory
 
 
+#: the prefix of the LoRA tensors' names in `CausalModel.adapter_state_dict`
+LORA_PREFIX = "lora."
+_PEFT_KEY_PREFIX = "base_model.model."
+
+
+def read_adapter_tensors(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, every adapter tensor) of an adapter directory. `save_pretrained` keeps a LoRA adapter's
+    LoRA tensors in peft's file only (one copy); directories of earlier versions (LoRA in both files) and
+    checkpoints (no peft file) hold them in ours, which is then read as it is."""
+    from safetensors.torch import load_file  # safetensors: a dependency of transformers, lazy as in write_peft_lora
+
+    meta, tensors = read_adapter_files(directory)
+    if meta.get("adapter_config", {}).get("lora") is None or any(k.startswith(LORA_PREFIX) for k in tensors):
+        return meta, tensors
+    peft_file = Path(directory) / PEFT_WEIGHTS_NAME
+    if not peft_file.is_file():
+        raise FileNotFoundError(f"{str(peft_file)!r} is missing: this LoRA adapter keeps its LoRA weights in "
+                                "peft's file (save_pretrained writes both)")
+    lora = {LORA_PREFIX + k[len(_PEFT_KEY_PREFIX):]: v for k, v in load_file(str(peft_file)).items()
+            if k.startswith(_PEFT_KEY_PREFIX) and "lora_" in k}
+    return meta, {**tensors, **lora}
+
+
 def load_adapter_into(model, directory: str | os.PathLike) -> dict:
     """Read an adapter directory (a checkpoint) into `model`, strictly (every adapter tensor present
     with its shape; num_token_id and vocabulary rows equal). Returns the adapter's metadata."""
-    meta, tensors = read_adapter_files(directory)
+    meta, tensors = read_adapter_tensors(directory)
     for key, ours in (("num_token_id", model.num_token_id), ("vocab_size", model.vocab_size)):
         if meta.get(key) != ours:
             raise ValueError(f"checkpoint {str(directory)!r} was made for {key}={meta.get(key)!r}; this model has "
@@ -334,7 +392,7 @@ def register_accelerate_hooks(accelerator) -> tuple:
             raise NotImplementedError(
                 f"adapter-only save_state under {accelerator.distributed_type} is not supported by these hooks "
                 "(accelerate saves the sharded model before any hook runs): save the adapter with "
-                "causal_adapter.integrations.save_fsdp_adapter / CausalModel.save_pretrained instead")
+                "causal_adapter.saving.integrations.save_fsdp_adapter / CausalModel.save_pretrained instead")
         for i in reversed(positions):
             if accelerator.is_main_process:
                 inner = unwrap_causal_model(models[i])
@@ -474,7 +532,6 @@ def save_fsdp_adapter(model, directory: str | os.PathLike) -> Path:
     files atomically."""
     import torch.distributed as dist
 
-    from .artifacts import atomic_write_dir, write_adapter_files
 
     tensors = full_adapter_state_dict(model)
     with _whole_parameters(model) as inner:  # FSDP1: W_cls (hence vocab_size) is a flat shard outside

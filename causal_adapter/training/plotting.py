@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+from ..modeling.intervals import interval
+
 
 def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike,
                   calibration: dict | None = None) -> Path | None:
@@ -19,7 +21,6 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    from .intervals import interval
 
     train = [h for h in history if h.get("split") == "train"]
     evals = [h for h in history if h.get("split") == "eval"]

@@ -1,5 +1,5 @@
-"""Fine-tuning entry point (accelerate): ``causal-adapter train``, ``python -m causal_adapter.train``,
-``accelerate launch -m causal_adapter.train`` and the Python API `train(model, TrainConfig(...))`.
+"""Fine-tuning entry point (accelerate): ``causal-adapter train``, ``python -m causal_adapter train``,
+``accelerate launch -m causal_adapter train`` and the Python API `train(model, TrainConfig(...))`.
 README ("Command line", "Fine-tuning with accelerate", "Values: units, scale and the training
 recipe") shows how to run it; the settings are `train_config.TrainConfig`, the checkpoints
 `checkpoints`, the plot `plotting`.
@@ -29,16 +29,16 @@ What a run does
   ``find_unused_parameters=True`` by default so a parameter that gets no gradient on a step
   cannot stall DDP. Multi-process CPU runs use gloo:
   ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1
-  --mixed_precision no --dynamo_backend no -m causal_adapter.train ...``
+  --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -49,10 +49,16 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .assets import load_base
-from .checkpoints import (  # noqa: F401  (re-exported: the training API in one place)
+from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
+from ..data.corpora import build_corpus
+from ..data.pipeline import NumericCollator, load_text_dataset, tokenize_dataset
+from ..modeling.intervals import choose_scale_exponent, fit_calibration
+from ..numbers import NumberTokenizer
+from ..saving.assets import load_base
+from ..saving.integrations import unwrap_model
+from ..saving.model import get_causal_model
+from .checkpoints import (
     CHECKPOINT_PREFIX,
-    TRAINER_STATE,
     TrainState,
     list_checkpoints,
     load_checkpoint,
@@ -61,20 +67,10 @@ from .checkpoints import (  # noqa: F401  (re-exported: the training API in one 
     rng_state,
     write_checkpoint,
 )
-from .config import DEFAULT_SCALE_FLOOR
-from .data import IGNORE_INDEX
-from .integrations import unwrap_model
-from .intervals import choose_scale_exponent, fit_calibration
-from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, format_metrics_table, train_median
+from .config import PARAMETER_GROUPS, TrainConfig
+from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, train_median
 from .plotting import plot_training
-from .train_config import (  # noqa: F401  (re-exported: the training API in one place)
-    PARAMETER_GROUPS,
-    TrainConfig,
-    build_arg_parser,
-    config_from_args,
-    parse_train_args,
-    read_config_file,
-)
+from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
 
 ADAPTER_SUBDIR = "adapter"
 METRICS_LOG = "metrics.jsonl"
@@ -207,8 +203,6 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
     else tokenised; otherwise the files or built-in corpus of `config` are loaded."""
     import datasets
 
-    from .corpora import build_corpus
-    from .data import load_text_dataset, tokenize_dataset
 
     if train_dataset is None:
         if config.train_file:
@@ -265,8 +259,6 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
     when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
     regression head (`value_fit`). Every process computes the same from the same rows."""
-    from .value_fit import fit_value_units, ridge_warm_start, value_decimals
-
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
@@ -316,8 +308,6 @@ def _head_shift_bound(inner, config: TrainConfig) -> float:
     the only case where loc_U is rounded. Under a bf16 base or bf16 autocast the heads compute in fp32 and
     the fit sees the 16-bit features it will run on, so its validation-chosen penalty already accounts for
     them (sunspots, 60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md)."""
-    from .value_fit import BF16_MAX_SHIFT
-
     if config.bf16_safe_head == "auto":
         return BF16_MAX_SHIFT if inner.action.w_reg.dtype in (torch.bfloat16, torch.float16) else math.inf
     return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
@@ -367,7 +357,7 @@ def launch_warnings(num_processes: int, expected: int | None = None, env: dict |
     msgs = []
     cpu_recipe = ("for N CPU processes (DDP over gloo) use: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
                   "--num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no "
-                  "-m causal_adapter.train ...")
+                  "-m causal_adapter train ...")
     if expected is not None and expected != num_processes:
         msgs.append(f"expected {expected} processes but this run has {num_processes}; {cpu_recipe}")
     if num_processes == 1:
@@ -454,8 +444,6 @@ def train(
     from accelerate.utils import gather_object, set_seed
     from transformers import get_scheduler
 
-    from .model import get_causal_model
-    from .numbers import NumberTokenizer
 
     config = config or TrainConfig()
     accelerator = _make_accelerator(config)
@@ -490,7 +478,6 @@ def train(
     if train_targets is None:
         train_targets = targets
     constant = train_median(train_targets) if train_targets else None
-    from .data import NumericCollator
 
     collator = NumericCollator(_pad_token_id(ntok, inner), padding_side="right")
 
@@ -563,17 +550,23 @@ def train(
         log({"split": split, "step": state.global_step, "epoch": round(state.epoch_float, 4), **last_eval})
         return last_eval
 
-    # the step whose features the head was last fitted on (a checkpoint written under 'eval' holds its step's refit)
-    refit_step = state.global_step if resumed_from is not None and config.value_refit == "eval" else -1
-
-    def refit_value_head(verbose: bool = False) -> None:
-        """The closed-form value head again, on the features as they are now (`_refit_value_head`), once
-        per step: what an evaluation or a checkpoint at this step holds is the adapter a run stopped here
-        would save (before the end-of-run calibration)."""
-        nonlocal refit_step
-        if refit_step != state.global_step and _refit_value_head(inner, config, train_ds, collator, device,
-                                                                  accelerator, verbose, eval_ds):
-            refit_step = state.global_step
+    def eval_refitted() -> dict:
+        """An evaluation of the adapter a run stopped here would save: the closed-form value head fitted
+        again on the features as they are now (`_refit_value_head`), then the heads and config restored,
+        so evaluations leave the training path (and checkpoints, which resume exactly) unchanged."""
+        heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
+                 for name in ("numeric_embedding", "abduction", "action")}
+        saved_config = copy.deepcopy(inner.config)
+        refitted = config.value_refit == "eval" and _refit_value_head(inner, config, train_ds, collator, device,
+                                                                       accelerator, False, eval_ds)
+        try:
+            return run_eval()
+        finally:
+            if refitted:
+                with torch.no_grad():
+                    for name, state_dict in heads.items():
+                        getattr(inner, name).load_state_dict(state_dict)
+                inner.config = saved_config
 
     def save_checkpoint() -> Path:
         path = out_dir / f"{CHECKPOINT_PREFIX}{state.global_step}"
@@ -652,10 +645,8 @@ def train(
                 tokens, train_time = tokens.zero_(), 0.0
             do_eval = eval_ds is not None and config.eval_steps and step % config.eval_steps == 0
             do_save = config.save_steps and (step % config.save_steps == 0 or step == total_steps)
-            if (do_eval or do_save) and config.value_refit == "eval":
-                refit_value_head(verbose=is_main and step == total_steps)
             if do_eval:
-                logs = {**logs, "eval": run_eval()}
+                logs = {**logs, "eval": eval_refitted()}
             if do_save:
                 save_checkpoint()
             for cb in callbacks:
@@ -664,8 +655,7 @@ def train(
         bar.close()
 
     # ---------------------------------------------------------------- end
-    if refit_step != state.global_step and _refit_value_head(inner, config, train_ds, collator, device, accelerator,
-                                                             is_main, eval_ds):
+    if _refit_value_head(inner, config, train_ds, collator, device, accelerator, is_main, eval_ds):
         last_eval_step = -1  # the head changed since the step's evaluation
     if eval_ds is not None and last_eval_step != state.global_step:
         run_eval()
@@ -717,7 +707,7 @@ def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
     return batches_per_epoch, total_steps, warmup
 
 
-SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter.train / causal-adapter train), or DDP: accelerate "
+SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), or DDP: accelerate "
                        "launch with examples/accelerate_configs/multi_gpu_ddp.yaml (GPUs) or cpu_ddp.yaml (CPU)")
 
 
@@ -729,12 +719,12 @@ def _check_distributed_type(accelerator) -> None:
 
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
-        raise ValueError(f"causal_adapter.train does not support DeepSpeed (its checkpoints would hold rank 0's "
+        raise ValueError(f"causal_adapter.training.loop does not support DeepSpeed (its checkpoints would hold rank 0's "
                          f"partition of the optimizer state only); supported launchers: {SUPPORTED_LAUNCHERS}")
     if kind == DistributedType.FSDP:
-        raise ValueError(f"causal_adapter.train does not support FSDP (evaluation, the value-head refit and "
+        raise ValueError(f"causal_adapter.training.loop does not support FSDP (evaluation, the value-head refit and "
                          f"checkpoints use the unwrapped model); supported launchers: {SUPPORTED_LAUNCHERS}. For "
-                         "FSDP write the loop with accelerator.prepare + causal_adapter.integrations."
+                         "FSDP write the loop with accelerator.prepare + causal_adapter.saving.integrations."
                          "finish_fsdp_wrap + save_fsdp_adapter (examples/accelerate_configs/fsdp.yaml, "
                          "docs/distributed.md)")
 
@@ -805,48 +795,3 @@ def _reset_log(path: Path, keep_until: int | None) -> None:
             except json.JSONDecodeError:
                 continue
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-
-
-
-# ============================================================================ command line
-#: what a training run writes into its output directory (a new run refuses to replace them without --overwrite)
-RUN_OUTPUTS = (ADAPTER_SUBDIR, METRICS_LOG, FINAL_METRICS, PLOT_NAME, CHECKPOINT_PREFIX + "*")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``causal-adapter train ...`` / ``python -m causal_adapter.train ...``: train, print the
-    validation table, return 0. Refuses (before any work) a base model that cannot load and an
-    output directory that holds a previous run (unless --overwrite or --resume-from-checkpoint)."""
-    from .cli import check_base, existing_outputs, refuse_overwrite, remove_if_left_empty
-
-    try:
-        config, extras = parse_train_args(argv)
-    except ValueError as e:
-        print(f"causal-adapter train: error: {e}", file=sys.stderr)
-        return 2
-    check_base(config.base_model, "--base")
-    if config.tokenizer:
-        check_base(config.tokenizer, "--tokenizer")
-    if config.resume_from_checkpoint is None:
-        if not extras.overwrite:
-            refuse_overwrite(config.output_dir, existing_outputs(config.output_dir, RUN_OUTPUTS),
-                             extra=", --resume-from-checkpoint latest to continue them")
-        elif int(os.environ.get("RANK", "0") or 0) == 0:
-            for old in list_checkpoints(config.output_dir):  # a stale checkpoint-N would pass for the newest
-                shutil.rmtree(old, ignore_errors=True)
-    with remove_if_left_empty(config.output_dir):
-        result = train(None, config)
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
-        if result.eval_metrics is not None:
-            print(format_metrics_table(result.eval_metrics))
-        print(f"steps: {result.global_step}  processes: {result.num_processes}  adapter: {result.adapter_dir}")
-        print(f"log: {result.log_path}" + (f"  plot: {result.plot_path}" if result.plot_path else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import main as cli_main
-
-    sys.exit(cli_main(["train", *sys.argv[1:]]))

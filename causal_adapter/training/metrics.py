@@ -35,12 +35,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .cauchy import ovr_probability
-from .data import IGNORE_INDEX
-from .heads import full_precision
-from .integrations import unwrap_model
-from .intervals import interval
-from .loss import total_loss
+from ..config import IGNORE_INDEX, METRIC_LABELS
+from ..data.pipeline import NumericCollator
+from ..modeling.cauchy import ovr_probability
+from ..modeling.heads import full_precision
+from ..modeling.intervals import interval
+from ..modeling.loss import total_loss
+from ..saving.integrations import unwrap_model
 
 INTERVAL_LEVELS = (0.5, 0.8, 0.9, 0.95)
 SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)
@@ -175,7 +176,7 @@ class MetricAccumulator:
             f1 = 0.0
         errors = [abs(a - b) for a, b in zip(self.y_loc, self.y_true)]
         out: dict[str, Any] = {
-            "eval_tokens": n,
+            "tokens": n,
             "num_targets": k,
             "loss": None if loss_cls is None else total_loss(loss_cls, loss_reg, self.reg_weight),
             "loss_cls": loss_cls,
@@ -278,8 +279,6 @@ def evaluate_dataset(model, dataset, pad_token_id: int, *, batch_size: int = 8,
     """Convenience: evaluate a tokenized dataset (features of `data.tokenize_dataset`, plus the
     optional ``target`` / ``previous`` columns) in order. `train_targets`: the train split's
     targets, for the constant baseline."""
-    from .data import NumericCollator
-
     collate = NumericCollator(pad_token_id)
     keep = [c for c in (*MODEL_INPUTS, "target", "previous") if c in dataset.column_names]
     ds = dataset.select_columns(keep)
@@ -289,24 +288,6 @@ def evaluate_dataset(model, dataset, pad_token_id: int, *, batch_size: int = 8,
 
 
 #: how the tables (`format_metrics_table`, the demo's before / after table) name each metric
-METRIC_LABELS = {
-    "loss": "L = L_cls + lambda L_reg",
-    "loss_cls": "L_cls (OvR)",
-    "loss_reg": "L_reg (gated Cauchy NLL)",
-    "accuracy": "next-token accuracy (argmax P)",
-    "num_precision": "<NUM> precision",
-    "num_recall": "<NUM> recall",
-    "num_f1": "<NUM> F1",
-    "perplexity": "perplexity, softmax(loc_S)",
-    "value_mae": "value MAE (loc_Y)",
-    "value_median_ae": "value median AE (loc_Y)",
-    "coverage_50": "coverage of 50% interval",
-    "coverage_80": "coverage of 80% interval",
-    "coverage_90": "coverage of 90% interval",
-    "coverage_95": "coverage of 95% interval",
-    "cauchy_coverage_50": "coverage of raw Cauchy 50% interval",
-    "cauchy_coverage_90": "coverage of raw Cauchy 90% interval",
-}
 TABLE_ROWS = tuple((key, METRIC_LABELS[key]) for key in (
     "loss", "loss_cls", "loss_reg", "accuracy", "num_precision", "num_recall", "num_f1", "perplexity",
     "coverage_50", "coverage_80", "coverage_90", "coverage_95", "cauchy_coverage_50", "cauchy_coverage_90"))

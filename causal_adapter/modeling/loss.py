@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
 from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
-from .config import DEFAULT_SCALE_FLOOR
-from .data import IGNORE_INDEX
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 

@@ -10,14 +10,28 @@ skipped; the ``row`` column (the row's index in the input, from 0) keeps the out
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .artifacts import atomic_write_file
-from .numbers import find_numbers
+from ..data.pipeline import load_text_dataset
+from ..modeling.families import text_config
+from ..modeling.prediction import check_levels, prediction_columns
+from ..numbers import NumberTokenizer, find_numbers
+from ..saving.artifacts import atomic_write_file
+from ..saving.model import CausalModel
+from .parser import (
+    CLIError,
+    adapter_argument,
+    add_adapter_arguments,
+    add_base_arguments,
+    add_column_arguments,
+    load_base_from_args,
+    tiny_base_hint,
+)
 
 OUTPUT_FORMATS = (".jsonl", ".csv")
 
@@ -94,10 +108,6 @@ def predict_files(model, tokenizer, data_files: Sequence[str], output: str | Non
     {"rows", "written", "skipped"}. Bad rows are reported on stderr, one line each."""
     from tqdm.auto import tqdm
 
-    from .data import load_text_dataset
-    from .families import text_config
-    from .numbers import NumberTokenizer
-    from .prediction import prediction_columns
 
     output_format(output)  # a bad --output fails before any work
     columns = prediction_columns(levels)
@@ -116,3 +126,38 @@ def predict_files(model, tokenizer, data_files: Sequence[str], output: str | Non
         r["row"] = i
     write_predictions(records, columns, output)
     return {"rows": len(dataset), "written": len(records), "skipped": len(bad)}
+
+
+# ---------------------------------------------------------------------------- the command
+def add_parser(sub, **fmt) -> None:
+    p = sub.add_parser("predict", help="the value after every row of data files, with calibrated intervals", **fmt)
+    add_adapter_arguments(p)
+    add_base_arguments(p)
+    p.add_argument("--data-file", nargs="+", required=True,
+                   help="jsonl/csv/parquet files with a prompt (+ optional completion) or a text column")
+    add_column_arguments(p)
+    p.add_argument("--output", default=None, help="P.jsonl or P.csv (written atomically); default: jsonl on stdout")
+    p.add_argument("--levels", nargs="+", type=float, default=[0.5, 0.9],
+                   help="interval levels: columns lower_<100*level> / upper_<100*level>")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    adapter = adapter_argument(args, "predict")
+    output_format(args.output)
+    check_levels(args.levels)
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    base, tokenizer = load_base_from_args(args)
+    try:
+        model = CausalModel.from_pretrained(base, adapter, tokenizer=tokenizer)
+    except ValueError as e:
+        raise tiny_base_hint(e, args) from e
+    counts = predict_files(model, tokenizer, args.data_file, output=args.output, levels=args.levels,
+                           batch_size=args.batch_size, prompt_column=args.prompt_column,
+                           text_column=args.text_column, completion_column=args.completion_column)
+    where = args.output or "stdout"
+    print(f"predict: {counts['written']} of {counts['rows']} rows written to {where}"
+          + (f" ({counts['skipped']} skipped, see above)" if counts["skipped"] else ""), file=sys.stderr)
+    return 0

@@ -6,7 +6,7 @@
   ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
   ``prompt`` + ``completion`` columns (loss on the completion only).
 * `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
-* The offline numeric corpora live in `causal_adapter.corpora`.
+* The offline numeric corpora live in `causal_adapter.data.corpora`.
 
 Conventions (fixed; the model is written against them):
 
@@ -27,7 +27,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from .numbers import NumberTokenizer, _to_list
+from ..config import IGNORE_INDEX
+from ..numbers import NUMBER_RE, NumberTokenizer, _to_list
 
 __all__ = [
     "IGNORE_INDEX",
@@ -36,7 +37,6 @@ __all__ = [
     "tokenize_dataset",
 ]
 
-IGNORE_INDEX = -100
 FEATURE_COLUMNS = ("input_ids", "numeric_values", "labels", "label_values")
 
 # --------------------------------------------------------------------------- loading
@@ -444,7 +444,6 @@ def _tokenizer_digest(ntok: NumberTokenizer) -> str:
     if digest is None:
         import hashlib
 
-        from .numbers import NUMBER_RE
 
         h = hashlib.sha256()
         tok = ntok.tokenizer

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .assets import DTYPES
-from .config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
-from .corpora import CORPORA
+from ..config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
+from ..data.corpora import CORPORA
+from ..saving.assets import DTYPES
 
 #: ``freeze`` groups -> parameter-name prefixes of `CausalModel` (any other string is taken as a prefix).
 PARAMETER_GROUPS = {
@@ -83,11 +83,11 @@ class TrainConfig:
                                 "by the NLL only",
                                 choices=["ridge", "none"])
     value_refit: str = flag("eval", "when training moves the features the value head reads (LoRA, W_loc, d) and "
-                            "--regression-init ridge: 'eval' fits the head again before every evaluation and "
-                            "checkpoint during training and after the last step (so what is evaluated or saved at "
-                            "step k is the adapter a run stopped at k would give; the refits are part of the "
-                            "run); 'end': after the last step only (evaluations and checkpoints during training "
-                            "then use a head fitted on older features)", choices=["eval", "end"])
+                            "--regression-init ridge: 'eval' evaluates during training with the head fitted again "
+                            "on the current features (the adapter a run stopped there would save), then restores "
+                            "the training state (evaluations leave the run unchanged); 'end': evaluations during "
+                            "training use the head fitted on older features. The head is fitted again after the "
+                            "last step either way", choices=["eval", "end"])
     value_loss: str = flag("auto", "loss of the value head's fit before / after training: 'auto' fits each of "
                            "least squares ('squared') and the robust M-estimates by IRLS from the ridge solution "
                            "('huber', 'cauchy') and keeps the one with the smallest validation MAE (else LOO MAE); "
@@ -104,8 +104,8 @@ class TrainConfig:
                                        "every level); needs a validation split and a per-row or independent scale")
     reg_weight: float = flag(1.0, "lambda in L = L_cls + lambda L_reg")
     # ---------------------------------------------------------------- data
-    dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given",
-                        choices=list(CORPORA))
+    dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given (also: --corpus)",
+                        choices=list(CORPORA), aliases=["--corpus"])
     corpus_window: int | None = flag(None, "history length of a time-series corpus (default: the corpus's)", type=int)
     train_file: list[str] = flag([], "training data files (jsonl/json/csv/tsv/parquet/txt, globs allowed)",
                             nargs="+", type=str)
@@ -218,93 +218,3 @@ class TrainConfig:
             threshold_init=self.threshold_init,
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed,
         )
-
-
-
-# ============================================================================ command line
-def build_arg_parser(prog: str = "causal-adapter train"):
-    """`transformers.HfArgumentParser` over `TrainConfig`: one flag per field (dashes or underscores,
-    ``--no-x`` for booleans, no abbreviations), plus ``--config FILE``, ``--overwrite`` and ``--debug``."""
-    import argparse
-
-    from transformers import HfArgumentParser
-
-    from .cli import DEBUG_HELP, ShortErrorsMixin
-
-    class TrainArgumentParser(ShortErrorsMixin, HfArgumentParser):
-        pass
-
-    ap = TrainArgumentParser(TrainConfig, prog=prog, allow_abbrev=False,
-                             description="Fine-tune a causal adapter on a Qwen checkpoint (works under "
-                                         "`accelerate launch`). Every flag is a TrainConfig field.")
-    for action in ap._actions:  # --help and errors show the dashed spelling first, as the other commands
-        action.option_strings.sort(key=lambda s: ("_" in s, s not in ("--base", "--dtype")))
-    for f in dataclasses.fields(TrainConfig):
-        if f.default is False:  # HfArgumentParser adds --no-x only to the booleans that default to True
-            ap.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                            help=argparse.SUPPRESS)
-    ap.add_argument("--config", metavar="FILE", default=None,
-                    help="json or yaml file of TrainConfig fields; flags on the command line override it")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the outputs of a previous run in --output-dir instead of refusing")
-    ap.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    return ap
-
-
-def read_config_file(path: str | os.PathLike, parser=None) -> dict[str, Any]:
-    """The TrainConfig fields of a json / yaml file (keys with underscores or dashes); errors name
-    the file and the problem."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config {str(path)!r}: no such file")
-    text = p.read_text(encoding="utf-8")
-    if p.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"line {mark.line + 1}: " if mark is not None else ""
-            raise ValueError(f"--config {str(path)!r}: {where}not valid YAML ({getattr(e, 'problem', e)})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {str(path)!r} must hold a mapping of TrainConfig fields, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    allowed = set(fields) | ({a.dest for a in parser._actions} - {"help", "config"} if parser is not None else set())
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(f"--config {str(path)!r}: unknown keys {unknown}; the keys are TrainConfig field names "
-                         "(causal-adapter train --help)")
-    for k, v in data.items():
-        if k in fields and isinstance(v, str) and "list" in str(fields[k].type):
-            data[k] = [v]
-    return data
-
-
-def parse_train_args(argv: Sequence[str] | None = None):
-    """(TrainConfig, namespace of the other flags) from a command line, through HfArgumentParser;
-    ``--config FILE`` supplies the defaults. A bad value raises ValueError; a bad flag exits (2)."""
-    from .cli import CliParser
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ap = build_arg_parser()
-    pre = CliParser(prog=ap.prog, add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        ap.set_defaults(**read_config_file(known.config, ap))
-    config, extras, rest = ap.parse_args_into_dataclasses(argv, return_remaining_strings=True,
-                                                          look_for_args_file=False)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return config, extras
-
-
-def config_from_args(args) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .generation import _number_tokenizer
 from .heads import full_precision
 from .intervals import check_level
 from .loss import num_probability
@@ -100,8 +101,6 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     the raw Cauchy one when the adapter has no calibration map) and ``raw_lower_<L>`` /
     ``raw_upper_<L>`` (the raw Cauchy interval, for comparison).
     """
-    from .generation import _number_tokenizer
-
     if isinstance(prompts, str):
         prompts = [prompts]
     levels = check_levels(levels)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..numbers import NumberTokenizer, format_number
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
 from .heads import full_precision
@@ -92,7 +93,6 @@ def _number_tokenizer(tokenizer, num_token_id: int):
     """A NumberTokenizer for `tokenizer` (a HF tokenizer or already a NumberTokenizer)."""
     if tokenizer is None:
         return None
-    from .numbers import NumberTokenizer
 
     if isinstance(tokenizer, NumberTokenizer):
         if tokenizer.num_token_id != num_token_id:
@@ -121,8 +121,6 @@ def _decode(ntok, ids: Tensor, values: Tensor, prev_id: int | None = None, prev_
 
 
 def _format(value: float) -> str:
-    from .numbers import format_number
-
     return format_number(value)
 
 
@@ -440,8 +438,7 @@ def _warpers(opts: _Options, num_id: int):
     """softmax mode's logits processors (transformers' warpers, then the repetition penalty first), or None."""
     warpers = None
     if opts.mode == "softmax" and opts.do_sample:
-        from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                                  TopPLogitsWarper)
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         warpers = LogitsProcessorList(list(opts.logits_processor or []))
         if opts.temperature is not None and opts.temperature != 1.0:

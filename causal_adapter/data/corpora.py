@@ -6,7 +6,7 @@ scikit-learn: diabetes; optional ``demo`` extras, imported lazily) and from seed
 train/validation/test split by time (time series: the test targets are the latest), columns
 prompt, completion, target, previous, time, t_index, series.
 
-CLI: ``python -m causal_adapter.corpora NAME OUT_DIR [--window W] [--n N] [--seed S]`` (or
+CLI: ``python -m causal_adapter data NAME OUT_DIR [--window W] [--n N] [--seed S]`` (or
 ``causal-adapter data``) writes ``OUT_DIR/NAME_{train,validation,test}.jsonl``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import tempfile
 from typing import Any, Callable, Sequence
 
-from .numbers import format_number
+from ..numbers import format_number
 
 # --------------------------------------------------------------------------- corpora
 CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units", "heteroscedastic")
@@ -357,30 +357,3 @@ def write_corpus_jsonl(name: str, out_dir: str, **kwargs) -> dict[str, str]:
             raise
         paths[split] = path
     return paths
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "python -m causal_adapter.corpora") -> int:
-    from .cli import CliParser, add_debug_argument
-
-    p = CliParser(prog=prog, description="write an offline numeric corpus as jsonl files")
-    p.add_argument("name", choices=CORPORA)
-    p.add_argument("out_dir")
-    p.add_argument("--window", type=int, default=None, help="history length (time-series corpora)")
-    p.add_argument("--n", type=int, default=None, help="number of examples (arithmetic, units)")
-    p.add_argument("--seed", type=int, default=0)
-    add_debug_argument(p)
-    a = p.parse_args(argv)
-    kw: dict[str, Any] = {"seed": a.seed}
-    if a.window is not None:
-        kw["window"] = a.window
-    if a.n is not None:
-        if a.name not in ("arithmetic", "units"):
-            p.error("--n only applies to the arithmetic and units corpora")
-        kw["n"] = a.n
-    for split, path in write_corpus_jsonl(a.name, a.out_dir, **kw).items():
-        print(f"{split}\t{path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

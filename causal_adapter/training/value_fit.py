@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .numbers import format_number
+from ..numbers import format_number
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))

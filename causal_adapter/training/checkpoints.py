@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import atomic_write_dir, read_adapter_files, write_adapter_files
-from .train_config import TrainConfig
+from ..saving.artifacts import atomic_write_dir, read_adapter_files, write_adapter_files
+from .config import TrainConfig
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"

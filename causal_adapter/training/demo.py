@@ -15,8 +15,15 @@ import json
 import time
 from pathlib import Path
 
-from .assets import load_base
-from .metrics import METRIC_LABELS, evaluate_dataset
+from ..config import METRIC_LABELS
+from ..data.corpora import build_corpus
+from ..data.pipeline import tokenize_dataset
+from ..numbers import NumberTokenizer
+from ..saving.assets import load_base
+from ..saving.model import CausalModel, get_causal_model
+from .config import TrainConfig
+from .loop import train
+from .metrics import evaluate_dataset
 from .metrics import format_value as _fmt
 
 # Metrics shown side by side before / after training.
@@ -78,8 +85,6 @@ def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = N
                       seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
     """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
     TrainConfig fields (they override `DEMO_RECIPE`)."""
-    from .train import TrainConfig
-
     return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
                        per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,
                        eval_steps=steps // 5 if steps >= 50 else 0, warmup_ratio=0.05, lr_scheduler_type="cosine",
@@ -89,12 +94,6 @@ def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = N
 def run_demo(output_dir: str = "causal_adapter_demo", steps: int = 200, base: str | None = None,
              arch: str = "qwen2", seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2,
              lora: bool = False, dtype: str = "float32", tiny_hidden_size: int = 64, tiny_layers: int = 2) -> int:
-    from .corpora import build_corpus
-    from .data import tokenize_dataset
-    from .model import CausalModel, get_causal_model
-    from .numbers import NumberTokenizer
-    from .train import train
-
     t0 = time.time()
     out = Path(output_dir)
     base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)

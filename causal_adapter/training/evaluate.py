@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .assets import load_base
+from ..data.corpora import build_corpus
+from ..data.pipeline import load_text_dataset, tokenize_dataset
+from ..numbers import NumberTokenizer
+from ..saving.assets import load_base
+from ..saving.model import CausalModel
 from .metrics import evaluate_dataset, format_metrics_table
 
 
@@ -15,11 +19,6 @@ def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwe
                      tiny_layers: int = 2, text_column: str = "text", prompt_column: str = "prompt",
                      completion_column: str = "completion") -> str:
     """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table."""
-    from .corpora import build_corpus
-    from .data import load_text_dataset, tokenize_dataset
-    from .model import CausalModel
-    from .numbers import NumberTokenizer
-
     base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
     ntok = NumberTokenizer(tokenizer, model.num_token_id)

@@ -1,0 +1,85 @@
+"""Console entry point: `causal-adapter <command> --help` (also `python -m causal_adapter <command>`).
+
+    demo      the main job on the embedded default: train, evaluate, save, reload, generate, plot
+    train     fine-tune an adapter (also: accelerate launch -m causal_adapter train ...)
+    eval      evaluate a saved adapter on a corpus split or files, with the baselines
+    generate  text in, text with numbers (and intervals) out
+    predict   the value after every row of data files, with calibrated intervals, to jsonl / csv
+    verify    the initialization report for a base model
+    data      write an offline corpus as jsonl files
+
+A user error (a missing file, a bad flag value, an incompatible adapter, an unreachable hub)
+ends in one or two lines and a non-zero exit status; --debug (or CAUSAL_ADAPTER_DEBUG=1)
+shows the full traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import data, demo, generate, predict, train, verify
+from . import eval as eval_command  # not the builtin
+from .parser import DEBUG_ENV, USER_ERRORS, CLIError, CliParser, DefaultsHelpFormatter, add_debug_argument, truthy
+
+#: command name -> its module (add_parser(subparsers, **fmt); run(args), or main(argv) when it owns its flags)
+COMMANDS = {"demo": demo, "train": train, "eval": eval_command, "generate": generate, "predict": predict, "verify": verify,
+            "data": data}
+OWN_FLAGS = ("train", "data")  # handed the rest of the command line: their parsers own --help
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = CliParser(prog="causal-adapter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_debug_argument(ap)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=CliParser)
+    ap.commands = sub.choices  # name -> subparser: an unknown flag is reported by its command's parser
+    for module in COMMANDS.values():
+        module.add_parser(sub, formatter_class=DefaultsHelpFormatter)
+    return ap
+
+
+def dispatch(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in OWN_FLAGS:
+        return COMMANDS[argv[0]].main(argv[1:], prog=f"causal-adapter {argv[0]}")
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+def error_message(e: BaseException) -> str:
+    """One or two lines for an error: its message; for an unexpected kind, where the traceback is."""
+    msg = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and e.strerror and e.filename:  # not "[Errno 2] ..."
+        msg = f"{e.strerror}: {e.filename}"
+    lines = msg.splitlines()
+    msg = lines[0] + (" ..." if len(lines) > 1 else "")
+    if not isinstance(e, (CLIError, *USER_ERRORS)):
+        msg += f"\n(unexpected {type(e).__name__}: rerun with --debug for the traceback)"
+    return msg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or truthy(DEBUG_ENV)
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        return dispatch(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's one place for errors
+        if debug:
+            raise
+        prog = "causal-adapter" + (f" {command}" if command in COMMANDS else "")
+        print(f"{prog}: error: {error_message(e)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    from causal_adapter.commands.main import main as _main  # the package's module: one CLIError class, not __main__'s
+
+    sys.exit(_main())

@@ -1,0 +1,1 @@
+"""Layer 2, the model: Cauchy math, heads, the fused loss, families, decoding, intervals."""

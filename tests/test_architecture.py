@@ -1,0 +1,137 @@
+"""The package's layers (docs/architecture.md): no import from a lower layer up to a higher one and no
+import cycle, counting imports made inside functions; the old flat module names are the moved modules
+themselves (one module object: a monkeypatch through either name reaches the code)."""
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "causal_adapter"
+# bottom to top; a module may import its own layer and the ones below
+LAYERS = {"_version": 0, "config": 0, "numbers": 1, "modeling": 2, "saving": 3, "data": 4, "training": 5,
+          "commands": 6, "__main__": 7}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module under the package, line, inside a function) for every import of our own modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            targets = []
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[:len(package) - child.level + 1] if child.level > 1 else package
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                    targets = [mod] + [f"{mod}.{a.name}".strip(".") for a in child.names]
+                elif child.module and child.module.startswith("causal_adapter"):
+                    mod = child.module[len("causal_adapter"):].lstrip(".")
+                    targets = [mod] + [f"{mod}.{a.name}".strip(".") for a in child.names]
+            elif isinstance(child, ast.Import):
+                targets = [a.name[len("causal_adapter"):].lstrip(".") for a in child.names
+                           if a.name.startswith("causal_adapter.")]
+            for t in targets:
+                found.append((t, child.lineno, nested))
+            visit(child, nested)
+    visit(tree, False)
+    return found
+
+
+def _layer(module: str) -> int | None:
+    return LAYERS.get(module.split(".")[0]) if module else None
+
+
+def _edges() -> dict[str, set[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        if path.name == "__init__.py":  # re-exports of a package are not dependencies of its modules
+            continue
+        for target, _, _ in _imports(m, path):
+            if target in mods and target != m and mods[target].name != "__init__.py":
+                edges[m].add(target)
+    return edges
+
+
+def test_every_module_has_a_layer():
+    for m in _modules():
+        if m and m != "_moved":
+            assert _layer(m) is not None, f"causal_adapter.{m} is in no layer of docs/architecture.md"
+
+
+def test_no_import_goes_up_a_layer():
+    mods = _modules()
+    up = []
+    for m, path in mods.items():
+        if not m or path.name == "__init__.py" and "." not in m:
+            continue  # the package's __init__ is the public surface: it may import any layer
+        for target, line, _ in _imports(m, path):
+            if target in mods and _layer(target) is not None and _layer(target) > _layer(m):
+                up.append(f"causal_adapter/{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not up, "imports from a lower layer up to a higher one:\n" + "\n".join(up)
+
+
+def test_no_import_cycle():
+    edges, cycles, state = _edges(), [], {}
+
+    def dfs(v, stack):
+        state[v] = 1
+        for w in sorted(edges[v]):
+            if state.get(w) == 1:
+                cycles.append(" -> ".join(stack[stack.index(w):] + [w]))
+            elif w not in state:
+                dfs(w, stack + [w])
+        state[v] = 2
+    for v in sorted(edges):
+        if v not in state:
+            dfs(v, [v])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_layer_checks_catch_an_upward_import(tmp_path, monkeypatch):
+    """The checks above are not vacuous: an import from modeling up to training is reported."""
+    fake = tmp_path / "causal_adapter"
+    (fake / "modeling").mkdir(parents=True)
+    (fake / "training").mkdir()
+    for p in ("__init__.py", "modeling/__init__.py", "training/__init__.py", "training/loop.py"):
+        (fake / p).write_text("")
+    (fake / "modeling" / "heads.py").write_text("def f():\n    from ..training.loop import train\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    with pytest.raises(AssertionError, match="modeling/heads.py:2 imports training.loop"):
+        test_no_import_goes_up_a_layer()
+
+
+OLD_NAMES = ("cauchy", "heads", "loss", "scoring", "families", "intervals", "generation", "prediction", "verify",
+             "model", "artifacts", "assets", "integrations", "hf_trainer", "corpora", "train_config",
+             "train", "checkpoints", "value_fit", "metrics", "plotting", "evaluate", "demo", "cli")
+
+
+@pytest.mark.parametrize("old", OLD_NAMES)
+def test_old_module_names_are_the_moved_modules(old):
+    from causal_adapter._moved import MOVED
+
+    module = importlib.import_module(f"causal_adapter.{old}")
+    assert module is importlib.import_module(f"causal_adapter.{MOVED[old]}")
+
+
+def test_old_train_module_still_runs_as_a_command():
+    out = subprocess.run([sys.executable, "-m", "causal_adapter.train", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--dataset" in out.stdout
