@@ -53,3 +53,14 @@ def assert_same_tensors(a, b, exact=True):
             assert torch.equal(a[k], b[k]), k
         else:
             torch.testing.assert_close(a[k], b[k], msg=k)
+
+
+#: the adapter tensors the end of a run sets after the last checkpoint: the value head fitted again on the
+#: final features (b_loc re-centred, compensated in b_cls) and the calibrated width
+END_OF_RUN_TENSORS = ("action.w_reg", "action.b_reg", "action.b_noise_Y", "action.w_scale_Y", "action.depth_",
+                      "action.log_scale", "abduction.loc.bias", "action.b_cls")
+
+
+def training_state_tensors(tensors: dict) -> dict:
+    """`tensors` without END_OF_RUN_TENSORS: what the last checkpoint and the final adapter share."""
+    return {k: v for k, v in tensors.items() if not k.startswith(END_OF_RUN_TENSORS)}

@@ -21,7 +21,7 @@ from causal_adapter.training.loop import ADAPTER_SUBDIR, EpochSampler, launch_wa
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.commands.train import build_arg_parser, config_from_args, main
 from causal_adapter.training.checkpoints import list_checkpoints
-from conftest import adapter_tensors, assert_same_tensors, small_vocab_qwen
+from conftest import training_state_tensors, adapter_tensors, assert_same_tensors, small_vocab_qwen
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SMALL = 300  # <NUM> row of the small-vocabulary models (vocab 320)
@@ -147,9 +147,11 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
                    if isinstance(t, torch.Tensor))
     ck_model = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), ckpts[-1])
     ck_tensors, final_tensors = adapter_tensors(ck_model), adapter_tensors(model)
-    # the final adapter = the last checkpoint + the calibrated b_noise_Y (set after the last step)
-    assert not torch.equal(ck_tensors.pop("action.b_noise_Y"), final_tensors.pop("action.b_noise_Y"))
-    assert_same_tensors(ck_tensors, final_tensors)
+    # the final adapter = the last checkpoint (the training state) + what the end of the run sets: the
+    # value head fitted again on the final features (W_loc trained: b_loc re-centred, the value head's
+    # tensors) and the calibrated width
+    assert not torch.equal(ck_tensors["action.b_noise_Y"], final_tensors["action.b_noise_Y"])
+    assert_same_tensors(training_state_tensors(ck_tensors), training_state_tensors(final_tensors))
 
 
 # --------------------------------------------------------------------------- frozen / LoRA modes
@@ -345,10 +347,10 @@ def test_ddp_two_cpu_processes_keep_identical_replicas(tmp_path):
     ck = out / "checkpoint-4"
     assert {"rng_state_0.json", "rng_state_1.json"} <= {f.name for f in ck.iterdir()}
     saved = load_file(str(ck / "causal_adapter_model.safetensors"))
-    # the final adapter = the last checkpoint, but for b_noise_Y: set after the last step by the scale
-    # calibration on the validation split (the same on both replicas: the gathered predictions)
-    assert not torch.equal(saved.pop("action.b_noise_Y"), a["action.b_noise_Y"])
-    assert_same_tensors(saved, {k: v for k, v in a.items() if k != "action.b_noise_Y"})
+    # the final adapter = the last checkpoint, but for what the end of the run sets (the value head fitted
+    # again, the width calibrated on the validation split: the same on both replicas, gathered predictions)
+    assert not torch.equal(saved["action.b_noise_Y"], a["action.b_noise_Y"])
+    assert_same_tensors(training_state_tensors(saved), training_state_tensors(a))
 
 
 def test_launcher_warning_when_accelerate_starts_one_process(tmp_path):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 
 from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
@@ -420,6 +422,43 @@ def _available_trackers(report_to: Sequence[str]) -> list[str] | str | None:
 
 
 # ============================================================================ train
+@dataclass
+class Run:
+    """Everything one `train` call holds between its steps (plain fields, no behaviour)."""
+
+    config: TrainConfig
+    accelerator: Any
+    out_dir: Path
+    is_main: bool
+    world: int
+    rank: int
+    inner: Any = None  # the CausalModel (unwrapped)
+    model: Any = None  # what accelerate prepared (DDP wrapper / autocast forward)
+    eval_model: Any = None  # the unwrapped model with accelerate's autocast forward
+    tokenizer: Any = None
+    train_ds: Any = None
+    eval_ds: Any = None
+    collator: Any = None
+    constant: float | None = None
+    resumed_from: Path | None = None
+    sampler: Any = None
+    loader: Any = None
+    batches_per_epoch: int = 0
+    total_steps: int = 0
+    optimizer: Any = None
+    scheduler: Any = None
+    device: Any = None
+    trainable: list = dataclasses.field(default_factory=list)
+    state: TrainState | None = None
+    history: list = dataclasses.field(default_factory=list)
+    log_path: Path | None = None
+    last_eval: dict | None = None
+    last_eval_step: int = -1
+    refitted_eval_step: int = -1  # the step of the last evaluation taken with a refitted head
+    predictions: dict | None = None
+    last_train_loss: float | None = None
+
+
 def train(
     model=None,
     config: TrainConfig | None = None,
@@ -441,23 +480,34 @@ def train(
     callbacks: called on every process after each optimizer step (after logging, evaluation and
         checkpointing) with the `TrainState` and the step's logs.
     """
-    from accelerate.utils import gather_object, set_seed
-    from transformers import get_scheduler
+    run = _start(config or TrainConfig())
+    _build_model_and_data(run, model, tokenizer, train_dataset, eval_dataset, train_targets)
+    _prepare_optimization(run)
+    _resume_and_open_log(run)
+    _train_steps(run, callbacks)
+    return _finish(run)
 
 
-    config = config or TrainConfig()
+def _start(config: TrainConfig) -> Run:
+    """The accelerator (refusing DeepSpeed / FSDP), launch warnings, the output directory, the seed."""
+    from accelerate.utils import set_seed
+
     accelerator = _make_accelerator(config)
     _check_distributed_type(accelerator)
-    is_main = accelerator.is_main_process
-    world, rank = accelerator.num_processes, accelerator.process_index
-    for msg in launch_warnings(world, config.expected_num_processes):
-        warnings.warn(msg, LaunchWarning, stacklevel=2)
-    out_dir = Path(config.output_dir)
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    run = Run(config=config, accelerator=accelerator, out_dir=Path(config.output_dir),
+              is_main=accelerator.is_main_process, world=accelerator.num_processes, rank=accelerator.process_index)
+    for msg in launch_warnings(run.world, config.expected_num_processes):
+        warnings.warn(msg, LaunchWarning, stacklevel=3)
+    if run.is_main:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
     set_seed(config.seed)
+    return run
 
-    # ---------------------------------------------------------------- model + data
+
+def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_dataset, train_targets) -> None:
+    """The CausalModel (built from the config unless given; frozen parts, checkpointing), the datasets,
+    the constant baseline, the collator and, for a fresh run, the value head's warm start."""
+    config = run.config
     if model is None:
         base, loaded_tok = load_base_and_tokenizer(config)
         tokenizer = tokenizer or loaded_tok
@@ -468,225 +518,278 @@ def train(
             # lm_head) in fp32; checkpointing is --gradient-checkpointing's business (below)
             base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
         model = get_causal_model(base, config.adapter_config(), tokenizer=tokenizer)
-    inner = model
+    run.inner, run.tokenizer = model, tokenizer
     if config.freeze:
-        freeze_parts(inner, config.freeze)
+        freeze_parts(model, config.freeze)
     if config.gradient_checkpointing:
-        inner.gradient_checkpointing_enable()
-    ntok = NumberTokenizer(tokenizer, inner.num_token_id) if tokenizer is not None else None
-    train_ds, eval_ds, targets = prepare_datasets(config, ntok, train_dataset, eval_dataset, accelerator)
+        model.gradient_checkpointing_enable()
+    ntok = NumberTokenizer(tokenizer, model.num_token_id) if tokenizer is not None else None
+    run.train_ds, run.eval_ds, targets = prepare_datasets(config, ntok, train_dataset, eval_dataset, run.accelerator)
     if train_targets is None:
         train_targets = targets
-    constant = train_median(train_targets) if train_targets else None
+    run.constant = train_median(train_targets) if train_targets else None
+    run.collator = NumericCollator(_pad_token_id(ntok, model), padding_side="right")
+    run.resumed_from = resolve_resume(config)
+    if run.resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
+        with run.accelerator.autocast():  # the features as training's forward computes them (bf16 backbone)
+            fit_value_head(model, config, run.train_ds, run.collator, run.accelerator.device, verbose=run.is_main,
+                           eval_ds=run.eval_ds)
 
-    collator = NumericCollator(_pad_token_id(ntok, inner), padding_side="right")
 
-    resumed_from = resolve_resume(config)
-    if resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
-        with accelerator.autocast():  # the features as training's forward computes them (bf16 backbone)
-            fit_value_head(inner, config, train_ds, collator, accelerator.device, verbose=is_main, eval_ds=eval_ds)
+def _prepare_optimization(run: Run) -> None:
+    """The sampler and loader, the step plan, AdamW and the scheduler, accelerate's prepare."""
+    from transformers import get_scheduler
 
-    bs, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
-    sampler = EpochSampler(len(train_ds), world, rank, seed=config.seed)
-    loader = DataLoader(train_ds, batch_size=bs, sampler=sampler, collate_fn=collator,
-                        num_workers=config.dataloader_num_workers,
-                        generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
-    batches_per_epoch, total_steps, warmup = _step_plan(config, sampler.shard_size)
+    config = run.config
+    run.sampler = EpochSampler(len(run.train_ds), run.world, run.rank, seed=config.seed)
+    run.loader = DataLoader(run.train_ds, batch_size=config.per_device_train_batch_size, sampler=run.sampler,
+                            collate_fn=run.collator, num_workers=config.dataloader_num_workers,
+                            generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
+    run.batches_per_epoch, run.total_steps, warmup = _step_plan(config, run.sampler.shard_size)
+    optimizer = make_optimizer(run.inner, config)
+    run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=run.total_steps)
+    run.model, run.optimizer = run.accelerator.prepare(run.inner, optimizer)
+    run.eval_model = run.accelerator.unwrap_model(run.model)
+    run.inner = unwrap_model(run.eval_model)
+    run.device = run.accelerator.device
+    run.trainable = [p for _, p in run.inner.trainable_parameters()]
 
-    optimizer = make_optimizer(inner, config)
-    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=total_steps)
-    model, optimizer = accelerator.prepare(inner, optimizer)
-    eval_model = accelerator.unwrap_model(model)
-    inner = unwrap_model(eval_model)
-    device = accelerator.device
-    trainable = [p for _, p in inner.trainable_parameters()]
 
-    state = TrainState(total_steps=total_steps, batches_per_epoch=batches_per_epoch)
-    history: list[dict] = []
-    if config.resume_from_checkpoint == "latest" and resumed_from is None and is_main:
-        print(f"no checkpoint in {out_dir}: starting from scratch", file=sys.stderr)
-    if resumed_from is not None:
-        history = load_checkpoint(resumed_from, inner, optimizer, scheduler, state, config, world, rank,
-                                   len(train_ds))
-    log_path = out_dir / METRICS_LOG
-    if is_main:
-        _reset_log(log_path, state.global_step if resumed_from is not None else None)
-    if accelerator.log_with:
-        accelerator.init_trackers("causal_adapter", config={k: v for k, v in config.to_dict().items()
-                                                            if isinstance(v, (int, float, str, bool))})
+def _resume_and_open_log(run: Run) -> None:
+    """The trainer state (from the checkpoint when resuming), metrics.jsonl (cut at the resumed step)
+    and accelerate's trackers."""
+    config = run.config
+    run.state = TrainState(total_steps=run.total_steps, batches_per_epoch=run.batches_per_epoch)
+    if config.resume_from_checkpoint == "latest" and run.resumed_from is None and run.is_main:
+        print(f"no checkpoint in {run.out_dir}: starting from scratch", file=sys.stderr)
+    if run.resumed_from is not None:
+        run.history = load_checkpoint(run.resumed_from, run.inner, run.optimizer, run.scheduler, run.state, config,
+                                      run.world, run.rank, len(run.train_ds))
+    run.log_path = run.out_dir / METRICS_LOG
+    if run.is_main:
+        _reset_log(run.log_path, run.state.global_step if run.resumed_from is not None else None)
+    if run.accelerator.log_with:
+        run.accelerator.init_trackers("causal_adapter", config={k: v for k, v in config.to_dict().items()
+                                                                if isinstance(v, (int, float, str, bool))})
 
-    def log(record: dict) -> None:
-        history.append(record)
-        if is_main:
-            with open(log_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
-        if accelerator.trackers:
-            accelerator.log({f"{record['split']}/{k}": v for k, v in record.items()
+
+def _log(run: Run, record: dict) -> None:
+    """One record into the history, metrics.jsonl (main process) and the trackers."""
+    run.history.append(record)
+    if run.is_main:
+        with open(run.log_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+    if run.accelerator.trackers:
+        run.accelerator.log({f"{record['split']}/{k}": v for k, v in record.items()
                              if isinstance(v, (int, float)) and k not in ("step", "split")}, step=record["step"])
 
-    last_eval: dict | None = None
-    last_eval_step = -1
-    predictions: dict | None = None
 
-    def evaluate() -> MetricAccumulator:
-        idx = list(range(rank, len(eval_ds), world))
-        batches = (collator(_rows(eval_ds, idx[i:i + config.per_device_eval_batch_size]))
-                   for i in range(0, len(idx), config.per_device_eval_batch_size))
-        # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
-        # so processes may run different numbers of evaluation batches
-        acc = accumulate(eval_model, batches, MetricAccumulator(inner.num_token_id, inner.config.reg_weight,
-                                                                calibration=inner.config.value_calibration),
-                         device=device)
-        states = gather_object([acc.state()]) if world > 1 else [acc.state()]
-        return MetricAccumulator.merged(states)
+def _evaluate(run: Run) -> MetricAccumulator:
+    """The validation split, sharded over processes and gathered: one merged MetricAccumulator."""
+    from accelerate.utils import gather_object
 
-    def run_eval(split: str = "eval") -> dict:
-        nonlocal last_eval, last_eval_step, predictions
-        merged = evaluate()
-        last_eval = merged.compute(constant)
-        predictions = merged.predictions()
-        last_eval_step = state.global_step
-        log({"split": split, "step": state.global_step, "epoch": round(state.epoch_float, 4), **last_eval})
-        return last_eval
+    config, eval_ds = run.config, run.eval_ds
+    idx = list(range(run.rank, len(eval_ds), run.world))
+    batches = (run.collator(_rows(eval_ds, idx[i:i + config.per_device_eval_batch_size]))
+               for i in range(0, len(idx), config.per_device_eval_batch_size))
+    # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
+    # so processes may run different numbers of evaluation batches
+    acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.config.reg_weight,
+                                                                calibration=run.inner.config.value_calibration),
+                     device=run.device)
+    states = gather_object([acc.state()]) if run.world > 1 else [acc.state()]
+    return MetricAccumulator.merged(states)
 
-    def eval_refitted() -> dict:
-        """An evaluation of the adapter a run stopped here would save: the closed-form value head fitted
-        again on the features as they are now (`_refit_value_head`), then the heads and config restored,
-        so evaluations leave the training path (and checkpoints, which resume exactly) unchanged."""
-        heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
-                 for name in ("numeric_embedding", "abduction", "action")}
-        saved_config = copy.deepcopy(inner.config)
-        refitted = config.value_refit == "eval" and _refit_value_head(inner, config, train_ds, collator, device,
-                                                                       accelerator, False, eval_ds)
-        try:
-            return run_eval()
-        finally:
-            if refitted:
-                with torch.no_grad():
-                    for name, state_dict in heads.items():
-                        getattr(inner, name).load_state_dict(state_dict)
-                inner.config = saved_config
 
-    def save_checkpoint() -> Path:
-        path = out_dir / f"{CHECKPOINT_PREFIX}{state.global_step}"
-        rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
-        if is_main:
-            write_checkpoint(path, inner, optimizer, scheduler, state, config, rngs, world, len(train_ds), history)
-            if config.save_total_limit:
-                remove_old_checkpoints(out_dir, config.save_total_limit)
-        accelerator.wait_for_everyone()
-        return path
+def _run_eval(run: Run, split: str = "eval") -> dict:
+    """Evaluate, keep the metrics and predictions, log them under `split`."""
+    merged = _evaluate(run)
+    run.last_eval = merged.compute(run.constant)
+    run.predictions = merged.predictions()
+    run.last_eval_step = run.state.global_step
+    _log(run, {"split": split, "step": run.state.global_step, "epoch": round(run.state.epoch_float, 4),
+               **run.last_eval})
+    return run.last_eval
 
-    # ---------------------------------------------------------------- loop
+
+def _eval_refitted(run: Run) -> dict:
+    """An evaluation of the adapter a run stopped here would save: the closed-form value head fitted
+    again on the features as they are now (`_refit_value_head`), then the heads and config restored,
+    so evaluations leave the training path (and checkpoints, which resume exactly) unchanged."""
+    inner = run.inner
+    heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
+             for name in ("numeric_embedding", "abduction", "action")}
+    saved_config = copy.deepcopy(inner.config)
+    refitted = run.config.value_refit == "eval" and _refit_value_head(
+        inner, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
+    try:
+        return _run_eval(run)
+    finally:
+        if refitted:
+            run.refitted_eval_step = run.state.global_step
+            with torch.no_grad():
+                for name, state_dict in heads.items():
+                    getattr(inner, name).load_state_dict(state_dict)
+            inner.config = saved_config
+
+
+def _save_checkpoint(run: Run) -> Path:
+    """checkpoint-STEP (adapter, optimizer, scheduler, RNG of every process, trainer state), atomically."""
+    from accelerate.utils import gather_object
+
+    path = run.out_dir / f"{CHECKPOINT_PREFIX}{run.state.global_step}"
+    rngs = gather_object([rng_state()]) if run.world > 1 else [rng_state()]
+    if run.is_main:
+        write_checkpoint(path, run.inner, run.optimizer, run.scheduler, run.state, run.config, rngs, run.world,
+                         len(run.train_ds), run.history)
+        if run.config.save_total_limit:
+            remove_old_checkpoints(run.out_dir, run.config.save_total_limit)
+    run.accelerator.wait_for_everyone()
+    return path
+
+
+@dataclass
+class _Window:
+    """What the train log averages since its last line: loss sums [loss, loss_cls, loss_reg, micro-batches]
+    (host), labelled tokens (device: read when logging), seconds."""
+
+    running: Tensor
+    tokens: Tensor
+    seconds: float = 0.0
+
+
+def _train_steps(run: Run, callbacks) -> None:
+    """The optimizer steps from the current one to the last, with logging, evaluation, checkpoints and
+    callbacks after each."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=state.global_step, desc="train", dynamic_ncols=True,
-               disable=not (is_main and config.progress))
-    if config.eval_on_start and eval_ds is not None and state.global_step == 0:
-        run_eval()
-    model.train()
-    running = torch.zeros(4, dtype=torch.float64)  # loss, loss_cls, loss_reg, micro-batches
-    tokens, train_time = torch.zeros((), dtype=torch.long, device=device), 0.0  # labelled tokens, seconds since the last log
-    last_train_loss = None
+    config, state = run.config, run.state
+    bar = tqdm(total=run.total_steps, initial=state.global_step, desc="train", dynamic_ncols=True,
+               disable=not (run.is_main and config.progress))
+    if config.eval_on_start and run.eval_ds is not None and state.global_step == 0:
+        _run_eval(run)
+    run.model.train()
+    window = _Window(torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.long, device=run.device))
     it = None
     try:
-        while state.global_step < total_steps:
+        while state.global_step < run.total_steps:
             if it is None:
-                sampler.set_epoch(state.epoch, start=state.batches_in_epoch * bs)
-                it = iter(loader)
-            group = min(accum, batches_per_epoch - state.batches_in_epoch)
-            t_step = time.perf_counter()
-            for j in range(group):
-                batch = next(it)
-                inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
-                sync = j == group - 1
-                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                    out = model(**inputs)
-                    # the micro-batch's one host sync: the three losses together
-                    losses = torch.stack([out.loss, out.loss_cls, out.loss_reg]).detach().to("cpu", torch.float64)
-                    if not torch.isfinite(losses).all():
-                        loss, loss_cls, loss_reg = losses.tolist()
-                        raise FloatingPointError(f"non-finite loss {loss} at step {state.global_step + 1} "
-                                                 f"(loss_cls={loss_cls}, loss_reg={loss_reg})")
-                    accelerator.backward(out.loss / group)
-                running[:3] += losses
-                running[3] += 1
-                tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
-            if config.max_grad_norm:
-                accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
-            optimizer.step()
-            if not accelerator.optimizer_step_was_skipped:
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            train_time += time.perf_counter() - t_step
-            state.global_step += 1
-            state.batches_in_epoch += group
-            if state.batches_in_epoch >= batches_per_epoch:
+                run.sampler.set_epoch(state.epoch, start=state.batches_in_epoch * config.per_device_train_batch_size)
+                it = iter(run.loader)
+            _optimizer_step(run, it, window)
+            if state.batches_in_epoch >= run.batches_per_epoch:
                 state.epoch, state.batches_in_epoch, it = state.epoch + 1, 0, None
             bar.update(1)
-
-            logs: dict = {}
-            step = state.global_step
-            if step % max(1, config.logging_steps) == 0 or step == total_steps:
-                stats, tok, dt = running, int(tokens), train_time
-                if world > 1:
-                    stats = accelerator.reduce(running.to(device), reduction="sum").cpu()
-                    tok = int(accelerator.reduce(tokens.clone(), "sum").item())
-                    dt = accelerator.reduce(torch.tensor(train_time, device=device), "mean").item()
-                n = max(1.0, float(stats[3]))
-                logs = {"split": "train", "step": step, "epoch": round(state.epoch_float, 4),
-                        "loss": float(stats[0]) / n, "loss_cls": float(stats[1]) / n, "loss_reg": float(stats[2]) / n,
-                        "lr": scheduler.get_last_lr()[0], "label_tokens_per_s": tok / dt if dt > 0 else None}
-                last_train_loss = logs["loss"]
-                log(logs)
-                bar.set_postfix(loss=f"{logs['loss']:.4g}")
-                running.zero_()
-                tokens, train_time = tokens.zero_(), 0.0
-            do_eval = eval_ds is not None and config.eval_steps and step % config.eval_steps == 0
-            do_save = config.save_steps and (step % config.save_steps == 0 or step == total_steps)
-            if do_eval:
-                logs = {**logs, "eval": eval_refitted()}
-            if do_save:
-                save_checkpoint()
+            logs = _after_step(run, window, bar)
             for cb in callbacks:
                 cb(state, logs)
     finally:
         bar.close()
 
-    # ---------------------------------------------------------------- end
-    if _refit_value_head(inner, config, train_ds, collator, device, accelerator, is_main, eval_ds):
-        last_eval_step = -1  # the head changed since the step's evaluation
-    if eval_ds is not None and last_eval_step != state.global_step:
-        run_eval()
-    if eval_ds is not None and config.calibrate_scale:
-        base = _base_scale(inner, lambda: evaluate().predictions())
-        calibrated = _calibrate_regression_scale(inner, predictions, base)
+
+def _optimizer_step(run: Run, it, window: _Window) -> None:
+    """One optimizer step: the accumulated micro-batches (gradient sync on the last), clipping, the
+    step and the scheduler; the losses into `window`. A non-finite loss stops the run, naming the step."""
+    config, state, accelerator = run.config, run.state, run.accelerator
+    group = min(config.gradient_accumulation_steps, run.batches_per_epoch - state.batches_in_epoch)
+    t_step = time.perf_counter()
+    for j in range(group):
+        batch = next(it)
+        inputs = {k: batch[k].to(run.device) for k in MODEL_INPUTS if k in batch}
+        sync = j == group - 1
+        with contextlib.nullcontext() if sync else accelerator.no_sync(run.model):
+            out = run.model(**inputs)
+            # the micro-batch's one host sync: the three losses together
+            losses = torch.stack([out.loss, out.loss_cls, out.loss_reg]).detach().to("cpu", torch.float64)
+            if not torch.isfinite(losses).all():
+                loss, loss_cls, loss_reg = losses.tolist()
+                raise FloatingPointError(f"non-finite loss {loss} at step {state.global_step + 1} "
+                                         f"(loss_cls={loss_cls}, loss_reg={loss_reg})")
+            accelerator.backward(out.loss / group)
+        window.running[:3] += losses
+        window.running[3] += 1
+        window.tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
+    if config.max_grad_norm:
+        accelerator.clip_grad_norm_(run.trainable, config.max_grad_norm)
+    run.optimizer.step()
+    if not accelerator.optimizer_step_was_skipped:
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    window.seconds += time.perf_counter() - t_step
+    state.global_step += 1
+    state.batches_in_epoch += group
+
+
+def _after_step(run: Run, window: _Window, bar) -> dict:
+    """The train log line (every `logging_steps` and at the last step, reduced over processes), the
+    evaluation every `eval_steps`, the checkpoint every `save_steps` and at the end. Returns the logs."""
+    config, accelerator, step = run.config, run.accelerator, run.state.global_step
+    logs: dict = {}
+    if step % max(1, config.logging_steps) == 0 or step == run.total_steps:
+        stats, tok, dt = window.running, int(window.tokens), window.seconds
+        if run.world > 1:
+            stats = accelerator.reduce(window.running.to(run.device), reduction="sum").cpu()
+            tok = int(accelerator.reduce(window.tokens.clone(), "sum").item())
+            dt = accelerator.reduce(torch.tensor(window.seconds, device=run.device), "mean").item()
+        n = max(1.0, float(stats[3]))
+        logs = {"split": "train", "step": step, "epoch": round(run.state.epoch_float, 4),
+                "loss": float(stats[0]) / n, "loss_cls": float(stats[1]) / n, "loss_reg": float(stats[2]) / n,
+                "lr": run.scheduler.get_last_lr()[0], "label_tokens_per_s": tok / dt if dt > 0 else None}
+        run.last_train_loss = logs["loss"]
+        _log(run, logs)
+        bar.set_postfix(loss=f"{logs['loss']:.4g}")
+        window.running.zero_()
+        window.tokens.zero_()
+        window.seconds = 0.0
+    if run.eval_ds is not None and config.eval_steps and step % config.eval_steps == 0:
+        logs = {**logs, "eval": _eval_refitted(run)}
+    if config.save_steps and (step % config.save_steps == 0 or step == run.total_steps):
+        _save_checkpoint(run)
+    return logs
+
+
+def _finish(run: Run) -> TrainResult:
+    """After the last step: the value head fitted on the final features, the last evaluation, the
+    calibration of the width, the adapter, final_metrics.json, the plot; the TrainResult."""
+    config, inner, state = run.config, run.inner, run.state
+    if _refit_value_head(inner, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
+                         run.eval_ds) and run.refitted_eval_step != state.global_step:
+        run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
+    if run.eval_ds is not None and run.last_eval_step != state.global_step:
+        _run_eval(run)
+    if run.eval_ds is not None and config.calibrate_scale:
+        base = _base_scale(inner, lambda: _evaluate(run).predictions())
+        calibrated = _calibrate_regression_scale(inner, run.predictions, base)
         if calibrated:
-            if is_main and calibrated is not True:
+            if run.is_main and calibrated is not True:
                 print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
-            run_eval("eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
-    adapter_dir = out_dir / ADAPTER_SUBDIR
-    plot_path = None
-    if is_main:
-        inner.save_pretrained(adapter_dir, metrics={"global_step": state.global_step, "train_loss": last_train_loss,
-                                                    **{f"eval_{k}": v for k, v in (last_eval or {}).items()}})
-        final = {"global_step": state.global_step, "train_loss": last_train_loss, "eval": last_eval,
-                 "num_processes": world, "adapter_dir": str(adapter_dir)}
-        (out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")
-        if config.plot:
-            plot_path = plot_training(history, predictions, out_dir / PLOT_NAME,
-                                      calibration=inner.config.value_calibration)
-    accelerator.wait_for_everyone()
-    if accelerator.trackers:
-        accelerator.end_training()
+            _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
+    adapter_dir = run.out_dir / ADAPTER_SUBDIR
+    plot_path = _write_outputs(run, adapter_dir) if run.is_main else None
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.trackers:
+        run.accelerator.end_training()
     return TrainResult(
-        model=inner, global_step=state.global_step, train_loss=last_train_loss, eval_metrics=last_eval,
-        eval_history=[h for h in history if h.get("split") == "eval"], output_dir=out_dir, adapter_dir=adapter_dir,
-        checkpoints=list_checkpoints(out_dir), log_path=log_path, plot_path=plot_path, num_processes=world,
-        resumed_from=resumed_from,
+        model=inner, global_step=state.global_step, train_loss=run.last_train_loss, eval_metrics=run.last_eval,
+        eval_history=[h for h in run.history if h.get("split") == "eval"], output_dir=run.out_dir,
+        adapter_dir=adapter_dir, checkpoints=list_checkpoints(run.out_dir), log_path=run.log_path,
+        plot_path=plot_path, num_processes=run.world, resumed_from=run.resumed_from,
     )
 
+
+def _write_outputs(run: Run, adapter_dir: Path) -> Path | None:
+    """The main process's files: the adapter (with its card's metrics), final_metrics.json, the plot."""
+    state, last_eval = run.state, run.last_eval
+    run.inner.save_pretrained(adapter_dir, metrics={"global_step": state.global_step, "train_loss": run.last_train_loss,
+                                                    **{f"eval_{k}": v for k, v in (last_eval or {}).items()}})
+    final = {"global_step": state.global_step, "train_loss": run.last_train_loss, "eval": last_eval,
+             "num_processes": run.world, "adapter_dir": str(adapter_dir)}
+    (run.out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")
+    if not run.config.plot:
+        return None
+    return plot_training(run.history, run.predictions, run.out_dir / PLOT_NAME,
+                         calibration=run.inner.config.value_calibration)
 
 
 def _pad_token_id(ntok, inner) -> int:
