@@ -49,7 +49,7 @@ class LoraSettings:
     defaults (`causal_adapter.modeling.families`: attention, dense/shared-expert MLP and, in hybrid models,
     the linear-attention projections), resolved when the model is wrapped.
     target_parameters: fused parameters for peft's `target_parameters`, e.g. the MoE experts
-    `families.EXPERT_LORA_PARAMETERS` (opt-in: costly, see README).
+    `families.EXPERT_LORA_PARAMETERS` (opt-in: costly, see docs/families.md).
     """
 
     r: int = 8

@@ -1,6 +1,6 @@
 """Number-aware text <-> (input_ids, numeric_values), SPEC section 1.
 
-Every number the grammar recognises (see the README section "Number grammar", the normative text of the
+Every number the grammar recognises (see docs/numbers.md, "Number grammar", the normative text of the
 rules implemented by ``NUMBER_RE`` and ``find_numbers``) becomes exactly ONE ``<NUM>`` token
 whose float value travels in the aligned ``numeric_values`` array (0.0 at every other position).
 The text between numbers is tokenised by the wrapped tokenizer, segment by segment, with its
@@ -152,7 +152,7 @@ def _scan(text: str) -> list[tuple[int, int, float, str]]:
 
 
 def find_numbers(text: str) -> list[NumberSpan]:
-    """All numbers of ``text`` in order, per the grammar of the README section "Number grammar"."""
+    """All numbers of ``text`` in order, per the grammar of docs/numbers.md."""
     if not isinstance(text, str):
         raise ValueError(f"find_numbers expects a str, got {type(text).__name__}: {text!r:.80}")
     return [NumberSpan(*t) for t in _scan(text)]

@@ -287,7 +287,7 @@ def test_model_card_usage_runs_as_written_offline(tmp_path):
     from causal_adapter import get_causal_model
     from causal_adapter.saving.assets import build_tiny_qwen
 
-    model = get_causal_model(build_tiny_qwen("qwen2"))
+    model = get_causal_model(build_tiny_qwen("qwen2"), CausalAdapterConfig(num_token_id=NUM))
     fresh_count = model.get_nb_trainable_parameters()[0]
     model.requires_grad_(False)  # as after a run that froze parts: the card keeps the adapter's size as built
     model.save_pretrained(tmp_path / "adapter", metrics={"eval_tokens": 7, "eval_value_mae": 1.5, "train_loss": 2.0})
@@ -308,7 +308,8 @@ def test_from_pretrained_none_uses_the_recorded_embedded_base(tmp_path):
     from causal_adapter import CausalModel, get_causal_model
     from causal_adapter.saving.assets import build_tiny_qwen
 
-    model = get_causal_model(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, seed=3))
+    model = get_causal_model(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, seed=3),
+                             CausalAdapterConfig(num_token_id=NUM))
     model.save_pretrained(tmp_path)
     again = CausalModel.from_pretrained(None, tmp_path)
     assert again.backbone.name_or_path == "causal-adapter/tiny-qwen3-h32-l1-seed3"

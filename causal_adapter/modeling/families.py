@@ -18,7 +18,7 @@ A family differs from the dense one only in which `nn.Linear` projections LoRA m
 default (`Family.lora_targets`): the linear-attention projections of the hybrid layers are added.
 MoE experts are fused 3-D parameters, not `nn.Linear`: peft reaches them through
 `target_parameters` (`EXPERT_LORA_PARAMETERS`), opt-in, because peft gives every expert its own
-rank-r factors and rebuilds the full delta of every expert weight at each forward (see README).
+rank-r factors and rebuilds the full delta of every expert weight at each forward (see docs/families.md).
 peft 0.21 also renames, for the model types it converts from transformers v4 (qwen3_moe,
 qwen3_next), `gate_proj` / `up_proj` / `down_proj` into those expert parameters: such names are
 left out of the defaults and refused when given (`resolve_lora_settings`), so a Qwen3-Next

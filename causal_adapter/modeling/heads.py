@@ -46,7 +46,7 @@ class NumericEmbedding(nn.Module):
 
     The seeds take |d| = 1; CausalModel defaults to the median norm of the input embedding rows:
     the backbone's first RMSNorm divides by the norm of e + phi(v), so a phi much larger than the
-    token embedding reaches the layers as sign(v) alone (README, "Values": the measurements,
+    token embedding reaches the layers as sign(v) alone (docs/values.md: the measurements,
     which are mixed across corpora)."""
 
     def __init__(self, hidden_size: int, *, learnable: bool, std: float, generator: torch.Generator,

@@ -96,6 +96,29 @@ def _load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
+def _family_fields(arch: str, common: dict, head_dim: int, num_experts: int, num_experts_per_tok: int,
+                   intermediate_size: int | None) -> dict:
+    """The config fields a family adds to the dense ones in `common`: head_dim, MoE experts, the hybrid
+    layers' linear attention (a full-attention layer every 4th layer and at the last one)."""
+    hidden_size, num_layers = common["hidden_size"], common["num_hidden_layers"]
+    fields: dict = {}
+    if arch != "qwen2":
+        fields["head_dim"] = head_dim
+    if "moe" in arch or arch == "qwen3_next":
+        fields.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=intermediate_size or hidden_size)
+        if arch != "qwen3_moe":
+            fields["shared_expert_intermediate_size"] = intermediate_size or hidden_size
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        fields.update(
+            linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            linear_num_key_heads=common["num_key_value_heads"], linear_num_value_heads=common["num_attention_heads"],
+            layer_types=["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
+                         for i in range(num_layers)],
+        )
+    return fields
+
+
 def build_tiny_qwen(
     arch: str = "qwen2",
     hidden_size: int = 64,
@@ -144,20 +167,7 @@ def build_tiny_qwen(
         max_position_embeddings=4096,
         tie_word_embeddings=tie,
     )
-    if arch != "qwen2":
-        common["head_dim"] = head_dim
-    if "moe" in arch or arch == "qwen3_next":
-        common.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-                      moe_intermediate_size=intermediate_size or hidden_size)
-        if arch != "qwen3_moe":
-            common["shared_expert_intermediate_size"] = intermediate_size or hidden_size
-    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
-        common.update(
-            linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-            linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
-            layer_types=["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
-                         for i in range(num_layers)],
-        )
+    common.update(_family_fields(arch, common, head_dim, num_experts, num_experts_per_tok, intermediate_size))
     if arch == "qwen3_5_moe":
         del common["intermediate_size"]
     if vocab_size > 151_645 and not arch.startswith("qwen3_5"):  # Qwen's <|endoftext|> / <|im_end|> ids

