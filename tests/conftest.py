@@ -1,6 +1,8 @@
 """Shared fixtures: the real Qwen3 tokenizer, small random Qwen2/Qwen3 models (fixed seeds) and the
 comparison of adapter tensors."""
 import os
+import sys
+import warnings
 
 import pytest
 import torch
@@ -10,6 +12,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Early warning of the next rename (issue 25): a FutureWarning or DeprecationWarning that transformers,
+# peft, accelerate or datasets raises because of a call made by causal_adapter is an error here, while
+# the old name still works. A warning filter cannot say who called (a deprecated forward keyword warns
+# from inside torch's Module.__call__), so the stack is read when the warning is raised.
+WATCHED_LIBRARIES = ("transformers", "peft", "accelerate", "datasets")
+_original_warn = warnings.warn
+
+
+def _frame_package(frame) -> str:
+    return (frame.f_globals.get("__name__") or "").split(".")[0]
+
+
+def _deprecation_caused_by_us(category) -> bool:
+    if not (isinstance(category, type) and issubclass(category, (FutureWarning, DeprecationWarning))):
+        return False
+    frame = sys._getframe(2)  # the function that called warnings.warn
+    if _frame_package(frame) not in WATCHED_LIBRARIES:
+        return False
+    while frame is not None:
+        if _frame_package(frame) == "causal_adapter":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _warn(message, category=None, stacklevel=1, source=None, **kw):
+    if category is None and isinstance(message, Warning):
+        category = type(message)
+    if _deprecation_caused_by_us(category):
+        raise category(f"causal_adapter triggered a deprecation in a dependency: {message}")
+    return _original_warn(message, category, stacklevel + 1, source, **kw)
+
+
+warnings.warn = _warn
 
 
 @pytest.fixture(scope="session")

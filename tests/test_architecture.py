@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "causal_adapter"
 # bottom to top; a module may import its own layer and the ones below
-LAYERS = {"_version": 0, "config": 0, "numbers": 1, "modeling": 2, "saving": 3, "data": 4, "training": 5,
+LAYERS = {"_version": 0, "_compat": 0, "config": 0, "numbers": 1, "modeling": 2, "saving": 3, "data": 4, "training": 5,
           "commands": 6, "__main__": 7}
 
 

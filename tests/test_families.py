@@ -7,6 +7,7 @@ import torch
 
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
 from causal_adapter.saving.assets import QWEN3_5_VOCAB_SIZE, build_tiny_qwen
+from causal_adapter._compat import cache_keyword
 from causal_adapter.config import DEFAULT_LORA_TARGETS
 from causal_adapter.modeling.families import EXPERT_LORA_PARAMETERS, FAMILIES, family_name
 from test_artifacts import optimise
@@ -117,7 +118,7 @@ def test_cached_generation_equals_recomputation_every_mode(arch, vision):
     T, seen_num = 6, 0
     steps = []
     hook = model.decoder.register_forward_pre_hook(
-        lambda m, a, kw: steps.append((kw["inputs_embeds"].shape[1], kw.get("past_key_values"))), with_kwargs=True)
+        lambda m, a, kw: steps.append((kw["inputs_embeds"].shape[1], kw.get(cache_keyword(m)))), with_kwargs=True)
     for mode, kw in MODES:
         steps.clear()
         out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, mode=mode, max_new_tokens=T,

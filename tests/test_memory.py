@@ -162,6 +162,9 @@ def test_lora_on_a_quantized_base(tmp_path, base_dir, quantization):
     quantized = bnb.nn.Linear4bit if quantization == "4bit" else bnb.nn.Linear8bitLt
     assert isinstance(base.model.layers[0].self_attn.q_proj, quantized)
     batch = NumericCollator(0)(toy_rows(4))
+    for m in base.modules():  # the reference in bitsandbytes' portable layout: the same on every CPU
+        if hasattr(m, "support_avx512bf16_for_cpu"):  # (not its bf16 inference packing on AVX512-BF16 CPUs)
+            m.support_avx512bf16_for_cpu = False
     with torch.no_grad():
         base_logits = base(batch["input_ids"]).logits
     model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM, lora=LORA))
@@ -190,6 +193,57 @@ def test_lora_on_a_quantized_base(tmp_path, base_dir, quantization):
         got = reloaded(batch["input_ids"], batch["numeric_values"])
     assert_same_tensors(adapter_tensors(reloaded), trained)
     torch.testing.assert_close(got.loc_Y, expected.loc_Y)
+
+
+def pack_for_cpu_inference(base):
+    """What bitsandbytes does to each 4-bit layer at an eval-mode, no-grad forward on a CPU with AVX512-BF16:
+    the weight moves to the inference-only packed layout and the layer keeps packing. Done by hand so the
+    test runs the same on every CPU."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    layers = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = True
+        m.weight.data, m.weight.quant_state = _convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
+    return layers
+
+
+@pytest.mark.parametrize("trainer", ["train", "CausalTrainer"])
+def test_qlora_trains_after_cpu_inference_packing(tmp_path, base_dir, trainer):
+    """Issue 25: a 4-bit base evaluated on an AVX512-BF16 CPU (weights packed for inference) still trains,
+    and nothing repacks it during training (the run's own no-grad feature passes run in eval mode)."""
+    pytest.importorskip("bitsandbytes")
+    base = load_quantized(base_dir, "4bit", load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                          bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["lm_head"])
+    original = {n: p.detach().clone() for n, p in base.named_parameters()}
+    layers = pack_for_cpu_inference(base)
+    model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM, lora=LORA))
+    assert layers and not any(m.weight.quant_state.packing_format_for_cpu or m.support_avx512bf16_for_cpu
+                              for m in layers)
+    if trainer == "train":
+        train(model, TrainConfig(output_dir=str(tmp_path / "run"), plot=False, progress=False, max_steps=3,
+                                 per_device_train_batch_size=4, regression_init="none", calibrate_scale=False,
+                                 learning_rate=5e-2, eval_on_start=True), train_dataset=toy_dataset(),
+              eval_dataset=toy_dataset(8))
+    else:
+        from transformers import TrainingArguments
+
+        from causal_adapter.saving.hf_trainer import CausalTrainer
+
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=5e-2, save_strategy="no", use_cpu=True, report_to=[],
+                                 eval_strategy="steps", eval_steps=1, disable_tqdm=True)
+        CausalTrainer(model=model, args=args, train_dataset=toy_dataset(), eval_dataset=toy_dataset(8),
+                      data_collator=NumericCollator(0)).train()
+    trained = dict(model.backbone.named_parameters())
+    assert all(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    # the weights train in the layout they were loaded in (no double quantisation here: unpacking is exact)
+    base_weights = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+                    for n, p in trained.items() if "lora_" not in n}
+    assert base_weights.keys() == original.keys()
+    for n, p in original.items():
+        assert torch.equal(base_weights[n], p), n
 
 
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from .._compat import cache_kwargs, output_cache
 from ..numbers import NumberTokenizer, format_number
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
@@ -521,7 +522,7 @@ def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_va
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
                         position_ids=position_ids, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     last_pos = position_ids[:, -1:]
     shared_eps = None
     if run.opts.mode == "causal" and run.opts.shared_individual:
@@ -539,7 +540,7 @@ def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_va
         mask = torch.cat([mask, mask.new_ones(run.B, 1)], 1)
         last_pos = last_pos + 1
         out = model.decoder(inputs_embeds=model.embed(tok.unsqueeze(1), val.unsqueeze(1)), attention_mask=mask,
-                            position_ids=last_pos, past_key_values=cache, use_cache=True)
+                            position_ids=last_pos, use_cache=True, **cache_kwargs(model.decoder, cache))
 
 
 def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tensor | None):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers.utils import ModelOutput
 
+from .._compat import cache_kwargs, output_cache
 from .._version import __version__
 from ..config import IGNORE_INDEX, CausalAdapterConfig
 from ..modeling.families import (
@@ -45,6 +46,7 @@ from .integrations import (
     resolve_adapter_source,
     write_extra_files,
 )
+from .quantization import prepare_quantized_for_training
 
 
 @dataclass
@@ -66,7 +68,12 @@ class CausalOutput(ModelOutput):
     loc_S: Tensor | None = None
     scale_S: Tensor | None = None
     hidden_states: Tensor | None = None
-    past_key_values: Any = None
+    cache: Any = None
+
+    @property
+    def past_key_values(self) -> Any:
+        """The cache under its name before transformers 5.24 (kept for callers that read it)."""
+        return self.cache
 
 
 def _head_dtype(dtype: torch.dtype, autocast_adapter_dtype: bool = True) -> torch.dtype:
@@ -145,6 +152,8 @@ class CausalModel(nn.Module):
         super().__init__()
         check_supported(backbone)
         check_unquantized_heads(backbone)
+        # one layout that trains for a 4-bit base, evaluated or not, on any CPU (saving/quantization.py)
+        prepare_quantized_for_training(backbone)
         self.config = config
         self.num_token_id = num_token_id
         self.backbone = backbone
@@ -311,7 +320,7 @@ class CausalModel(nn.Module):
 
     def check_inputs(self, input_ids: Tensor, numeric_values: Tensor | None, labels: Tensor | None,
                      label_values: Tensor | None, attention_mask: Tensor | None = None,
-                     past_key_values: Any = None) -> None:
+                     cache: Any = None) -> None:
         """Validate `forward`'s inputs (shapes, dtypes, ids and labels in range); a ValueError names the
         problem. Also used by `generation.generate` on its prompts."""
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -336,7 +345,7 @@ class CausalModel(nn.Module):
         for name, t in (("numeric_values", numeric_values), ("labels", labels), ("label_values", label_values)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
-        if (attention_mask is not None and past_key_values is None and attention_mask.dim() == 2
+        if (attention_mask is not None and cache is None and attention_mask.dim() == 2
                 and attention_mask.shape != input_ids.shape):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
                              f"{tuple(input_ids.shape)}")
@@ -396,16 +405,22 @@ class CausalModel(nn.Module):
         label_values: Tensor | None = None,
         *,
         position_ids: Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool = False,
+        past_key_values: Any = None,
         return_scores: bool = False,
     ) -> CausalOutput:
         """input_ids, numeric_values, attention_mask, labels, label_values: [B, S].
 
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
+        cache: the backbone's cache (`past_key_values` is its name before transformers 5.24, still taken).
         """
-        self.check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, past_key_values)
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("give the cache as `cache` or as `past_key_values`, not both")
+            cache = past_key_values
+        self.check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, cache)
         if labels is not None and label_values is None:
             label_values = numeric_values
         grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
@@ -414,8 +429,8 @@ class CausalModel(nn.Module):
                 inputs_embeds=self.embed(input_ids, numeric_values),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **cache_kwargs(self.decoder, cache),
             )
         z = out.last_hidden_state
         # heads and losses in their own dtype whatever autocast the caller runs (bf16 loc_Y near 400 moves in steps of 2)
@@ -424,7 +439,7 @@ class CausalModel(nn.Module):
             scale_Up = self.action.noisy_scale(scale_U)
             loc_Y, scale_Y = self.action.regression(loc_U, scale_Up)
             result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
-                                  past_key_values=out.past_key_values if use_cache else None)
+                                  cache=output_cache(out) if use_cache else None)
             if return_scores:
                 result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
             if labels is not None:
