@@ -353,9 +353,9 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
     result = train(model, config, tokenizer=tokenizer, train_dataset=splits["train"],
                    eval_dataset=splits["validation"])
     ntok = NumberTokenizer(tokenizer, result.model.num_token_id)
-    cal = result.model.config.value_calibration
+    cal = result.model.causal_config.value_calibration
     out = {"train_seconds": time.perf_counter() - t0, "steps": result.global_step,
-           "value_units": [result.model.config.value_loc, result.model.config.value_scale]}
+           "value_units": [result.model.causal_config.value_loc, result.model.causal_config.value_scale]}
     y = {}
     for split in ("validation", "test"):
         ds = tokenize_dataset(splits[split], ntok, add_eos_token=True)

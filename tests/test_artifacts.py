@@ -54,7 +54,7 @@ def test_save_reload_identical_outputs(tmp_path, arch, lora):
     feats = torch.randn(40, C, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     model.action.set_depth(fit_depth(feats, model.action.depth_basis.shape[0]))
     model.action.log_scale_range.copy_(torch.tensor([-1.0, 1.0]))
-    init = get_causal_model(build_tiny_qwen(arch, seed=0), model.config)
+    init = get_causal_model(build_tiny_qwen(arch, seed=0), model.causal_config)
     for name, t in model.adapter_state_dict().items():  # every adapter tensor was trained
         if name not in ("numeric_embedding.direction",) and t.dtype.is_floating_point:
             assert not torch.equal(t, init.adapter_state_dict()[name]), name

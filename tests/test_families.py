@@ -184,7 +184,7 @@ def train_steps(model, steps=2, seed=0):
 def test_lora_defaults_train_only_adapter_tensors(arch, vision):
     settings = LoraSettings(r=2)
     model = wrap(tiny(arch, vision, dtype=torch.float32), lora=settings)
-    assert model.config.lora.target_modules == EXPECTED_TARGETS[arch]
+    assert model.causal_config.lora.target_modules == EXPECTED_TARGETS[arch]
     assert settings.target_modules == list(DEFAULT_LORA_TARGETS)  # the caller's settings are not modified
     lora = {n for n, p in model.backbone.named_parameters() if p.requires_grad}
     targeted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora}

@@ -268,7 +268,7 @@ def test_merge_and_unload_unload_and_disable_adapter():
         torch.testing.assert_close(model(ids, vals).loc_Y, before.loc_Y, rtol=0, atol=0)  # re-enabled
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
     merged = model.merge_and_unload()
-    assert merged is model and model.config.lora is None
+    assert merged is model and model.causal_config.lora is None
     assert not any(isinstance(m, BaseTunerLayer) for m in model.backbone.modules())
     with torch.no_grad():
         after = model(ids, vals, return_scores=True)

@@ -102,7 +102,7 @@ def test_lora_weights_float32_on_bf16_base_and_option_keeps_base_dtype(tmp_path)
     # the saved dtype is the adapter's; the option round-trips and old adapters (without it) load as True
     kept.save_pretrained(tmp_path / "kept")
     again = type(kept).from_pretrained(small_vocab_qwen(dtype=torch.bfloat16, seed=2), tmp_path / "kept")
-    assert again.config.autocast_adapter_dtype is False and again.action.b_cls.dtype == torch.bfloat16
+    assert again.causal_config.autocast_adapter_dtype is False and again.action.b_cls.dtype == torch.bfloat16
     cfg = CausalAdapterConfig(autocast_adapter_dtype=False)
     assert CausalAdapterConfig.from_json(cfg.to_json()) == cfg
     legacy = {k: v for k, v in CausalAdapterConfig().to_dict().items() if k != "autocast_adapter_dtype"}

@@ -139,7 +139,7 @@ def test_zero_row_never_gives_nan():
     labels[0, 3] = NUM_SMALL  # the zero row is a target
     vals = torch.zeros(1, 6)
     out = model(ids, labels=labels, label_values=vals, return_scores=True)
-    assert out.scale_S[..., NUM_SMALL].min().item() == torch.tensor(model.config.scale_floor).item()
+    assert out.scale_S[..., NUM_SMALL].min().item() == torch.tensor(model.causal_config.scale_floor).item()
     assert torch.isfinite(out.loss)
     out.loss.backward()
     for n, p in model.trainable_parameters():
@@ -157,7 +157,7 @@ def _manual_loss(model, out, labels, values):
     m = y[keep] == model.num_token_id
     loc_Y, scale_Y = out.loc_Y[:, :-1].flatten()[keep], out.scale_Y[:, :-1].flatten()[keep]
     nll = torch.log(math.pi * scale_Y) + torch.log1p(((v[keep] - loc_Y) / scale_Y) ** 2)
-    gate = m * (model.config.alpha + (1 - model.config.alpha) * P[:, model.num_token_id])
+    gate = m * (model.causal_config.alpha + (1 - model.causal_config.alpha) * P[:, model.num_token_id])
     l_reg = (gate * nll).sum() / max(1, int(m.sum()))
     return l_cls, l_reg
 

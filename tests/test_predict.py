@@ -31,7 +31,7 @@ def saved(tmp_path_factory, qwen_tokenizer):
     model.set_value_units(39.0, 38.0, 1)
     g = torch.Generator().manual_seed(0)
     y = torch.randn(200, generator=g, dtype=torch.float64) * 2.0  # normal residuals: c_90 ~ 3.3, not 6.3
-    model.config.value_calibration = fit_calibration(y, torch.zeros(200), torch.ones(200))
+    model.causal_config.value_calibration = fit_calibration(y, torch.zeros(200), torch.ones(200))
     path = tmp_path_factory.mktemp("predict") / "adapter"
     model.save_pretrained(path)
     fresh, _ = load_base(None, "qwen2", "float32", 32, 1)
@@ -50,7 +50,7 @@ def test_predict_values_reads_the_last_prompt_position_with_calibrated_intervals
     from causal_adapter.numbers import NumberTokenizer
 
     ntok = NumberTokenizer(qwen_tokenizer)
-    cal = model.config.value_calibration
+    cal = model.causal_config.value_calibration
     for prompt, r in zip(PROMPTS, out):
         enc = ntok([prompt])  # alone: no padding
         ref = model(enc["input_ids"], enc["numeric_values"], enc["attention_mask"])
@@ -156,10 +156,10 @@ def test_demo_interval_summary_and_plot_use_the_calibration_map(tmp_path, saved)
     s = interval_summary(model, preds)
     assert s["calibrated"] is True and s["n"] == 400
     assert s["coverage_50"] == pytest.approx(0.5, abs=0.08) and s["coverage_90"] == pytest.approx(0.9, abs=0.05)
-    c90 = conformal_multiplier(model.config.value_calibration, 0.9)
+    c90 = conformal_multiplier(model.causal_config.value_calibration, 0.9)
     assert s["width_90"] == pytest.approx([2 * c90] * 3)  # one scale: min = median = max
     assert "calibrated (split-conformal" in format_interval_summary(s)
     pytest.importorskip("matplotlib")
     raw = plot_training([], preds, tmp_path / "raw.png")
-    cal = plot_training([], preds, tmp_path / "cal.png", calibration=model.config.value_calibration)
+    cal = plot_training([], preds, tmp_path / "cal.png", calibration=model.causal_config.value_calibration)
     assert raw.read_bytes() != cal.read_bytes()

@@ -121,7 +121,7 @@ def test_adapter_saved_before_value_units_loads_with_the_seeds_heads(tmp_path):
         meta["adapter_config"].pop(key)
     meta_path.write_text(json.dumps(meta))  # what a version without these fields wrote
     loaded = CausalModel.from_pretrained(small_vocab_qwen(num_layers=1), tmp_path / "old")
-    assert loaded.config.regression_scale == "shared" and loaded.action.b_noise_Y is None
+    assert loaded.causal_config.regression_scale == "shared" and loaded.action.b_noise_Y is None
     ids = torch.tensor([[11, 12, 13]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).scale_Y, old(ids).scale_Y)
@@ -140,7 +140,7 @@ def test_trained_head_beats_constant_with_sane_coverage(tmp_path):
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), max_steps=12, per_device_train_batch_size=8,
                       learning_rate=1e-2, plot=False, progress=False, logging_steps=4)
     result = train(model, cfg, train_dataset=train_ds, eval_dataset=val_ds)
-    units = (model.config.value_loc, model.config.value_scale, model.config.value_decimals)
+    units = (model.causal_config.value_loc, model.causal_config.value_scale, model.causal_config.value_decimals)
     assert units == (*fit_value_units(train_ds["target"]), 1)
     metrics = evaluate_dataset(result.model, test_ds, pad_token_id=0, batch_size=16,
                                train_targets=train_ds["target"])
@@ -150,7 +150,7 @@ def test_trained_head_beats_constant_with_sane_coverage(tmp_path):
     # the same run again gives the same units and head (fitted statistics are reproducible)
     again = train(wrap(), TrainConfig(**{**cfg.to_dict(), "output_dir": str(tmp_path / "run2")}),
                   train_dataset=train_ds, eval_dataset=val_ds).model
-    assert again.config.value_loc == model.config.value_loc
+    assert again.causal_config.value_loc == model.causal_config.value_loc
     assert torch.equal(again.action.w_reg, model.action.w_reg)
 
 

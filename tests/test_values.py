@@ -213,7 +213,7 @@ def trained(tmp_path_factory):
 
 def test_calibration_map_is_the_validation_residuals(trained):
     model, val_ds = trained
-    cal = model.config.value_calibration
+    cal = model.causal_config.value_calibration
     _, preds = evaluate_dataset(model, val_ds, pad_token_id=0, batch_size=64, return_predictions=True)
     y, loc, scale = (torch.tensor(preds[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
     expected = fit_calibration(y, loc, scale)
@@ -239,7 +239,7 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
     model, _ = trained
     test_ds, _ = regime_rows(600, 3)
     _, preds = evaluate_dataset(model, test_ds, pad_token_id=0, batch_size=64, return_predictions=True)
-    cal = model.config.value_calibration
+    cal = model.causal_config.value_calibration
     cov = coverage_metrics(preds["y_true"], preds["loc"], preds["scale"], calibration=cal)
     for q in (0.5, 0.8, 0.9, 0.95):
         # 240 calibration rows and 600 test rows: sd of a coverage ~0.03; a 2x wrong scale is off by >= 0.2
@@ -275,7 +275,7 @@ def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informa
     factor = float((y.abs() / width).median())
     assert float(act.b_noise_Y.detach().abs()) == pytest.approx(factor, rel=1e-5)  # |b_noise_Y| was 1
     expected = fit_calibration(y, torch.zeros(300), width * factor)
-    torch.testing.assert_close(torch.tensor(model.config.value_calibration["scores"]),
+    torch.testing.assert_close(torch.tensor(model.causal_config.value_calibration["scores"]),
                                torch.tensor(expected["scores"]), rtol=1e-6, atol=1e-9)
 
 

@@ -346,7 +346,7 @@ def generate(
     if streamer is not None:
         _put(streamer, input_ids, numeric_values)
     _generate_loop(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
-    return _output(run, trace, input_ids, numeric_values, attention_mask, model.config.value_calibration)
+    return _output(run, trace, input_ids, numeric_values, attention_mask, model.causal_config.value_calibration)
 
 
 @dataclass
@@ -431,7 +431,7 @@ def _prepare(model, opts: _Options, ntok, input_ids: Tensor, seed, generator, ov
     T = _new_token_budget(opts.max_new_tokens, opts.max_length, S)
     return _Run(opts=opts, ntok=ntok, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
                 pad_id=pad_id, num_id=model.num_token_id, device=device, hdev=hdev, hdtype=scorer.dtype, gen=gen,
-                scorer=scorer, warpers=_warpers(opts, model.num_token_id), decimals=model.config.value_decimals,
+                scorer=scorer, warpers=_warpers(opts, model.num_token_id), decimals=model.causal_config.value_decimals,
                 B=B, S=S, T=T, C=model.abduction.loc.weight.shape[0])
 
 

@@ -106,7 +106,7 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     levels = check_levels(levels)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if model.config.value_loc is None:
+    if model.causal_config.value_loc is None:
         raise ValueError("the adapter has no value units (value_loc / value_scale): train it first, or load a "
                          "trained adapter with CausalModel.from_pretrained")
     for i, p in enumerate(prompts):

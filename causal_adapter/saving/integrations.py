@@ -81,7 +81,7 @@ def peft_lora_config(model):
     """The peft `LoraConfig` equivalent to the model's LoRA (task CAUSAL_LM, base = the backbone's name)."""
     from peft import LoraConfig
 
-    s = model.config.lora
+    s = model.causal_config.lora
     base = getattr(model.backbone, "name_or_path", None) or getattr(model.backbone.config, "_name_or_path", None)
     return LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules),
                       task_type="CAUSAL_LM", base_model_name_or_path=base or None)
@@ -104,7 +104,7 @@ def write_extra_files(directory: Path, model, metrics: dict | None = None, final
     final_directory: where the files end up (the card's Usage snippet loads from there)."""
     card = model_card(model, metrics, final_directory or str(directory))
     (directory / MODEL_CARD_NAME).write_text(card, encoding="utf-8")
-    if model.config.lora is not None:
+    if model.causal_config.lora is not None:
         write_peft_lora(directory, model)
 
 
@@ -115,7 +115,7 @@ def model_card(model, metrics: dict | None = None, directory: str = "<this direc
     meta = model.adapter_metadata()
     base = meta.get("base_model_name_or_path")
     tiny = base is not None and TINY_NAME.fullmatch(str(base)) is not None
-    lora = model.config.lora
+    lora = model.causal_config.lora
     tags = ["causal_adapter", "cauchy", "numbers"] + (["peft", "lora"] if lora is not None else [])
     front = ["---", "library_name: causal_adapter"] + ([f"base_model: {base}"] if base and not tiny else [])
     front += ["tags:"] + [f"- {t}" for t in tags] + ["---", ""]
@@ -138,7 +138,7 @@ def model_card(model, metrics: dict | None = None, directory: str = "<this direc
     if lora is not None:
         lines.append(f"- LoRA: r={lora.r}, alpha={lora.alpha}, targets {list(lora.target_modules)}, in peft's "
                      f"files (`{PEFT_CONFIG_NAME}`, `{PEFT_WEIGHTS_NAME}`)")
-    lines += ["", "## Configuration", "", "```json", json.dumps(model.config.to_dict(), indent=2, sort_keys=True), "```"]
+    lines += ["", "## Configuration", "", "```json", json.dumps(model.causal_config.to_dict(), indent=2, sort_keys=True), "```"]
     lines += _card_metrics(metrics or {})
     lines += ["", "## Usage", "", "```python", "from causal_adapter import CausalModel", "",
               f"model = CausalModel.from_pretrained({base!r}, {directory!r})  # or the hub repo id it was pushed to",
@@ -171,7 +171,7 @@ def _card_metrics(metrics: dict) -> list[str]:
 def merge_lora(model, merge: bool = True, safe_merge: bool = True):
     """Replace every peft LoRA layer of the backbone by its base layer, merged (`merge=True`, peft's
     `merge`) or untouched; the model's config then has no LoRA. In place; returns the model."""
-    if model.config.lora is None:
+    if model.causal_config.lora is None:
         raise ValueError("this CausalModel has a frozen backbone (config.lora is None): there is no LoRA to "
                          f"{'merge' if merge else 'unload'}")
     for name, layer in _lora_tuner_layers(model.backbone):
@@ -184,7 +184,7 @@ def merge_lora(model, merge: bool = True, safe_merge: bool = True):
         del model.backbone.peft_config
     for p in model.backbone.parameters():
         p.requires_grad_(False)
-    model.config = dataclasses.replace(model.config, lora=None)
+    model.causal_config = dataclasses.replace(model.causal_config, lora=None)
     model.lora_merged = merge
     return model
 
@@ -519,7 +519,7 @@ def full_adapter_state_dict(model) -> dict:
     with _whole_parameters(model) as inner:
         state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                  for k, v in inner.adapter_state_dict().items()}
-    if inner.config.lora is not None and not any(k.startswith("lora.") for k in state):
+    if inner.causal_config.lora is not None and not any(k.startswith("lora.") for k in state):
         # peft's get_peft_model_state_dict finds no LoRA layer through FSDP1's wrapped units (measured)
         raise NotImplementedError("saving LoRA from an FSDP1-wrapped model is not supported (peft finds no LoRA "
                                   "tensor through FSDP1's units): use FSDP2 (fsdp2.yaml) or DDP for LoRA")

@@ -146,7 +146,12 @@ def _offline_tokenizer(name_or_path: str | None):
 
 
 class CausalModel(nn.Module):
-    """The wrapped model. Build it with `get_causal_model` or `CausalModel.from_pretrained`."""
+    """The wrapped model. Build it with `get_causal_model` or `CausalModel.from_pretrained`.
+
+    As on a peft `PeftModel`, `model.config` is the base model's `PretrainedConfig` (what transformers,
+    accelerate's DeepSpeed integration and TRL read); the adapter's own `CausalAdapterConfig` is
+    `model.causal_config`.
+    """
 
     def __init__(self, backbone: nn.Module, config: CausalAdapterConfig, num_token_id: int):
         super().__init__()
@@ -154,7 +159,7 @@ class CausalModel(nn.Module):
         check_unquantized_heads(backbone)
         # one layout that trains for a 4-bit base, evaluated or not, on any CPU (saving/quantization.py)
         prepare_quantized_for_training(backbone)
-        self.config = config
+        self.causal_config = config
         self.num_token_id = num_token_id
         self.backbone = backbone
         W = backbone.get_output_embeddings().weight
@@ -199,9 +204,9 @@ class CausalModel(nn.Module):
         if not (math.isfinite(value_loc) and math.isfinite(value_scale) and value_scale > 0):
             raise ValueError(f"value units need a finite value_loc and a finite value_scale > 0, got "
                              f"({value_loc!r}, {value_scale!r})")
-        self.config.value_loc, self.config.value_scale = float(value_loc), float(value_scale)
+        self.causal_config.value_loc, self.causal_config.value_scale = float(value_loc), float(value_scale)
         if value_decimals is not None:
-            self.config.value_decimals = int(value_decimals)
+            self.causal_config.value_decimals = int(value_decimals)
         self.action.set_value_units(value_loc, value_scale)
 
     def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True
@@ -209,26 +214,31 @@ class CausalModel(nn.Module):
         """(lower, upper) of the central `level` interval of the value, shapes of loc_Y. calibrated=True
         uses the adapter's split-conformal map (`config.value_calibration`) when it has one;
         calibrated=False (or no map) gives the raw Cauchy interval loc_Y -+ tan(pi level / 2) scale_Y."""
-        return interval(loc_Y, scale_Y, level, self.config.value_calibration if calibrated else None)
+        return interval(loc_Y, scale_Y, level, self.causal_config.value_calibration if calibrated else None)
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self) -> None:
         from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.tuners_utils import cast_adapter_dtype
 
-        s = self.config.lora
+        s = self.causal_config.lora
         lora_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
                                  target_modules=lora_module_pattern(self.backbone, list(s.target_modules)),
                                  target_parameters=list(s.target_parameters) or None)
         try:
-            torch.manual_seed(self.config.seed)  # peft draws lora_A from the global RNG
+            torch.manual_seed(self.causal_config.seed)  # peft draws lora_A from the global RNG
             inject_adapter_in_model(lora_config, self.backbone)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
             what = f"target_modules {list(s.target_modules)}" + (
                 f" / target_parameters {list(s.target_parameters)}" if s.target_parameters else "")
             raise ValueError(f"LoRA {what} do not match the backbone: {e}") from None
         # as peft's get_peft_model: bf16/fp16 LoRA weights become float32 (AdamW, GradScaler need them)
-        cast_adapter_dtype(self.backbone, "default", autocast_adapter_dtype=self.config.autocast_adapter_dtype)
+        cast_adapter_dtype(self.backbone, "default", autocast_adapter_dtype=self.causal_config.autocast_adapter_dtype)
+
+    @property
+    def config(self):
+        """The base model's `PretrainedConfig` (the adapter's config is `causal_config`)."""
+        return self.backbone.config
 
     @property
     def decoder(self) -> nn.Module:
@@ -311,9 +321,9 @@ class CausalModel(nn.Module):
         embeds = self.backbone.get_input_embeddings()(input_ids)
         if numeric_values is None:
             return embeds
-        if self.config.standardize_inputs and self.config.value_loc is not None:
+        if self.causal_config.standardize_inputs and self.causal_config.value_loc is not None:
             wide = torch.promote_types(numeric_values.dtype, torch.float32)
-            std = (numeric_values.to(wide) - self.config.value_loc) / self.config.value_scale
+            std = (numeric_values.to(wide) - self.causal_config.value_loc) / self.causal_config.value_scale
             numeric_values = torch.where(input_ids == self.num_token_id, std, torch.zeros_like(std))
         phi = self.numeric_embedding(numeric_values.to(self.numeric_embedding.direction.device))
         return embeds + phi.to(embeds.device, embeds.dtype)  # d sits with the heads, maybe elsewhere
@@ -469,15 +479,15 @@ class CausalModel(nn.Module):
             # at least float32: under bf16 autocast loc_Y is bf16, whose range ends below float32's max
             values = label_values[:, 1:].reshape(-1)[keep].to(torch.promote_types(loc_Y.dtype, torch.float32))
         act = self.action
-        ovr = fused_ovr_loss if self.config.fused_loss else reference_ovr_loss
+        ovr = fused_ovr_loss if self.causal_config.fused_loss else reference_ovr_loss
         loss_cls = ovr(loc_U, scale_Up, self.W_cls, act.b_cls, act.thresholds, labels,
                        row_override=act.row_override(), scale_floor=act.scale_floor)
         k = self.num_token_id
         p_num = num_probability(loc_U, scale_Up, act.num_weight(self.W_cls), act.b_cls[k], act.num_threshold(),
                                 scale_floor=act.scale_floor)
-        loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.config.alpha)
+        loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.causal_config.alpha)
         loss_reg = loss_reg.to(loss_cls.dtype)
-        return total_loss(loss_cls, loss_reg, self.config.reg_weight), loss_cls, loss_reg
+        return total_loss(loss_cls, loss_reg, self.causal_config.reg_weight), loss_cls, loss_reg
 
     # ------------------------------------------------------------------ parameters
     def adapter_state_dict(self) -> dict[str, Tensor]:
@@ -486,7 +496,7 @@ class CausalModel(nn.Module):
         for name in ("numeric_embedding", "abduction", "action"):
             for k, v in getattr(self, name).state_dict().items():
                 state[f"{name}.{k}"] = v
-        if self.config.lora is not None:
+        if self.causal_config.lora is not None:
             from peft import get_peft_model_state_dict
 
             lora = get_peft_model_state_dict(self.backbone, save_embedding_layers=False)
@@ -510,7 +520,7 @@ class CausalModel(nn.Module):
             for name in ("numeric_embedding", "abduction", "action"):
                 sub = {k[len(name) + 1:]: v for k, v in heads.items() if k.startswith(name + ".")}
                 getattr(self, name).load_state_dict(sub, strict=True)
-        if self.config.lora is not None:
+        if self.causal_config.lora is not None:
             from peft import set_peft_model_state_dict
 
             lora = {k[len(LORA_PREFIX):]: v for k, v in state.items() if k.startswith(LORA_PREFIX)}
@@ -539,7 +549,7 @@ class CausalModel(nn.Module):
             "format_version": FORMAT_VERSION,
             "library": "causal_adapter",
             "library_version": __version__,
-            "adapter_config": self.config.to_dict(),
+            "adapter_config": self.causal_config.to_dict(),
             "base_model_name_or_path": getattr(self.backbone, "name_or_path", None) or getattr(bc, "_name_or_path", None),
             "model_type": family_name(self.backbone),
             "hidden_size": text_config(self.backbone).hidden_size,

@@ -45,7 +45,7 @@ def interval_summary(model, predictions: dict, levels=(0.5, 0.9)) -> dict:
     import torch
 
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
-    out: dict = {"calibrated": model.config.value_calibration is not None, "n": int(y.numel())}
+    out: dict = {"calibrated": model.causal_config.value_calibration is not None, "n": int(y.numel())}
     for q in levels:
         n = round(100 * q)
         lo, hi = model.value_interval(loc, scale, q)

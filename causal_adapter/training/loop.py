@@ -270,10 +270,10 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
               for lab, v in zip(labels, vals) if lab == num_id]
     if not values:
         return summary
-    if inner.config.value_loc is None:
+    if inner.causal_config.value_loc is None:
         loc, scale = fit_value_units(values)
         inner.set_value_units(loc, scale, value_decimals(values))
-        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.config.value_decimals)
+        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
     if config.regression_init == "ridge":
         inner.to(device)
         bs = config.per_device_eval_batch_size
@@ -301,7 +301,7 @@ def _refit_value_head(inner, config: TrainConfig, train_ds, collator, device, ac
         return False
     with accelerator.autocast():
         fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
-    inner.config.value_calibration = None
+    inner.causal_config.value_calibration = None
     return True
 
 
@@ -596,8 +596,8 @@ def _evaluate(run: Run) -> MetricAccumulator:
                for i in range(0, len(idx), config.per_device_eval_batch_size))
     # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
     # so processes may run different numbers of evaluation batches
-    acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.config.reg_weight,
-                                                                calibration=run.inner.config.value_calibration),
+    acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
+                                                                calibration=run.inner.causal_config.value_calibration),
                      device=run.device)
     states = gather_object([acc.state()]) if run.world > 1 else [acc.state()]
     return MetricAccumulator.merged(states)
@@ -621,7 +621,7 @@ def _eval_refitted(run: Run) -> dict:
     inner = run.inner
     heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
              for name in ("numeric_embedding", "abduction", "action")}
-    saved_config = copy.deepcopy(inner.config)
+    saved_config = copy.deepcopy(inner.causal_config)
     refitted = run.config.value_refit == "eval" and _refit_value_head(
         inner, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
     try:
@@ -632,7 +632,7 @@ def _eval_refitted(run: Run) -> dict:
             with torch.no_grad():
                 for name, state_dict in heads.items():
                     getattr(inner, name).load_state_dict(state_dict)
-            inner.config = saved_config
+            inner.causal_config = saved_config
 
 
 def _save_checkpoint(run: Run) -> Path:
@@ -790,7 +790,7 @@ def _write_outputs(run: Run, adapter_dir: Path) -> Path | None:
     if not run.config.plot:
         return None
     return plot_training(run.history, run.predictions, run.out_dir / PLOT_NAME,
-                         calibration=run.inner.config.value_calibration)
+                         calibration=run.inner.causal_config.value_calibration)
 
 
 def _pad_token_id(ntok, inner) -> int:
@@ -884,7 +884,7 @@ def _calibrate_regression_scale(inner, predictions: dict | None, base_scale: Seq
     with torch.no_grad():
         new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
         act.b_noise_Y.fill_(new)
-    inner.config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
+    inner.causal_config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
     return info
 
 

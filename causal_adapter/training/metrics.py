@@ -249,8 +249,8 @@ def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricA
     input_ids and labels, as `NumericCollator` builds them) in eval mode (the previous mode is
     restored) and add them to `accumulator` (a new one by default), which is returned."""
     inner = unwrap_model(model)
-    acc = accumulator or MetricAccumulator(inner.num_token_id, inner.config.reg_weight,
-                                           calibration=inner.config.value_calibration)
+    acc = accumulator or MetricAccumulator(inner.num_token_id, inner.causal_config.reg_weight,
+                                           calibration=inner.causal_config.value_calibration)
     device = torch.device(device) if device is not None else inner.input_device
     was_training = model.training
     model.eval()
