@@ -427,8 +427,13 @@ def plain_loss(model, batch: dict, full: bool = False):
     if full:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"]).loss
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 labels=batch["keep_labels"], logits_to_keep=batch["keep"]).loss
+    # the kept positions gathered here (a per-row [B, K] `logits_to_keep` is not taken by every transformers 5.x)
+    hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    keep = batch["keep"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    logits = model.get_output_embeddings()(hidden.gather(1, keep)).float()  # [B, K, V]
+    # as the model's own loss: position j predicts label j + 1, mean over the labelled ones
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["keep_labels"][:, 1:].flatten(),
+                                             ignore_index=-100)
 
 
 def build_plain_lora(args):

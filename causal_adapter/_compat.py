@@ -6,6 +6,9 @@ transformers 5.24 renamed the cache keyword of every decoder forward and model o
 (`FutureWarning`, removal announced for 5.40). The check is on the callee's own signature, not on
 the version number, so a family or a remote-code model that renames later (or never) gets the
 name it takes.
+
+transformers 5.24 also renamed `gradient_checkpointing_enable` / `_disable` to
+`activation_checkpointing_enable` / `_disable` (the old names warn).
 """
 from __future__ import annotations
 
@@ -47,3 +50,14 @@ def output_cache(output: Any) -> Any:
         if name in output.__dataclass_fields__:
             return getattr(output, name)
     return None
+
+
+def activation_checkpointing_enable(model: nn.Module, kwargs: dict | None = None, **extra: Any) -> None:
+    """Turn on a transformers model's activation checkpointing under the name its version has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
+    (enable or model.gradient_checkpointing_enable)(kwargs, **extra)
+
+
+def activation_checkpointing_disable(model: nn.Module) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None)  # transformers >= 5.24
+    (disable or model.gradient_checkpointing_disable)()

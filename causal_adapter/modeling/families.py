@@ -114,11 +114,9 @@ def peft_expert_renames(model: nn.Module, target_modules: list[str]) -> list[str
     experts for this model type (its transformers v4 -> v5 conversion: on qwen3_moe / qwen3_next,
     `gate_proj` / `up_proj` / `down_proj` mean the experts, and a dense or shared-expert MLP of that
     name cannot be targeted). Asked of peft's own conversion, on a throw-away LoraConfig."""
-    try:
-        from peft import LoraConfig
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # a peft without the conversion renames nothing
-        return []
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
     renamed = []
     for name in target_modules:
         probe = LoraConfig(target_modules=[name])

@@ -18,7 +18,12 @@ import torch
 from torch import Tensor, nn
 from transformers.utils import ModelOutput
 
-from .._compat import cache_kwargs, output_cache
+from .._compat import (
+    activation_checkpointing_disable,
+    activation_checkpointing_enable,
+    cache_kwargs,
+    output_cache,
+)
 from .._version import __version__
 from ..config import IGNORE_INDEX, CausalAdapterConfig
 from ..modeling.families import (
@@ -281,11 +286,7 @@ class CausalModel(nn.Module):
         Only a backbone that gets gradients (LoRA, learnable d) keeps activations; a frozen backbone
         with a fixed d runs under no_grad and this changes nothing."""
         backbone = self.backbone
-        enable = getattr(backbone, "activation_checkpointing_enable", None)  # transformers >= 5.x
-        if enable is not None:
-            enable(activation_checkpointing_kwargs, **kwargs)
-        else:
-            backbone.gradient_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
+        activation_checkpointing_enable(backbone, activation_checkpointing_kwargs, **kwargs)
         # Reentrant checkpointing gives a segment's LoRA weights no gradient unless the segment's input
         # requires grad; with a frozen embedding and a fixed d it does not. transformers' hook on the
         # embedding output (what peft uses) fixes that; `embed` calls that same module. Some versions
@@ -295,8 +296,7 @@ class CausalModel(nn.Module):
 
     def activation_checkpointing_disable(self) -> None:
         """Turn the backbone's activation checkpointing off (the input-grad hook stays: harmless)."""
-        disable = getattr(self.backbone, "activation_checkpointing_disable", None)
-        (disable or self.backbone.gradient_checkpointing_disable)()
+        activation_checkpointing_disable(self.backbone)
 
     @property
     def is_activation_checkpointing(self) -> bool:

@@ -36,7 +36,7 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
     ax1.set_yscale("symlog")
     ax1.set_xlabel("step")
     ax1.set_title("losses")
-    ax1.legend(fontsize=8)
+    _legend(ax1)
     for key in ("accuracy", "num_recall", "num_f1", "coverage_50", "coverage_90"):
         pts = [(h["step"], h[key]) for h in evals if h.get(key) is not None]
         if pts:
@@ -49,7 +49,7 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_xlabel("step")
     ax2.set_title("validation metrics")
-    ax2.legend(fontsize=8)
+    _legend(ax2)
     if predictions and predictions["y_true"]:
         # in data order (time order for the built-in series): the truth, loc_Y and its interval bands
         y = torch.tensor(predictions["y_true"], dtype=torch.float64)
@@ -73,3 +73,9 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path
+
+
+def _legend(ax) -> None:
+    """A legend when the panel has labelled lines (an empty history draws none; matplotlib would warn)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
