@@ -28,7 +28,7 @@ ENGINE_SUBDIR = "accelerate_state"  # inside checkpoint-STEP: accelerate's save_
 
 SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), DDP (accelerate launch "
                        "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml) or FSDP2 "
-                       "(examples/accelerate_configs/fsdp2.yaml, fsdp2_lora.yaml)")
+                       "(examples/accelerate_configs/fsdp2.yaml)")
 
 
 def is_fsdp(accelerator) -> bool:

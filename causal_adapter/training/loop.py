@@ -32,6 +32,8 @@ What a run does
   ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1
   --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
+  FSDP2 (``examples/accelerate_configs/fsdp2.yaml``): the setup, the evaluation's padded forwards and the
+  sharded checkpoint state are `engines`' (docs/distributed.md); FSDP1 and DeepSpeed are refused at start.
 """
 from __future__ import annotations
 
