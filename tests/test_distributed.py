@@ -1,4 +1,4 @@
-"""FSDP through accelerate (2 gloo processes on CPU), the launchers causal_adapter.training.loop refuses,
+"""FSDP through accelerate (2 gloo processes on CPU) for your own loop, the launchers causal_adapter.training.loop refuses,
 1-element scalars (and adapters saved with 0-d ones), placement on several devices."""
 import json
 import subprocess
@@ -80,22 +80,28 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
-def test_train_refuses_deepspeed_and_fsdp_at_start_naming_the_launchers(tmp_path, kind):
-    """A real Accelerator whose state says what a DeepSpeed / FSDP launch sets (accelerate selects neither on CPU)."""
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP1"])
+def test_train_refuses_deepspeed_and_fsdp1_at_start_naming_the_launchers(tmp_path, kind):
+    """A real Accelerator whose state says what a DeepSpeed / FSDP1 launch sets (accelerate selects neither on
+    CPU). FSDP2 runs (tests/test_fsdp_train.py)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from causal_adapter.training.loop import _check_distributed_type
+    from causal_adapter.training.engines import check_engine
 
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(cpu=True)
-        accelerator.state.distributed_type = getattr(DistributedType, kind)
-        with pytest.raises(ValueError, match=f"does not support {'DeepSpeed' if kind == 'DEEPSPEED' else 'FSDP'}"
-                                             r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml"):
-            _check_distributed_type(accelerator)
+        if kind == "FSDP1":
+            accelerator.state.distributed_type = DistributedType.FSDP
+            accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
+            check_engine_error = r"does not support FSDP1.*fsdp_version: 2"
+        else:
+            accelerator.state.distributed_type = DistributedType.DEEPSPEED
+            check_engine_error = "does not support DeepSpeed"
+        with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml"):
+            check_engine(accelerator)
     finally:
         AcceleratorState._reset_state(True)
 

@@ -79,8 +79,9 @@ def atomic_write_dir(target: str | os.PathLike, write: Callable[[Path], None]) -
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an adapter is as readable as any directory
         write(tmp)
         for f in tmp.iterdir():
-            if f.is_file():  # safetensors and mkstemp write 0600: files get the umask's permissions
-                os.chmod(f, 0o666 & ~_umask())
+            if not f.is_file():  # a subdirectory (accelerate's FSDP state): its writer synced its own files
+                continue
+            os.chmod(f, 0o666 & ~_umask())  # safetensors and mkstemp write 0600: files get the umask's permissions
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)

@@ -87,25 +87,29 @@ def peft_lora_config(model):
                       task_type="CAUSAL_LM", base_model_name_or_path=base or None)
 
 
-def write_peft_lora(directory: Path, model) -> None:
+def write_peft_lora(directory: Path, model, lora: dict | None = None) -> None:
     """peft's adapter_config.json + adapter_model.safetensors with the LoRA tensors under peft's key
-    names (``base_model.model.<backbone module>.lora_A.weight``), as `PeftModel.save_pretrained` writes them."""
+    names (``base_model.model.<backbone module>.lora_A.weight``), as `PeftModel.save_pretrained` writes them.
+    lora: peft's state dict of the backbone already gathered (FSDP), else read from the model."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    lora = get_peft_model_state_dict(model.backbone, save_embedding_layers=False)
+    if not lora:
+        lora = get_peft_model_state_dict(model.backbone, save_embedding_layers=False)
     tensors = {f"base_model.model.{k}": v.detach().contiguous().cpu() for k, v in lora.items()}
     save_file(tensors, str(directory / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
     peft_lora_config(model).save_pretrained(str(directory))
 
 
-def write_extra_files(directory: Path, model, metrics: dict | None = None, final_directory: str | None = None) -> None:
+def write_extra_files(directory: Path, model, metrics: dict | None = None, final_directory: str | None = None,
+                      lora_tensors: dict | None = None) -> None:
     """What `save_pretrained` writes besides our two files: the model card and, with LoRA, peft's files.
-    final_directory: where the files end up (the card's Usage snippet loads from there)."""
+    final_directory: where the files end up (the card's Usage snippet loads from there); lora_tensors:
+    see `write_peft_lora`."""
     card = model_card(model, metrics, final_directory or str(directory))
     (directory / MODEL_CARD_NAME).write_text(card, encoding="utf-8")
     if model.causal_config.lora is not None:
-        write_peft_lora(directory, model)
+        write_peft_lora(directory, model, lora_tensors)
 
 
 # ============================================================================ model card

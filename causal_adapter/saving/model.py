@@ -559,10 +559,12 @@ class CausalModel(nn.Module):
         }
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, metrics: dict | None = None,
-                        is_main_process: bool = True, state_dict: dict | None = None, **kwargs) -> Path:
+                        is_main_process: bool = True, state_dict: dict | None = None,
+                        adapter_tensors: dict[str, Tensor] | None = None, **kwargs) -> Path:
         """Write causal_adapter_config.json + causal_adapter_model.safetensors (adapter tensors only),
         a model card (README.md, with `metrics` when given) and, with LoRA, peft's LoRA adapter files,
-        atomically. `is_main_process=False` writes nothing (transformers' convention); kwargs:
+        atomically. `adapter_tensors`: `adapter_state_dict()` gathered whole, for a sharded model (FSDP:
+        `integrations.full_adapter_state_dict`). `is_main_process=False` writes nothing (transformers' convention); kwargs:
         `safe_serialization=True` only (always safetensors), `push_to_hub=True` + `repo_id=`."""
         if state_dict is not None:
             raise ValueError("save_pretrained writes the adapter's own tensors; a state_dict argument is not supported")
@@ -575,11 +577,13 @@ class CausalModel(nn.Module):
             return Path(save_directory)
         meta = self.adapter_metadata()
         # with LoRA, its tensors live in peft's adapter_model.safetensors only (write_extra_files): one copy each
-        tensors = {k: v for k, v in self.adapter_state_dict().items() if not k.startswith(LORA_PREFIX)}
+        state = adapter_tensors if adapter_tensors is not None else self.adapter_state_dict()
+        tensors = {k: v for k, v in state.items() if not k.startswith(LORA_PREFIX)}
+        lora = {k[len(LORA_PREFIX):]: v for k, v in state.items() if k.startswith(LORA_PREFIX)}
 
         def write(tmp: Path) -> None:
             write_adapter_files(tmp, meta, tensors)
-            write_extra_files(tmp, self, metrics, final_directory=str(save_directory))
+            write_extra_files(tmp, self, metrics, final_directory=str(save_directory), lora_tensors=lora)
 
         path = atomic_write_dir(save_directory, write)
         if push:

@@ -1,9 +1,12 @@
 """Checkpoints of a training run and the RNG state they hold.
 
 ``OUTPUT_DIR/checkpoint-STEP``: adapter-only (the adapter's two files, loadable with
-`CausalModel.from_pretrained`), plus ``optimizer.pt``, ``scheduler.pt``, ``rng_state_RANK.json``
+`CausalModel.from_pretrained`), plus ``optimizer.pt`` (under FSDP instead: ``accelerate_state/``,
+accelerate's save_state of the sharded weights and optimizer, `engines`), ``scheduler.pt``, ``rng_state_RANK.json``
 (python, numpy, torch, cuda) and ``trainer_state.json`` (step, epoch, position in the epoch).
-Never the base weights (accelerate's ``save_state`` would write the full model: it is not used).
+Without FSDP never the base weights. Under FSDP ``accelerate_state/`` holds every process's shard of the
+whole model, the frozen base included (accelerate's save_state has no frozen-parameter filter): size
+checkpoints with ``save_total_limit``.
 Written atomically (`artifacts.atomic_write_dir`); the last ``save_total_limit`` are kept.
 Resuming restores all of it and skips the batches of the current epoch already consumed (without
 loading them): a run interrupted at step k and resumed ends with the same adapter as an
@@ -24,6 +27,7 @@ import torch
 
 from ..saving.artifacts import atomic_write_dir, read_adapter_files, write_adapter_files
 from .config import TrainConfig
+from .engines import ENGINE_SUBDIR
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
@@ -112,11 +116,16 @@ def remove_old_checkpoints(out_dir: Path, keep: int) -> None:
 
 
 def write_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState, config: TrainConfig,
-                     rngs: list[dict], world: int, n_train: int, history: list[dict]) -> None:
+                     rngs: list[dict], world: int, n_train: int, history: list[dict], *,
+                     tensors: dict | None = None, engine_dir: Path | None = None) -> None:
     """Write the checkpoint `path` atomically: the adapter's two files, optimizer / scheduler states,
-    one RNG state per process (`rngs`) and the trainer state (position, settings, log history)."""
-    meta, tensors = inner.adapter_metadata(), inner.adapter_state_dict()
-    opt_state, sched_state = optimizer.state_dict(), scheduler.state_dict()
+    one RNG state per process (`rngs`) and the trainer state (position, settings, log history).
+    Under FSDP (`engines`): `tensors` are the adapter's tensors gathered whole and `engine_dir` is
+    accelerate's save_state of the sharded weights and optimizer, moved into the checkpoint as
+    ``ENGINE_SUBDIR`` in place of ``optimizer.pt``."""
+    meta, tensors = inner.adapter_metadata(), tensors if tensors is not None else inner.adapter_state_dict()
+    opt_state = optimizer.state_dict() if engine_dir is None else None
+    sched_state = scheduler.state_dict()
     trainer_state = {
         "global_step": state.global_step, "epoch": state.epoch, "batches_in_epoch": state.batches_in_epoch,
         "total_steps": state.total_steps, "batches_per_epoch": state.batches_per_epoch, "num_processes": world,
@@ -127,7 +136,10 @@ def write_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState,
 
     def write(tmp: Path) -> None:
         write_adapter_files(tmp, meta, tensors)
-        torch.save(opt_state, tmp / "optimizer.pt")
+        if engine_dir is None:
+            torch.save(opt_state, tmp / "optimizer.pt")
+        else:
+            os.rename(engine_dir, tmp / ENGINE_SUBDIR)
         torch.save(sched_state, tmp / "scheduler.pt")
         for r, s in enumerate(rngs):
             (tmp / f"rng_state_{r}.json").write_text(json.dumps(s))
@@ -137,20 +149,23 @@ def write_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState,
 
 
 def load_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState, config: TrainConfig,
-                    world: int, rank: int, n_train: int) -> list[dict]:
+                    world: int, rank: int, n_train: int, *, weights_loaded: bool = False) -> list[dict]:
     """Restore a checkpoint into the adapter, optimizer, scheduler, `state` and this process's RNGs
-    (a warning when the run's settings differ); returns the log history it holds."""
+    (a warning when the run's settings differ); returns the log history it holds. `weights_loaded`:
+    the adapter's weights and the optimizer already came from the engine's state (FSDP: accelerate's
+    load_state of the sharded ones, `engines.load_engine_state`); the adapter files give the value units."""
     ts = json.loads((path / TRAINER_STATE).read_text())
     meta, tensors = read_adapter_files(path)
     if meta.get("num_token_id") != inner.num_token_id or meta.get("vocab_size") != inner.vocab_size:
         raise ValueError(f"checkpoint {str(path)!r} was made for num_token_id={meta.get('num_token_id')}, "
                          f"vocab_size={meta.get('vocab_size')}; this model has num_token_id={inner.num_token_id}, "
                          f"vocab_size={inner.vocab_size}")
-    inner.load_adapter_state_dict(tensors)
+    if not weights_loaded:
+        inner.load_adapter_state_dict(tensors)
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     saved = meta.get("adapter_config", {})
     if saved.get("value_loc") is not None:
         inner.set_value_units(saved["value_loc"], saved["value_scale"], saved.get("value_decimals"))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     mismatch = {k: (ts.get(k), v) for k, v in (
         ("num_processes", world), ("per_device_train_batch_size", config.per_device_train_batch_size),

@@ -32,6 +32,8 @@ What a run does
   ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1
   --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
+  FSDP2 (``examples/accelerate_configs/fsdp2.yaml``): the setup, the evaluation's padded forwards and the
+  sharded checkpoint state are `engines`' (docs/distributed.md); FSDP1 and DeepSpeed are refused at start.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
 from ..saving.integrations import unwrap_model
 from ..saving.model import get_causal_model
+from . import engines
 from .checkpoints import (
     CHECKPOINT_PREFIX,
     TrainState,
@@ -490,11 +493,11 @@ def train(
 
 
 def _start(config: TrainConfig) -> Run:
-    """The accelerator (refusing DeepSpeed / FSDP), launch warnings, the output directory, the seed."""
+    """The accelerator (refusing DeepSpeed / FSDP1: `engines.check_engine`), launch warnings, the output directory, the seed."""
     from accelerate.utils import set_seed
 
     accelerator = _make_accelerator(config)
-    _check_distributed_type(accelerator)
+    engines.check_engine(accelerator)
     run = Run(config=config, accelerator=accelerator, out_dir=Path(config.output_dir),
               is_main=accelerator.is_main_process, world=accelerator.num_processes, rank=accelerator.process_index)
     for msg in launch_warnings(run.world, config.expected_num_processes):
@@ -550,7 +553,7 @@ def _prepare_optimization(run: Run) -> None:
     optimizer = make_optimizer(run.inner, config)
     run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=run.total_steps)
-    run.model, run.optimizer = run.accelerator.prepare(run.inner, optimizer)
+    run.model, run.optimizer = engines.prepare(run.accelerator, run.inner, optimizer)
     run.eval_model = run.accelerator.unwrap_model(run.model)
     run.inner = unwrap_model(run.eval_model)
     run.device = run.accelerator.device
@@ -565,8 +568,9 @@ def _resume_and_open_log(run: Run) -> None:
     if config.resume_from_checkpoint == "latest" and run.resumed_from is None and run.is_main:
         print(f"no checkpoint in {run.out_dir}: starting from scratch", file=sys.stderr)
     if run.resumed_from is not None:
+        weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from)  # FSDP: sharded state
         run.history = load_checkpoint(run.resumed_from, run.inner, run.optimizer, run.scheduler, run.state, config,
-                                      run.world, run.rank, len(run.train_ds))
+                                      run.world, run.rank, len(run.train_ds), weights_loaded=weights_loaded)
     run.log_path = run.out_dir / METRICS_LOG
     if run.is_main:
         _reset_log(run.log_path, run.state.global_step if run.resumed_from is not None else None)
@@ -590,15 +594,19 @@ def _evaluate(run: Run) -> MetricAccumulator:
     """The validation split, sharded over processes and gathered: one merged MetricAccumulator."""
     from accelerate.utils import gather_object
 
-    config, eval_ds = run.config, run.eval_ds
+    config, eval_ds, bs = run.config, run.eval_ds, run.config.per_device_eval_batch_size
     idx = list(range(run.rank, len(eval_ds), run.world))
-    batches = (run.collator(_rows(eval_ds, idx[i:i + config.per_device_eval_batch_size]))
-               for i in range(0, len(idx), config.per_device_eval_batch_size))
+    batches = (run.collator(_rows(eval_ds, idx[i:i + bs])) for i in range(0, len(idx), bs))
     # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
     # so processes may run different numbers of evaluation batches
     acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
                                                                 calibration=run.inner.causal_config.value_calibration),
                      device=run.device)
+    # FSDP: as many forwards as the longest shard has batches (each one all-gathers the layers)
+    missing = math.ceil(math.ceil(len(eval_ds) / run.world) / bs) - math.ceil(len(idx) / bs)
+    if missing > 0 and engines.is_fsdp(run.accelerator):
+        pad = {k: v.to(run.device) for k, v in run.collator(_rows(eval_ds, [0])).items() if k in MODEL_INPUTS}
+        engines.pad_forwards(run.eval_model, pad, missing)
     states = gather_object([acc.state()]) if run.world > 1 else [acc.state()]
     return MetricAccumulator.merged(states)
 
@@ -636,14 +644,18 @@ def _eval_refitted(run: Run) -> dict:
 
 
 def _save_checkpoint(run: Run) -> Path:
-    """checkpoint-STEP (adapter, optimizer, scheduler, RNG of every process, trainer state), atomically."""
+    """checkpoint-STEP (adapter, optimizer, scheduler, RNG of every process, trainer state), atomically.
+    Under FSDP every process writes its shards first (`engines.save_engine_state`), then the main process
+    moves them into the checkpoint with the rest."""
     from accelerate.utils import gather_object
 
     path = run.out_dir / f"{CHECKPOINT_PREFIX}{run.state.global_step}"
     rngs = gather_object([rng_state()]) if run.world > 1 else [rng_state()]
+    tensors = engines.whole_adapter_tensors(run.accelerator, run.model)
+    engine_dir = engines.save_engine_state(run.accelerator, run.out_dir / f".{path.name}.{engines.ENGINE_SUBDIR}")
     if run.is_main:
         write_checkpoint(path, run.inner, run.optimizer, run.scheduler, run.state, run.config, rngs, run.world,
-                         len(run.train_ds), run.history)
+                         len(run.train_ds), run.history, tensors=tensors, engine_dir=engine_dir)
         if run.config.save_total_limit:
             remove_old_checkpoints(run.out_dir, run.config.save_total_limit)
     run.accelerator.wait_for_everyone()
@@ -767,7 +779,8 @@ def _finish(run: Run) -> TrainResult:
                 print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
             _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
     adapter_dir = run.out_dir / ADAPTER_SUBDIR
-    plot_path = _write_outputs(run, adapter_dir) if run.is_main else None
+    tensors = engines.whole_adapter_tensors(run.accelerator, run.model)  # FSDP: gathered on every process
+    plot_path = _write_outputs(run, adapter_dir, tensors) if run.is_main else None
     run.accelerator.wait_for_everyone()
     if run.accelerator.trackers:
         run.accelerator.end_training()
@@ -779,11 +792,13 @@ def _finish(run: Run) -> TrainResult:
     )
 
 
-def _write_outputs(run: Run, adapter_dir: Path) -> Path | None:
-    """The main process's files: the adapter (with its card's metrics), final_metrics.json, the plot."""
+def _write_outputs(run: Run, adapter_dir: Path, tensors: dict | None = None) -> Path | None:
+    """The main process's files: the adapter (with its card's metrics; `tensors`: gathered whole under
+    FSDP), final_metrics.json, the plot."""
     state, last_eval = run.state, run.last_eval
-    run.inner.save_pretrained(adapter_dir, metrics={"global_step": state.global_step, "train_loss": run.last_train_loss,
-                                                    **{f"eval_{k}": v for k, v in (last_eval or {}).items()}})
+    run.inner.save_pretrained(adapter_dir, adapter_tensors=tensors,
+                              metrics={"global_step": state.global_step, "train_loss": run.last_train_loss,
+                                       **{f"eval_{k}": v for k, v in (last_eval or {}).items()}})
     final = {"global_step": state.global_step, "train_loss": run.last_train_loss, "eval": last_eval,
              "num_processes": run.world, "adapter_dir": str(adapter_dir)}
     (run.out_dir / FINAL_METRICS).write_text(json.dumps(final, indent=2) + "\n")
@@ -809,28 +824,6 @@ def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
     total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
     return batches_per_epoch, total_steps, warmup
-
-
-SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), or DDP: accelerate "
-                       "launch with examples/accelerate_configs/multi_gpu_ddp.yaml (GPUs) or cpu_ddp.yaml (CPU)")
-
-
-def _check_distributed_type(accelerator) -> None:
-    """Refuse DeepSpeed and FSDP at start: this loop evaluates, refits the value head and checkpoints
-    through the unwrapped model and saves rank 0's optimizer state, which is one partition under
-    ZeRO-1/2/3 and FSDP (a silently wrong resume). FSDP has its own recipe (docs/distributed.md)."""
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        raise ValueError(f"causal_adapter.training.loop does not support DeepSpeed (its checkpoints would hold rank 0's "
-                         f"partition of the optimizer state only); supported launchers: {SUPPORTED_LAUNCHERS}")
-    if kind == DistributedType.FSDP:
-        raise ValueError(f"causal_adapter.training.loop does not support FSDP (evaluation, the value-head refit and "
-                         f"checkpoints use the unwrapped model); supported launchers: {SUPPORTED_LAUNCHERS}. For "
-                         "FSDP write the loop with accelerator.prepare + causal_adapter.saving.integrations."
-                         "finish_fsdp_wrap + save_fsdp_adapter (examples/accelerate_configs/fsdp.yaml, "
-                         "docs/distributed.md)")
 
 
 def _base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:

@@ -1,0 +1,158 @@
+"""The product's training (`causal_adapter.training.loop.train`) under FSDP2: 2 gloo processes on CPU through
+`accelerate launch` of examples/accelerate_configs/fsdp2.yaml (its CPU copy), the accelerate state set as an
+FSDP launch on GPUs sets it (tests/fsdp_train_worker.py). Checked: no refusal and finite losses; a run
+SIGKILLed after its step-2 checkpoint and resumed ends bit-identical to the uninterrupted run; the final
+directory is adapter-only (a single process's files) and reloads onto a fresh base; 2 processes with
+per-device batch 2 match 1 process with batch 4 (the loss curve and the adapter); LoRA in fp32 on a bf16
+base saves and reloads bit for bit. One launch + one resume launch for all of it (~25 s here)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "fsdp_train_worker.py"
+sys.path.insert(0, str(REPO / "tests"))
+import fsdp_train_worker as worker  # noqa: E402  (the runs' model, data and settings)
+
+# 2 processes x batch 2 against 1 x batch 4: the same rows in every micro-batch, the sums taken in another
+# order (per-process means, then the mean of them), fp32. Measured: the adapters differ by <= 1e-6
+# relative; a head gradient summed instead of averaged over the processes moves them by ~1e-2.
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def cpu_config(out: Path) -> Path:
+    """examples/accelerate_configs/fsdp2.yaml with what needs a GPU off and fp32 (mixed_precision: no)."""
+    text = (REPO / "examples/accelerate_configs/fsdp2.yaml").read_text()
+    text = text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
+    text = text.replace("mixed_precision: bf16", 'mixed_precision: "no"')
+    path = out / "cpu_fsdp2.yaml"
+    path.write_text(text)
+    return path
+
+
+def launch(config: Path, out: Path, job: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
+           str(port), str(WORKER), "--out", str(out), "--job", job]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launcher and both workers (their own session), then fail
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2_train")
+    config = cpu_config(out)
+    first = launch(config, out, "first")
+    # the killed run's processes died by SIGKILL after checkpoint-2: the launcher reports the signal
+    assert first.returncode != 0 and "SIGKILL" in first.stderr, first.stderr[-3000:]
+    assert (out / "full" / "adapter").is_dir() and (out / "bf16" / "trained.safetensors").is_file(), first.stderr[-3000:]
+    resumed = launch(config, out, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out
+
+
+def records(run_dir: Path, split: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def adapter_files(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    return {**load_file(str(adapter_dir / "causal_adapter_model.safetensors")),
+            **{f"peft.{k}": v for k, v in load_file(str(adapter_dir / "adapter_model.safetensors")).items()}}
+
+
+def test_fsdp2_train_runs_sharded_with_finite_losses_and_sharded_checkpoints(runs):
+    final = json.loads((runs / "full" / "final_metrics.json").read_text())
+    assert final["num_processes"] == 2 and final["global_step"] == worker.RUN_STEPS
+    losses = [r["loss"] for r in records(runs / "full")]
+    assert len(losses) == worker.RUN_STEPS and all(math.isfinite(v) for v in losses)
+    # accelerate's save_state under FSDP2 with SHARDED_STATE_DICT: one shard file per process, model and optimizer
+    state = runs / "full" / "checkpoint-2" / "accelerate_state"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (state / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_fsdp2_resume_after_sigkill_ends_equal_to_the_uninterrupted_run(runs):
+    assert sorted(p.name for p in (runs / "killed").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    a, b = adapter_files(runs / "full" / "adapter"), adapter_files(runs / "killed" / "adapter")
+    assert set(a) == set(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    drop = ("label_tokens_per_s",)  # wall-clock
+    for split in ("train", "eval", "eval_calibrated"):
+        full, resumed = records(runs / "full", split), records(runs / "killed", split)
+        assert [{k: v for k, v in r.items() if k not in drop} for r in full] == \
+               [{k: v for k, v in r.items() if k not in drop} for r in resumed]
+
+
+@pytest.fixture(scope="module")
+def one_process(runs, tmp_path_factory):
+    """The same run in this process: 1 process, per-device batch 4 = 2 x 2 (the same rows each micro-batch)."""
+    from causal_adapter.training.loop import train
+
+    train_ds, eval_ds = worker.datasets_()
+    out = tmp_path_factory.mktemp("one_process")
+    train(worker.model(), worker.config(out, batch=4, save_steps=0), train_dataset=train_ds, eval_dataset=eval_ds)
+    return out
+
+
+def test_fsdp2_final_directory_is_adapter_only_and_reloads_onto_a_fresh_base(runs, one_process):
+    from causal_adapter import CausalModel
+
+    adapter = runs / "full" / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == sorted(p.name for p in (one_process / "adapter").iterdir())
+    loaded = CausalModel.from_pretrained(worker.base(), adapter)
+    saved = load_file(str(adapter / "causal_adapter_model.safetensors"))
+    state = loaded.adapter_state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    assert any(k.startswith("lora.") for k in state)  # LoRA reloaded through peft's file
+    assert loaded.causal_config.value_calibration is not None  # the calibration fitted at the end travels
+
+
+def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(runs, one_process):
+    """Catches a head gradient summed over the processes instead of averaged (SGD-like AdamW, clipping on)."""
+    two, one = records(runs / "full"), records(one_process)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
+                               rtol=RTOL, atol=ATOL)
+    a, b = adapter_files(runs / "full" / "adapter"), adapter_files(one_process / "adapter")
+    assert set(a) == set(b)
+    for k in set(a) - {"action.depth_basis", "action.depth_weight"}:
+        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=k)
+    # the depth form's eigenbasis is not unique (16 rows in 32 dimensions: a degenerate null space); the
+    # quadratic form it defines, basis^T diag(weight) basis, is
+    qa, qb = (t["action.depth_basis"].double().T @ torch.diag(t["action.depth_weight"].double())
+              @ t["action.depth_basis"].double() for t in (a, b))
+    torch.testing.assert_close(qa, qb, rtol=0, atol=RTOL * float(qb.abs().max()))
+    ev2, ev1 = records(runs / "full", "eval_calibrated")[-1], records(one_process, "eval_calibrated")[-1]
+    assert ev2["num_targets"] == ev1["num_targets"] == 5  # every validation row once, gathered from both ranks
+    assert ev2["loss"] == pytest.approx(ev1["loss"], rel=RTOL)
+
+
+def test_fsdp2_lora_fp32_on_a_bf16_base_saves_and_reloads_bit_for_bit(runs):
+    from causal_adapter import CausalModel
+
+    trained = load_file(str(runs / "bf16" / "trained.safetensors"))
+    lora = {k: v for k, v in trained.items() if k.startswith("lora.")}
+    assert lora and all(v.dtype == torch.float32 for v in lora.values())
+    loaded = CausalModel.from_pretrained(worker.base(torch.bfloat16), runs / "bf16" / "adapter").adapter_state_dict()
+    assert set(loaded) == set(trained)
+    assert [k for k in trained if not torch.equal(loaded[k], trained[k])] == []
