@@ -89,3 +89,30 @@ def test_a_missing_node_fails(tmp_path):
     codes, logs, out = launch_nodes(tmp_path, ranks=(0,), timeout=25)
     assert codes != [0]
     assert not (out / "final_metrics.json").exists()
+
+
+@pytest.mark.parametrize("name", ["multi_node_ddp", "multi_node_fsdp2", "multi_node_deepspeed_zero3"])
+def test_multi_node_templates_give_each_node_its_rank_and_the_rendezvous(name):
+    """accelerate's own parsing of each template, as `accelerate launch` on node 1 of 2 does it: the
+    torchrun arguments (nnodes, node_rank, processes per node, rendezvous endpoint) and the engine's settings."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from causal_adapter.saving.integrations import FSDP_IGNORED_MODULES
+
+    args = launch_command_parser().parse_args([
+        "--config_file", str(CONFIG.parent / f"{name}.yaml"), "--machine_rank", "1", "--main_process_ip",
+        "192.168.0.7", "--main_process_port", "29555", "-m", "causal_adapter", "train"])
+    args, _, _ = _validate_launch_command(args)
+    assert (args.num_machines, args.num_processes, args.rdzv_backend) == (2, 16, "static")
+    if name.endswith("zero3"):
+        assert args.use_deepspeed and args.zero_stage == 3
+        assert args.deepspeed_multinode_launcher == "standard"  # torchrun on every node, like DDP / FSDP
+    env = prepare_multi_gpu_env(args)  # what the DDP / FSDP launcher and DeepSpeed's "standard" one pass to torchrun
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "8")
+    # accelerate 1.15 never copies `same_network: true` from a file (its flag defaults to False, not None):
+    # the node reaches node 0 through --rdzv_endpoint, which the static rendezvous treats as the master address
+    assert args.rdzv_endpoint == "192.168.0.7:29555"
+    if name.endswith("fsdp2"):
+        assert env["FSDP_VERSION"] == "2" and env["FSDP_IGNORED_MODULES"] == FSDP_IGNORED_MODULES
+        assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
