@@ -75,13 +75,13 @@ def test_counts_equal_the_real_model_and_fsdp_shards_are_one_nth():
             assert (rows[e]["grads"], rows[e]["optim"]) == (grads, 2 * rows[e]["adapter"]), e
         # ZeRO-3 partitions everything: 2 + 2 + 12 bytes per trainable, 2 per frozen parameter, over N
         z = rows["ZeRO-3"]
-        assert z["base"] + z["adapter"] + z["grads"] + z["optim"] == pytest_approx_sum(
+        assert z["base"] + z["adapter"] + z["grads"] + z["optim"] == _approx_sum(
             2 * (c.total_numel - c.trainable_numel) / N, 16 * c.trainable_numel / N)
         for row in rows.values():
             assert row["total"] == sum(v for k, v in row.items() if k not in ("total", "heads_replicated"))
 
 
-def pytest_approx_sum(*parts):
+def _approx_sum(*parts):
     """Sum of the ideal parts; the script rounds each of its four ZeRO-3 figures up (< 1 byte each)."""
     import pytest
 
