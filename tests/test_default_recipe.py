@@ -16,6 +16,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from causal_adapter.commands.main import main
 
@@ -93,12 +94,37 @@ def test_generate_and_predict_report_the_same_interval(trained, qwen_tokenizer, 
     pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
     for nums, p in zip(gen.numbers, pred):
         n = nums[0]
-        assert n["exact"] == pytest.approx(p["value"], rel=1e-4)
+        # the same position and heads; the KV-cached steps and predict's one forward differ by float32 noise,
+        # which a least-squares head on near-collinear random features amplifies (ridge lambda 1e-10 here,
+        # issue 27 item 2: predict alone moves a row by ~2% of its 90% width between batch sizes 1 and 4):
+        # 10% of the width. Read at the ":" instead, the value is off by ~1e7.
+        tol = 0.1 * (p["upper_90"] - p["lower_90"])
+        assert n["exact"] == pytest.approx(p["value"], abs=tol)
         for level in ("50", "90"):
-            assert n[f"interval_{level}"] == pytest.approx((p[f"lower_{level}"], p[f"upper_{level}"]), rel=1e-4)
+            assert n[f"interval_{level}"] == pytest.approx((p[f"lower_{level}"], p[f"upper_{level}"]), abs=tol)
     # ":" and ": " give the same row: both read the value at the space, where training fitted it
     other = model.predict_values([r["prompt"][:-1] + (": " if ending == ":" else ":") for r in rows[:4]],
                                  tokenizer=qwen_tokenizer)
     for a, b in zip(pred, other):
         assert a["value"] == pytest.approx(b["value"], rel=1e-4)
         assert a["upper_90"] - a["lower_90"] == pytest.approx(b["upper_90"] - b["lower_90"], rel=1e-4)
+
+
+def test_a_number_chosen_where_training_never_fitted_is_written_after_the_space(trained, qwen_tokenizer):
+    """The token side of a short run may put `<NUM>` straight after ":" (the seeds' recipe does, at every
+    position): generation then writes the space first and reads the value there, as training fitted it."""
+    import copy
+
+    model, targets, rows = trained
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        eager.action.b_cls[eager.num_token_id] += 1e4  # <NUM> is the argmax everywhere
+    prompts = [r["prompt"] for r in rows]  # ending ":"
+    gen = eager.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2)
+    pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
+    space = model.causal_config.number_prefix_id
+    assert gen.new_tokens[:, 0].tolist() == [space] * len(rows)
+    assert gen.new_tokens[:, 1].tolist() == [model.num_token_id] * len(rows)
+    for nums, p, text in zip(gen.numbers, pred, gen.texts):
+        assert text.startswith(" ") and min(targets) <= nums[0]["value"] <= max(targets), text
+        assert nums[0]["exact"] == pytest.approx(p["value"], abs=0.1 * (p["upper_90"] - p["lower_90"]))  # as above
