@@ -24,6 +24,10 @@ the heads run on the last position only. Sequences that emit an eos id or comple
 string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the backbone keeps
 being fed the pad token, as transformers does, so batching never changes a row's output).
 
+Number layout (`CausalAdapterConfig.number_prefix_id`, set by `train()`): a ``<NUM>`` chosen right after
+a token that never preceded a training number is written as that prefix (Qwen's ``" "``) first, then the
+``<NUM>``, whose value is read at the prefix's position, where the value head was fitted (`_place_number`).
+
 The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
 
 `generate` runs as named steps: `_options` (arguments checked) -> `_prepare` (ids, devices, scorer,
