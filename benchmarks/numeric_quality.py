@@ -344,6 +344,8 @@ def run_causal(args, lora: bool, splits, tokenizer, work_dir: Path) -> dict:
         weight_decay=0.0, add_eos_token=True, seed=args.seed, output_dir=str(work_dir / name),
         logging_steps=max(1, args.steps // 5), plot=False, progress=False, cpu=True,
         **({} if args.freeze is None else {"freeze": args.freeze}),
+        **({} if args.gamma0 is None else {"gamma0": args.gamma0}),
+        **({} if args.threshold_init is None else {"threshold_init": args.threshold_init}),
     )
     adapter_config = config.adapter_config()
     for k, v in input_path(args).items():
@@ -743,6 +745,9 @@ def parse_args(argv=None):
     ap.add_argument("--label-noise", nargs="+", type=float, default=[], metavar="FRACTION",
                     help="also rerun each corpus with this fraction of the training targets shuffled (e.g. 0.2 0.4), "
                     "scored on the clean test split (the seeds' anchor experiment)")
+    ap.add_argument("--gamma0", type=float, default=None, help="TrainConfig.gamma0 of the causal adapters (default: "
+                    "train's, 0.1; the seeds' 10 with --gamma0 10 --threshold-init 100)")
+    ap.add_argument("--threshold-init", type=float, default=None, help="TrainConfig.threshold_init (default: train's, 1)")
     ap.add_argument("--freeze", nargs="+", default=None, help="TrainConfig.freeze of the causal adapters (default: "
                     "the recipe's, abduction_loc; 'none' trains W_loc too)")
     ap.add_argument("--digit-samples", type=int, default=None, help="temperature-1 samples per test prompt of "

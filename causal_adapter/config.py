@@ -118,6 +118,13 @@ class CausalAdapterConfig:
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
+    number_prefix_id: the whitespace token written before most numbers of the training completions (Qwen's
+        ``" "`` in ``"food expenditure: 1033.57"`` = ``':' ' ' <NUM>``), set by `train()`; None = no layout rule.
+        The value head is fitted only at the positions that precede a ``<NUM>`` in training, so generation writes
+        this token before a ``<NUM>`` chosen after any token not in `number_contexts`, and `predict_values`
+        appends it to such a prompt: the value is always read where training fitted it (docs/predict.md).
+    number_contexts: the token ids that precede a ``<NUM>`` of the training completions (the prefix first);
+        None with `number_prefix_id`.
     """
 
     causal_size: int | None = None
@@ -145,6 +152,8 @@ class CausalAdapterConfig:
     value_decimals: int | None = None
     value_calibration: dict | None = None
     autocast_adapter_dtype: bool = True
+    number_prefix_id: int | None = None
+    number_contexts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -200,6 +209,15 @@ class CausalAdapterConfig:
             raise ValueError(f"value_decimals must be an integer in [0, 12] or None, got {self.value_decimals!r}")
         if self.value_calibration is not None:
             _validate_calibration(self.value_calibration)
+        if self.number_prefix_id is not None:
+            ctx = self.number_contexts
+            if (isinstance(self.number_prefix_id, bool) or not isinstance(self.number_prefix_id, int)
+                    or self.number_prefix_id < 0 or not isinstance(ctx, list) or self.number_prefix_id not in ctx
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ctx)):
+                raise ValueError(f"number_prefix_id must be a token id listed in number_contexts (a list of token ids), "
+                                 f"got {self.number_prefix_id!r} and {str(ctx)[:80]}")
+        elif self.number_contexts is not None:
+            raise ValueError("number_contexts needs number_prefix_id")
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):

@@ -79,6 +79,22 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
         smp = res["digit_lora"]["sampled"]
         assert smp["samples_per_prompt"] == 4 and smp["nll"] is None
         assert f"| digit-token LoRA, quantiles of 4 samples (T = 1) |" in text
+    # the baselines' figures, recomputed from the corpora (--quick: the first 12 train and 4 test rows):
+    # the constant is the train median (not the mean, not a test statistic), persistence the window's last value
+    from causal_adapter.data.corpora import build_corpus
+    from causal_adapter.numbers import find_numbers
+
+    for corpus in ("sunspots", "diabetes"):
+        dd = build_corpus(corpus)
+        train_y = sorted(float(v) for v in dd["train"]["target"][:12])
+        median = (train_y[5] + train_y[6]) / 2
+        test_y = [float(v) for v in dd["test"]["target"][:4]]
+        res = data["results"][corpus]
+        assert res["constant"]["test"]["mae"] == pytest.approx(sum(abs(y - median) for y in test_y) / 4, rel=1e-9)
+        if corpus == "sunspots":
+            last = [find_numbers(p)[-2].value for p in dd["test"]["prompt"][:4]]  # "...; 1978: 92.5; 1979:"
+            assert res["persistence"]["test"]["mae"] == pytest.approx(
+                sum(abs(y - v) for y, v in zip(test_y, last)) / 4, rel=1e-9)
     # the AR(p) baseline really uses the window: on sunspots it beats the constant
     sun = data["results"]["sunspots"]
     assert sun["linear"]["choice"].startswith("AR(")

@@ -33,6 +33,7 @@ from ..numbers import NUMBER_RE, NumberTokenizer, _to_list
 __all__ = [
     "IGNORE_INDEX",
     "NumericCollator",
+    "number_layout",
     "load_text_dataset",
     "tokenize_dataset",
 ]
@@ -569,3 +570,32 @@ class NumericCollator:
                 out[key] = torch.tensor(vals_k, dtype=torch.float64)  # exact (not a model input)
         return out
 
+
+
+def number_layout(dataset, num_token_id: int, tokenizer, max_rows: int = 20000,
+                  max_contexts: int = 256) -> tuple[int | None, list[int] | None]:
+    """(prefix id, context ids) of the numbers the value head trains on: the tokens just before every
+    labelled ``<NUM>`` of the first `max_rows` tokenised rows (features ``input_ids`` / ``labels``).
+
+    The prefix is the most frequent of them when it decodes to whitespace only (Qwen writes the space of
+    ``": 1033.57"`` as its own token, so the value is fitted at the space's position); None (no layout rule)
+    when numbers mostly follow something else or no row has a labelled number. Contexts: every id seen
+    there, most frequent first (at most `max_contexts`). `CausalAdapterConfig.number_prefix_id` says how
+    generation and `predict_values` use them.
+    """
+    from collections import Counter
+
+    counts: Counter = Counter()
+    rows = dataset.select(range(min(len(dataset), max_rows))) if hasattr(dataset, "select") else dataset
+    for ids, labels in zip(rows["input_ids"], rows["labels"]):
+        for i in range(1, len(ids)):
+            if labels[i] == num_token_id and ids[i] == num_token_id:
+                counts[int(ids[i - 1])] += 1
+    if not counts:
+        return None, None
+    top = counts.most_common(max_contexts)
+    prefix = top[0][0]
+    text = tokenizer.decode([prefix]) if prefix != num_token_id else ""
+    if not text or text.strip():
+        return None, None
+    return prefix, [t for t, _ in top]

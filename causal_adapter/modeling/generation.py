@@ -24,6 +24,10 @@ the heads run on the last position only. Sequences that emit an eos id or comple
 string stop; afterwards they are padded with ``pad_token_id`` / value 0 (the backbone keeps
 being fed the pad token, as transformers does, so batching never changes a row's output).
 
+Number layout (`CausalAdapterConfig.number_prefix_id`, set by `train()`): a ``<NUM>`` chosen right after
+a token that never preceded a training number is written as that prefix (Qwen's ``" "``) first, then the
+``<NUM>``, whose value is read at the prefix's position, where the value head was fitted (`_place_number`).
+
 The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
 
 `generate` runs as named steps: `_options` (arguments checked) -> `_prepare` (ids, devices, scorer,
@@ -418,6 +422,8 @@ class _Run:
     S: int
     T: int
     C: int
+    prefix_id: int | None = None  # the number layout of training (`_place_number`)
+    contexts: Tensor | None = None  # [n] ids that precede a number in training, on the heads' device
 
 
 def _prepare(model, opts: _Options, ntok, input_ids: Tensor, seed, generator, ovr_pruning: bool,
@@ -428,11 +434,13 @@ def _prepare(model, opts: _Options, ntok, input_ids: Tensor, seed, generator, ov
     gen = _make_generator(seed, generator, hdev)  # draws (eps, multinomial) are made with the heads
     scorer = OvRScorer(model, ovr_pruning=ovr_pruning, cache_abs_weight=cache_abs_weight)
     B, S = input_ids.shape
+    cfg = model.causal_config
     T = _new_token_budget(opts.max_new_tokens, opts.max_length, S)
     return _Run(opts=opts, ntok=ntok, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
                 pad_id=pad_id, num_id=model.num_token_id, device=device, hdev=hdev, hdtype=scorer.dtype, gen=gen,
                 scorer=scorer, warpers=_warpers(opts, model.num_token_id), decimals=model.causal_config.value_decimals,
-                B=B, S=S, T=T, C=model.abduction.loc.weight.shape[0])
+                B=B, S=S, T=T, C=model.abduction.loc.weight.shape[0], prefix_id=cfg.number_prefix_id,
+                contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev))
 
 
 def _warpers(opts: _Options, num_id: int):
@@ -527,10 +535,14 @@ def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_va
     shared_eps = None
     if run.opts.mode == "causal" and run.opts.shared_individual:
         shared_eps = _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
+    prev = input_ids[:, -1].to(run.hdev)  # the token before the next one (`_place_number`)
+    pending = torch.zeros(run.B, dtype=torch.bool, device=run.hdev)  # rows whose number comes at this step
     for t in range(run.T):
         with full_precision(out.last_hidden_state.device):  # the heads as in forward, whatever autocast is active
-            chosen = _choose(model, run, trace, t, out.last_hidden_state[:, -1], shared_eps)
-        tok, val = _record(run, trace, t, *chosen)
+            chosen = _choose(model, run, trace, t, out.last_hidden_state[:, -1], shared_eps, prev, pending)
+        pending = chosen[-1]
+        tok, val = _record(run, trace, t, *chosen[:-1])
+        prev = tok.to(run.hdev)
         if streamer is not None:
             _put(streamer, tok, val)
         if callback is not None:
@@ -543,9 +555,12 @@ def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_va
                             position_ids=last_pos, use_cache=True, **cache_kwargs(model.decoder, cache))
 
 
-def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tensor | None):
+def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tensor | None, prev: Tensor,
+            pending: Tensor):
     """The heads on the last position z [B, H]: (token [B], value [B], P_k of the token [B], loc_Y [B],
-    scale_Y [B]), on the heads' device, chosen as `run.opts.mode` says (module docstring)."""
+    scale_Y [B], pending [B]), on the heads' device, chosen as `run.opts.mode` says (module docstring) and
+    placed as training wrote numbers (`_place_number`; `prev` [B] the previous token, `pending` [B] the rows
+    whose number was announced by its prefix at the previous step)."""
     loc_U, scale_U = model.abduction(z)
     scale_Up = model.action.noisy_scale(scale_U)
     loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
@@ -553,7 +568,28 @@ def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tens
         tok, val, prob = _choose_causal(model, run, trace, t, loc_U, scale_Up, shared_eps)
     else:
         tok, val, prob = _choose_by_scores(run, trace, t, loc_U, scale_Up, loc_Y)
-    return tok, val, prob, loc_Y, scale_Y
+    tok, prob, pending = _place_number(run, tok, prob, loc_U, scale_Up, prev, pending)
+    return tok, val, prob, loc_Y, scale_Y, pending
+
+
+def _place_number(run: _Run, tok: Tensor, prob: Tensor, loc_U: Tensor, scale_Up: Tensor, prev: Tensor,
+                  pending: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The number layout of training (`CausalAdapterConfig.number_prefix_id`): the value head is fitted only
+    at the tokens that precede a training number (Qwen's ``" "`` of ``": 1033.57"``), so a ``<NUM>`` chosen
+    after any other token (a prompt ending ``":"``) is written as the prefix first, and the ``<NUM>`` follows
+    at the next step, its value read at the prefix's position as in training. Returns the tokens [B], their
+    P_k [B] and the rows whose ``<NUM>`` comes next [B]. No layout (None): the choice as it is."""
+    if run.prefix_id is None:
+        return tok, prob, torch.zeros_like(pending)
+    num = run.num_id
+    tok = torch.where(pending, num, tok)
+    wrap = (tok == num) & ~pending & ~torch.isin(prev, run.contexts)
+    tok = torch.where(wrap, run.prefix_id, tok)
+    changed = pending | wrap
+    if bool(changed.any()):
+        p = run.scorer.row_probability(tok, run.scorer.row_locations(loc_U, tok), scale_Up)
+        prob = torch.where(changed, p.to(prob.dtype), prob)
+    return tok, prob, wrap
 
 
 def _choose_causal(model, run: _Run, trace: _Trace, t: int, loc_U: Tensor, scale_Up: Tensor,

@@ -7,7 +7,9 @@ The value is read where the next token of the prompt would be a number: the head
 prompt position, exactly the position whose loc_Y the evaluation scores when a completion follows
 the prompt. So a prompt must end where the number starts, as the training data writes it (the
 built-in corpora put the space before the value in the completion: end the prompt with ": ", or
-give the completion and let `causal-adapter predict` add its text before the number). `p_num`
+give the completion and let `causal-adapter predict` add its text before the number; an adapter trained
+by `train()` knows the token its training data wrote before a number and appends it to a prompt that
+ends without one, as `generate` writes it, so ``"1979:"`` and ``"1979: "`` give the same row). `p_num`
 says how sure the model is that a number comes there: a low one flags a prompt that ends elsewhere.
 
 One forward per batch of left-padded prompts (no generation, no [B, V] scores).
@@ -19,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..numbers import pad_batch
 from .generation import _number_tokenizer
 from .heads import full_precision
 from .intervals import check_level
@@ -53,6 +56,23 @@ def prediction_columns(levels: Sequence[float]) -> list[str]:
         n = level_name(q)
         cols += [f"lower_{n}", f"upper_{n}", f"raw_lower_{n}", f"raw_upper_{n}"]
     return cols
+
+
+def _encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
+    """Left-padded encodings [B, S] of `prompts`, each ending where training fitted the value head: with the
+    adapter's number layout (`CausalAdapterConfig.number_prefix_id`), a prompt whose last token never preceded
+    a training number (``"...: "`` does, ``"...:"`` does not) gets the prefix appended, exactly as `generate`
+    writes it before the number; so both read the value at the same position."""
+    encs = ntok.encode_batch(list(prompts), return_offsets=False)
+    cfg = model.causal_config
+    ids = [e.input_ids for e in encs]
+    vals = [e.numeric_values for e in encs]
+    if cfg.number_prefix_id is not None:
+        contexts = set(cfg.number_contexts)
+        for i, row in enumerate(ids):
+            if row and row[-1] not in contexts:
+                ids[i], vals[i] = row + [cfg.number_prefix_id], vals[i] + [0.0]
+    return pad_batch(ids, vals, ntok.pad_token_id, padding_side="left")
 
 
 @torch.no_grad()
@@ -120,7 +140,7 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     out: list[dict[str, Any]] = []
     try:
         for start in range(0, len(prompts), batch_size):
-            enc = ntok(list(prompts[start:start + batch_size]), padding_side="left")
+            enc = _encode_prompts(model, ntok, prompts[start:start + batch_size])
             if bool((enc["attention_mask"].sum(-1) == 0).any()):
                 i = start + int((enc["attention_mask"].sum(-1) == 0).nonzero()[0])
                 raise ValueError(f"prompt {i} encodes to no token")

@@ -72,8 +72,11 @@ class TrainConfig:
                              "W_loc trains by default: with the value head refitted on the moving features "
                              "(--value-refit) its validation MAE is within 3 percent of W_loc frozen's "
                              "(--freeze abduction_loc; docs/values.md)", nargs="*", type=str)
-    gamma0: float = flag(10.0, "initial abduction scale")
-    threshold_init: float = flag(100.0, "initial OvR threshold C_k (P_k = 1/2 + atan((loc_S_k - C_k) / scale_S_k) / pi)")
+    gamma0: float = flag(0.1, "initial abduction scale (the seeds' value is 10: a scale Adam moves by ~0.01 a step, "
+                              "out of reach of a short run; 0.1 with --threshold-init 1 lets the token side learn where "
+                              "a number and the end of the answer come, docs/predict.md)")
+    threshold_init: float = flag(1.0, "initial OvR threshold C_k (P_k = 1/2 + atan((loc_S_k - C_k) / scale_S_k) / pi; "
+                                      "the seeds' value is 100, which no bias reaches in a short run)")
     gate_alpha: float = flag(1.0, "regression gate floor alpha (the adapter config's default is the seeds' 0.0; "
                                   "training uses 1.0: the regression learns from the first step, measured)")
     regression_init: str = flag("ridge", "'ridge': the regression head starts as a least-squares probe on the "
@@ -118,7 +121,8 @@ class TrainConfig:
     target_column: str = flag("target", "numeric target column (baselines only; optional)")
     previous_column: str = flag("previous", "previous-value column (persistence baseline; optional)")
     max_length: int | None = flag(None, "truncate examples to this many tokens", type=int)
-    add_eos_token: bool = flag(False, "append EOS to every completion / text")
+    add_eos_token: bool = flag(True, "append EOS to every completion / text, so that generation ends the answer "
+                                     "after its number (--no-add-eos-token: the seeds' completions without it)")
     prompt_loss: str = flag("none", "'text': the prompt's text tokens of the training rows get the token loss too (the "
                                     "layout around numbers, e.g. the separator after one); its numbers never train the "
                                     "value head. 'none': completions only", choices=["none", "text"])

@@ -73,12 +73,10 @@ def describe_base(base_model, base: str | None) -> str:
     return f"base: {base} ({size})"
 
 
-#: the demo's token-side settings (docs/predict.md, chosen on the validation split by
-#: benchmarks/generation_quality.py): a threshold and an initial scale that 200 Adam steps can reach, and
-#: W_loc trained (as `TrainConfig`'s default now; the value head is fitted again on the moving features before
-#: every evaluation, so the plot's mid-run points are the adapter a run stopped there would save), and EOS
-#: after every completion (the answer ends after its number instead of running on into more numbers)
-DEMO_RECIPE = {"gamma0": 0.1, "threshold_init": 1.0, "freeze": ["none"], "add_eos_token": True}
+#: what the demo sets beyond `TrainConfig`'s defaults: nothing. The token-side settings it used to set (gamma0
+#: 0.1, threshold 1, W_loc trained, EOS after every completion; docs/predict.md, chosen on the validation split by
+#: benchmarks/generation_quality.py) are `train`'s defaults since issue 27, so the demo and `train` are one recipe
+DEMO_RECIPE: dict = {}
 
 
 def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
 from ..data.corpora import build_corpus
-from ..data.pipeline import NumericCollator, load_text_dataset, tokenize_dataset
+from ..data.pipeline import NumericCollator, load_text_dataset, number_layout, tokenize_dataset
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
@@ -534,6 +534,9 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     run.constant = train_median(train_targets) if train_targets else None
     run.collator = NumericCollator(_pad_token_id(ntok, model), padding_side="right")
     run.resumed_from = resolve_resume(config)
+    if ntok is not None:  # where the value head is fitted (the data's, so a resumed run gets the same)
+        prefix, contexts = number_layout(run.train_ds, model.num_token_id, ntok.tokenizer)
+        model.causal_config.number_prefix_id, model.causal_config.number_contexts = prefix, contexts
     if run.resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
         with run.accelerator.autocast():  # the features as training's forward computes them (bf16 backbone)
             fit_value_head(model, config, run.train_ds, run.collator, run.accelerator.device, verbose=run.is_main,
