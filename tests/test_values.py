@@ -81,22 +81,39 @@ def _shifted_problem(seed=0):
     return X, t, Xv, tv
 
 
-def test_penalty_is_the_validation_best_of_the_grid():
+def _brute_force_fit(Xs, t, rel, unit, drop=None):
+    """(mean of t, w [C]) of ridge on the centred standardised rows (all, or all but `drop`)."""
+    keep = torch.ones(len(t), dtype=torch.bool)
+    if drop is not None:
+        keep[drop] = False
+    Xk, tk = Xs[keep], t[keep]
+    Xc = Xk - Xk.mean(0)
+    A = Xc.T @ Xc + rel * unit * torch.eye(Xs.shape[1], dtype=torch.float64)
+    return tk.mean(), Xk.mean(0), torch.linalg.solve(A, Xc.T @ (tk - tk.mean()))
+
+
+def test_penalty_is_the_best_of_the_grid_on_validation_and_leave_one_out_together():
     X, t, Xv, tv = _shifted_problem()
     fit = fit_linear_head(X, t, Xv, tv, loss="squared")
     mean, sd = standardize(X)
     Xs = (X - mean) / sd
     unit = float(torch.linalg.matrix_norm(Xs - Xs.mean(0), ord=2) ** 2)
-    maes = []
-    for rel in RIDGE_GRID:  # brute force: refit at every penalty, score on validation
-        A = (Xs - Xs.mean(0)).T @ (Xs - Xs.mean(0)) + rel * unit * torch.eye(8, dtype=torch.float64)
-        ws = torch.linalg.solve(A, (Xs - Xs.mean(0)).T @ (t - t.mean()))
-        pred = t.mean() + ((Xv - mean) / sd - Xs.mean(0)) @ ws
-        maes.append(float((pred - tv).abs().mean()))
-    best = RIDGE_GRID[min(range(len(maes)), key=maes.__getitem__)]
-    assert fit["lam"] == pytest.approx(best, rel=1e-9) and fit["chosen_on"] == "validation"
-    loo = fit_linear_head(X, t, loss="squared")  # without validation: leave-one-out picks another penalty
-    assert loo["chosen_on"] == "leave-one-out" and loo["lam"] != pytest.approx(best, rel=1e-3)
+    val_mae, loo_mae = [], []
+    for rel in RIDGE_GRID:  # brute force: refit at every penalty (and without each row), score both ways
+        t0, x0, ws = _brute_force_fit(Xs, t, rel, unit)
+        val_mae.append(float((t0 + ((Xv - mean) / sd - x0) @ ws - tv).abs().mean()))
+        loo = []
+        for i in range(len(t)):
+            ti, xi, wi = _brute_force_fit(Xs, t, rel, unit, drop=i)
+            loo.append(float((ti + (Xs[i] - xi) @ wi - t[i]).abs()))
+        loo_mae.append(sum(loo) / len(loo))
+    argmin = lambda scores: RIDGE_GRID[min(range(len(scores)), key=scores.__getitem__)]  # noqa: E731
+    both = argmin([(a + b) / 2 for a, b in zip(val_mae, loo_mae)])
+    assert fit["lam"] == pytest.approx(both, rel=1e-9) and fit["chosen_on"] == "validation+leave-one-out"
+    # the problem separates the rules: validation alone and leave-one-out alone each pick another penalty
+    assert argmin(val_mae) != pytest.approx(both, rel=1e-3) and argmin(loo_mae) != pytest.approx(both, rel=1e-3)
+    loo = fit_linear_head(X, t, loss="squared")  # without validation: leave-one-out alone
+    assert loo["chosen_on"] == "leave-one-out" and loo["lam"] == pytest.approx(argmin(loo_mae), rel=1e-9)
 
 
 @pytest.mark.parametrize("loss", ["huber", "cauchy"])
@@ -135,7 +152,7 @@ def test_auto_loss_is_the_validation_best_fit():
     auto = fit_linear_head(X, noisy, Xv, tv, loss="auto", max_shift=math.inf)
     assert auto["loss"] == min(val_mae, key=val_mae.get) == "cauchy", val_mae
     torch.testing.assert_close(auto["w"], fits["cauchy"]["w"])
-    assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation"
+    assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation+leave-one-out"
     # without validation rows the LOO MAE decides, and picks another loss on these data
     assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "huber"
     # clean targets: least squares wins on validation and is kept
