@@ -9,7 +9,7 @@
 Each builds a tiny random Qwen2 (base in `--dtype`, heads fp32), calls `accelerator.prepare(model,
 optimizer)` (accelerate's own FSDP1 `FullyShardedDataParallel(...)` / FSDP2 `fully_shard` calls,
 from the FSDP_* settings `accelerate launch` read from the config), then
-`integrations.finish_fsdp_wrap`, trains 4 steps, gathers the adapter (`full_adapter_state_dict`) and
+`saving.fsdp.finish_fsdp_wrap`, trains 4 steps, gathers the adapter (`full_adapter_state_dict`) and
 saves it (`save_fsdp_adapter`). The launching process then checks: the loss went down, both
 replicas hold the same adapter, the saved adapter reloads onto a fresh base with those tensors,
 the heads are fp32 and the values reached `forward` in fp32.
@@ -85,7 +85,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
     from safetensors.torch import save_file
 
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from causal_adapter.saving.integrations import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
+    from causal_adapter.saving.fsdp import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
 
     accelerator = Accelerator()
     use_fsdp_on_cpu(accelerator)

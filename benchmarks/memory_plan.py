@@ -136,7 +136,7 @@ class Counted:
 
 
 def head_prefixes() -> tuple[str, ...]:
-    from causal_adapter.saving.integrations import FSDP_IGNORED_MODULES
+    from causal_adapter.saving.fsdp import FSDP_IGNORED_MODULES
 
     return tuple(FSDP_IGNORED_MODULES.split("|"))
 

@@ -455,7 +455,7 @@ def train_plain_lora(args, model, rows: list[dict], pad_id: int) -> dict:
     `train.train` (`EpochSampler`, seed + epoch), `args.steps` optimizer steps."""
     from transformers import get_scheduler
 
-    from causal_adapter.training.loop import EpochSampler
+    from causal_adapter.training.data import EpochSampler
 
     torch.manual_seed(args.seed)
     params = [p for p in model.parameters() if p.requires_grad]

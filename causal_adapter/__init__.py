@@ -1,12 +1,9 @@
 """causal_adapter: turn a Qwen checkpoint into a causal language model, PEFT-style."""
-from . import _moved
 from ._version import __version__
 from .config import CausalAdapterConfig, LoraSettings
 from .modeling.verify import verify_initialization
 from .numbers import NumberTokenizer, find_numbers, format_number
 from .saving.model import CausalModel, CausalOutput, get_causal_model
-
-_moved.install(__name__)  # the flat module names of earlier versions (causal_adapter.train, ...)
 
 __all__ = [
     "CausalAdapterConfig",

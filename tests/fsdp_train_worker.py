@@ -112,7 +112,7 @@ def bf16_lora(out: Path, batch: int, train_ds, eval_ds) -> None:
     gathered whole (every process) and written by the main process, for the test to compare the reload with."""
     from safetensors.torch import save_file
 
-    from causal_adapter.saving.integrations import full_adapter_state_dict
+    from causal_adapter.saving.fsdp import full_adapter_state_dict
     from causal_adapter.training.loop import train
 
     result = train(model(dtype=torch.bfloat16), config(out, batch, max_steps=2, eval_steps=0, save_steps=0),

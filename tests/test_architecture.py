@@ -1,11 +1,8 @@
 """The package's layers (docs/architecture.md): no import from a lower layer up to a higher one and no
-import cycle, counting imports made inside functions; the old flat module names are the moved modules
-themselves (one module object: a monkeypatch through either name reaches the code)."""
+import cycle, counting imports made inside functions."""
 from __future__ import annotations
 
 import ast
-import importlib
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,7 +68,7 @@ def _edges() -> dict[str, set[str]]:
 
 def test_every_module_has_a_layer():
     for m in _modules():
-        if m and m != "_moved":
+        if m:
             assert _layer(m) is not None, f"causal_adapter.{m} is in no layer of docs/architecture.md"
 
 
@@ -115,23 +112,3 @@ def test_the_layer_checks_catch_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     with pytest.raises(AssertionError, match="modeling/heads.py:2 imports training.loop"):
         test_no_import_goes_up_a_layer()
-
-
-OLD_NAMES = ("cauchy", "heads", "loss", "scoring", "families", "intervals", "generation", "prediction", "verify",
-             "model", "artifacts", "assets", "integrations", "hf_trainer", "corpora", "train_config",
-             "train", "checkpoints", "value_fit", "metrics", "plotting", "evaluate", "demo", "cli")
-
-
-@pytest.mark.parametrize("old", OLD_NAMES)
-def test_old_module_names_are_the_moved_modules(old):
-    from causal_adapter._moved import MOVED
-
-    module = importlib.import_module(f"causal_adapter.{old}")
-    assert module is importlib.import_module(f"causal_adapter.{MOVED[old]}")
-
-
-def test_old_train_module_still_runs_as_a_command():
-    out = subprocess.run([sys.executable, "-m", "causal_adapter.train", "--help"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--dataset" in out.stdout

@@ -324,7 +324,7 @@ def test_lora_tensors_are_stored_once_and_old_directories_still_load(tmp_path):
     from safetensors.torch import load_file
 
     from causal_adapter.saving.artifacts import write_adapter_files
-    from causal_adapter.saving.integrations import LORA_PREFIX, PEFT_WEIGHTS_NAME
+    from causal_adapter.saving.peft_lora import LORA_PREFIX, PEFT_WEIGHTS_NAME
 
     model, ids, vals = trained_model("qwen2", lora=LoraSettings(r=2, target_modules=["q_proj", "v_proj"]))
     model.save_pretrained(tmp_path / "new")

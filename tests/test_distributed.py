@@ -68,7 +68,7 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from causal_adapter.saving.integrations import FSDP_IGNORED_MODULES, finish_fsdp_wrap
+    from causal_adapter.saving.fsdp import FSDP_IGNORED_MODULES, finish_fsdp_wrap
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:

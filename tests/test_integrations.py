@@ -133,7 +133,7 @@ def test_trainer_save_model_keeps_checkpoints_and_best_model_reloads(tmp_path):
 def accelerate_run(model, steps=3):
     from accelerate import Accelerator
 
-    from causal_adapter.saving.integrations import register_accelerate_hooks
+    from causal_adapter.saving.accelerate_hooks import register_accelerate_hooks
 
     acc = Accelerator(cpu=True)
     register_accelerate_hooks(acc)
@@ -428,7 +428,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.saving.assets import build_tiny_qwen
 from causal_adapter.data.pipeline import NumericCollator
-from causal_adapter.saving.integrations import fully_shard_causal_model, full_adapter_state_dict, save_fsdp_adapter
+from causal_adapter.saving.fsdp import fully_shard_causal_model, full_adapter_state_dict, save_fsdp_adapter
 out = sys.argv[1]
 base = build_tiny_qwen("qwen2", vocab_size=320, hidden_size=32, num_layers=2)
 model = fully_shard_causal_model(get_causal_model(base, CausalAdapterConfig(num_token_id=300)))
@@ -494,7 +494,7 @@ def test_fsdp2_on_cpu_two_gloo_processes_frozen_base_trainable_heads(tmp_path):
 
 
 def test_saving_into_a_shared_directory_replaces_only_our_files(tmp_path):
-    from causal_adapter.saving.integrations import save_adapter_into
+    from causal_adapter.saving.adapter_io import save_adapter_into
 
     d = tmp_path / "out"
     (d / "checkpoint-1").mkdir(parents=True)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-from causal_adapter.saving.integrations import fsdp_ignored_modules
+from causal_adapter.saving.fsdp import fsdp_ignored_modules
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_plan.py"
 # tied (as Qwen2.5-0.5B): the embedding and lm_head are one parameter, which must be counted once

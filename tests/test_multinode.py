@@ -98,7 +98,7 @@ def test_multi_node_templates_give_each_node_its_rank_and_the_rendezvous(name):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from causal_adapter.saving.integrations import FSDP_IGNORED_MODULES
+    from causal_adapter.saving.fsdp import FSDP_IGNORED_MODULES
 
     args = launch_command_parser().parse_args([
         "--config_file", str(CONFIG.parent / f"{name}.yaml"), "--machine_rank", "1", "--main_process_ip",

@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 from causal_adapter import CausalModel
 from causal_adapter.saving.assets import QWEN_VOCAB_SIZE, build_tiny_qwen
 from causal_adapter.training.metrics import MetricAccumulator, evaluate_dataset, format_metrics_table
-from causal_adapter.training.loop import ADAPTER_SUBDIR, EpochSampler, launch_warnings, prepare_datasets, train
+from causal_adapter.training.data import EpochSampler, prepare_datasets
+from causal_adapter.training.engines import launch_warnings
+from causal_adapter.training.loop import ADAPTER_SUBDIR, train
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.commands.train import build_arg_parser, config_from_args, main
 from causal_adapter.training.checkpoints import list_checkpoints

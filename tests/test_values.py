@@ -270,7 +270,7 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
 
 @pytest.mark.parametrize("informative", [False, True])
 def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informative):
-    from causal_adapter.training.loop import _calibrate_regression_scale
+    from causal_adapter.training.value_head import calibrate_regression_scale
 
     model = wrap(value_loc=0.0, value_scale=1.0)
     act = model.action
@@ -283,7 +283,7 @@ def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informa
     base = torch.full((300,), 2.0, dtype=torch.float64)
     y = torch.randn(300, generator=g, dtype=torch.float64) * (2.0 * ratio if informative else 2.0)
     preds = {"y_true": y.tolist(), "loc": [0.0] * 300, "scale": (base * ratio).tolist()}
-    info = _calibrate_regression_scale(model, preds, base.tolist())
+    info = calibrate_regression_scale(model, preds, base.tolist())
     a = info["scale_exponent"]
     assert a == (1.0 if informative else 0.0), info
     torch.testing.assert_close(act.w_scale_Y.detach(), a * w0)  # the choice is in the adapter, not only the map
@@ -313,7 +313,7 @@ def test_independent_scale_adapters_still_load_and_behave(tmp_path):
 
 
 def test_bf16_bound_is_on_for_16_bit_heads_only():
-    from causal_adapter.training.loop import _head_shift_bound
+    from causal_adapter.training.value_head import head_shift_bound
     from causal_adapter.training.value_fit import BF16_MAX_SHIFT
 
     fp32 = wrap()
@@ -322,9 +322,9 @@ def test_bf16_bound_is_on_for_16_bit_heads_only():
     bf16_heads = get_causal_model(small_vocab_qwen(num_layers=1, dtype=torch.bfloat16),
                                   CausalAdapterConfig(num_token_id=NUM, autocast_adapter_dtype=False))
     assert bf16_base.action.w_reg.dtype == torch.float32 and bf16_heads.action.w_reg.dtype == torch.bfloat16
-    assert _head_shift_bound(fp32, TrainConfig()) == math.inf
-    assert _head_shift_bound(fp32, TrainConfig(mixed_precision="bf16")) == math.inf  # heads stay fp32
-    assert _head_shift_bound(bf16_base, TrainConfig()) == math.inf
-    assert _head_shift_bound(bf16_heads, TrainConfig()) == BF16_MAX_SHIFT
-    assert _head_shift_bound(fp32, TrainConfig(bf16_safe_head="on")) == BF16_MAX_SHIFT
-    assert _head_shift_bound(bf16_heads, TrainConfig(bf16_safe_head="off")) == math.inf
+    assert head_shift_bound(fp32, TrainConfig()) == math.inf
+    assert head_shift_bound(fp32, TrainConfig(mixed_precision="bf16")) == math.inf  # heads stay fp32
+    assert head_shift_bound(bf16_base, TrainConfig()) == math.inf
+    assert head_shift_bound(bf16_heads, TrainConfig()) == BF16_MAX_SHIFT
+    assert head_shift_bound(fp32, TrainConfig(bf16_safe_head="on")) == BF16_MAX_SHIFT
+    assert head_shift_bound(bf16_heads, TrainConfig(bf16_safe_head="off")) == math.inf

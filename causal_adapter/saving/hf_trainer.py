@@ -1,5 +1,7 @@
-"""`CausalTrainer`: `transformers.Trainer` with adapter-only checkpoints (kept apart from
-`integrations` so that importing causal_adapter does not import Trainer)."""
+"""`CausalTrainer`: `transformers.Trainer` with adapter-only checkpoints (`_save` -> `save_pretrained`;
+`_load_from_checkpoint` / `_load_best_model` read the adapter, strictly). Plain `Trainer` saves
+`state_dict()` of any model that is not a `PreTrainedModel` / `PeftModel`, i.e. the whole base (or
+crashes on tied weights). A module of its own so that importing causal_adapter does not import Trainer."""
 from __future__ import annotations
 
 import os
@@ -8,7 +10,8 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .integrations import load_adapter_into, save_adapter_into, unwrap_causal_model
+from .adapter_io import load_adapter_into, save_adapter_into
+from .unwrap import unwrap_causal_model
 
 
 class CausalTrainer(Trainer):

@@ -41,16 +41,9 @@ from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.prediction import predict_values
 from .artifacts import FORMAT_VERSION, atomic_write_dir, write_adapter_files
-from .integrations import (
-    LORA_PREFIX,
-    disable_lora,
-    load_base_model,
-    merge_lora,
-    push_to_hub,
-    read_adapter_tensors,
-    resolve_adapter_source,
-    write_extra_files,
-)
+from .adapter_io import read_adapter_tensors, write_extra_files
+from .hub import load_base_model, push_to_hub, resolve_adapter_source
+from .peft_lora import LORA_PREFIX, disable_lora, merge_lora
 from .quantization import prepare_quantized_for_training
 
 
@@ -564,7 +557,7 @@ class CausalModel(nn.Module):
         """Write causal_adapter_config.json + causal_adapter_model.safetensors (adapter tensors only),
         a model card (README.md, with `metrics` when given) and, with LoRA, peft's LoRA adapter files,
         atomically. `adapter_tensors`: `adapter_state_dict()` gathered whole, for a sharded model (FSDP:
-        `integrations.full_adapter_state_dict`). `is_main_process=False` writes nothing (transformers' convention); kwargs:
+        `saving.fsdp.full_adapter_state_dict`). `is_main_process=False` writes nothing (transformers' convention); kwargs:
         `safe_serialization=True` only (always safetensors), `push_to_hub=True` + `repo_id=`."""
         if state_dict is not None:
             raise ValueError("save_pretrained writes the adapter's own tensors; a state_dict argument is not supported")

@@ -1,34 +1,104 @@
-"""The launchers (engines) `training.loop.train` runs under, what each needs at setup, and where each
-keeps its checkpointed weights (docs/distributed.md).
+"""The launchers (engines) `training.loop.train` runs under: making the `Accelerator`, the launch checks,
+and, per engine, its setup and where it keeps its checkpointed weights (docs/distributed.md).
 
 * one process / DDP: `accelerator.prepare(model, optimizer)`; the checkpoint holds the adapter files and
-  ``optimizer.pt`` written by the main process (every process holds the same state).
-* FSDP2 (``fsdp_version: 2``, decoder layers sharded, the heads replicated through
-  ``fsdp_ignored_modules`` = `saving.integrations.FSDP_IGNORED_MODULES`): after `prepare`,
-  `finish_fsdp_wrap` (head gradients averaged over the processes, the values kept in their dtype).
-  Every forward is a collective (FSDP all-gathers the layers), so every process runs the same number of
-  forwards: the value-head fits already use the same rows on every process, the evaluation pads the
-  shorter shards (`pad_forwards`). The weights and the optimizer state are checkpointed through
-  accelerate's ``save_state`` / ``load_state`` (torch.distributed.checkpoint, sharded with
-  ``fsdp_state_dict_type: SHARDED_STATE_DICT``) in ``ENGINE_SUBDIR``; the adapter files beside them are
-  gathered whole (`whole_adapter_tensors`), so a checkpoint still loads with
-  `CausalModel.from_pretrained`.
+  ``optimizer.pt`` written by the main process (every process holds the same state: `checkpoints`).
+* FSDP2 (``fsdp_version: 2``): `fsdp_engine` (sharded state through accelerate's ``save_state`` in
+  ``ENGINE_SUBDIR``).
 * refused at start, naming what runs: DeepSpeed and FSDP1.
 """
 from __future__ import annotations
 
-import shutil
+import os
+import warnings
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from ..saving.integrations import finish_fsdp_wrap, full_adapter_state_dict
+from . import fsdp_engine
+from .config import TrainConfig
 
 ENGINE_SUBDIR = "accelerate_state"  # inside checkpoint-STEP: accelerate's save_state (FSDP only)
 
 SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), DDP (accelerate launch "
                        "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml) or FSDP2 "
                        "(examples/accelerate_configs/fsdp2.yaml)")
+
+
+# ---------------------------------------------------------------------------- the accelerator and the launch
+class LaunchWarning(UserWarning):
+    """The launch did not give the processes that were asked for."""
+
+
+
+def launch_warnings(num_processes: int, expected: int | None = None, env: dict | None = None) -> list[str]:
+    """Messages for a launch that did not give the processes that were asked for."""
+    env = os.environ if env is None else env
+    msgs = []
+    cpu_recipe = ("for N CPU processes (DDP over gloo) use: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+                  "--num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no "
+                  "-m causal_adapter train ...")
+    if expected is not None and expected != num_processes:
+        msgs.append(f"expected {expected} processes but this run has {num_processes}; {cpu_recipe}")
+    if num_processes == 1:
+        world = int(env.get("WORLD_SIZE", "1") or 1)
+        if world > 1:
+            msgs.append(f"WORLD_SIZE={world} but accelerate set up ONE process (no GPU and not in CPU mode?): "
+                        f"pass --cpu or set ACCELERATE_USE_CPU=1; {cpu_recipe}")
+        elif "MASTER_ADDR" in env and "ACCELERATE_USE_CPU" in env and "LOCAL_RANK" not in env:
+            # accelerate's simple launcher sets MASTER_ADDR only for --num_processes > 1, and starts one process
+            msgs.append("accelerate launch was asked for several processes but started ONE "
+                        "(`accelerate launch --cpu --num_processes N` does not start DDP); " + cpu_recipe)
+    return msgs
+
+
+def make_accelerator(config: TrainConfig):
+    """The run's `Accelerator`: CPU mode for a multi-process launch without a GPU, DDP's unused-parameter
+    search as configured, the trackers that are installed."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    cpu = config.cpu or (world > 1 and not torch.cuda.is_available())
+    log_with = _available_trackers(config.report_to)
+    kwargs = dict(cpu=cpu, mixed_precision=config.mixed_precision,
+                  kwargs_handlers=[DistributedDataParallelKwargs(
+                      find_unused_parameters=config.ddp_find_unused_parameters)])
+    if log_with:
+        kwargs.update(log_with=log_with, project_dir=config.output_dir)
+    try:
+        return Accelerator(**kwargs)
+    except ValueError as e:
+        # a previous run in this (single) process fixed another mixed precision: start afresh
+        if "already been initialized" not in str(e) or world > 1:
+            raise
+        AcceleratorState._reset_state()
+        return Accelerator(**kwargs)
+
+
+_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+                    "comet_ml": ("comet_ml",), "aim": ("aim",), "clearml": ("clearml",), "dvclive": ("dvclive",),
+                    "swanlab": ("swanlab",), "trackio": ("trackio",)}
+
+
+def _available_trackers(report_to: Sequence[str]) -> list[str] | str | None:
+    import importlib.util
+
+    names = [r for r in report_to if r and r != "none"]
+    if not names:
+        return None
+    if "all" in names:
+        return "all"
+    ok = []
+    for n in names:
+        mods = _TRACKER_MODULES.get(n, (n,))
+        if any(importlib.util.find_spec(m) is not None for m in mods):
+            ok.append(n)
+        else:
+            warnings.warn(f"tracker {n!r} is not installed: skipped (pip install {mods[0]})")
+    return ok or None
 
 
 def is_fsdp(accelerator) -> bool:
@@ -50,56 +120,37 @@ def check_engine(accelerator) -> None:
                          f"in the accelerate config; supported launchers: {SUPPORTED_LAUNCHERS}")
 
 
+# ---------------------------------------------------------------------------- per engine
 def prepare(accelerator, model, optimizer):
-    """(prepared model, prepared optimizer). Under FSDP2 the model is sharded in place and the optimizer's
-    parameters become its DTensors (accelerate); the heads must stay replicated (`finish_fsdp_wrap`
-    refuses a config without ``fsdp_ignored_modules``)."""
-    model, optimizer = accelerator.prepare(model, optimizer)
+    """(prepared model, prepared optimizer), as the engine needs them."""
     if is_fsdp(accelerator):
-        finish_fsdp_wrap(model)
-    return model, optimizer
+        return fsdp_engine.prepare(accelerator, model, optimizer)
+    return accelerator.prepare(model, optimizer)
 
 
 def whole_adapter_tensors(accelerator, model) -> dict[str, torch.Tensor] | None:
-    """Under FSDP: the adapter's tensors gathered whole (a collective: call on every process); else None
-    (the module's own tensors are whole)."""
-    return full_adapter_state_dict(model) if is_fsdp(accelerator) else None
+    """Under a sharding engine: the adapter's tensors gathered whole (a collective: call on every process);
+    else None (the module's own tensors are whole)."""
+    return fsdp_engine.whole_adapter_tensors(model) if is_fsdp(accelerator) else None
 
 
-def pad_forwards(model, batch: dict, count: int) -> None:
-    """Run `count` forwards of `batch` whose outputs are discarded: under FSDP a process with fewer
-    evaluation batches than the others would leave their all-gathers waiting."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for _ in range(count):
-                model(**batch)
-    finally:
-        model.train(was_training)
+def pad_forwards(accelerator, model, batch: dict, count: int) -> None:
+    """Under an engine whose forward is a collective: `count` discarded forwards of `batch`, so a process
+    with fewer evaluation batches does not leave the others waiting. Else nothing."""
+    if is_fsdp(accelerator) and count > 0:
+        fsdp_engine.pad_forwards(model, batch, count)
 
 
 def save_engine_state(accelerator, tmp_dir: Path) -> Path | None:
-    """Under FSDP: accelerate's ``save_state`` (sharded weights + optimizer, RNG) into `tmp_dir`, written by
-    every process (a collective); the main process moves it into the checkpoint. Else None."""
-    if not is_fsdp(accelerator):
-        return None
-    if accelerator.is_main_process and tmp_dir.exists():  # left by a run killed mid-save
-        shutil.rmtree(tmp_dir)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp_dir))
-    accelerator.wait_for_everyone()
-    return tmp_dir
+    """Under a sharding engine: its sharded weights + optimizer state written into `tmp_dir` by every
+    process (a collective); the main process moves it into the checkpoint as ``ENGINE_SUBDIR``. Else None."""
+    return fsdp_engine.save_state(accelerator, tmp_dir) if is_fsdp(accelerator) else None
 
 
 def load_engine_state(accelerator, checkpoint: Path) -> bool:
-    """Under FSDP: the weights and the optimizer state from the checkpoint's ``ENGINE_SUBDIR`` (accelerate's
-    ``load_state``, every process). Returns whether it loaded them (False: not FSDP)."""
+    """Under a sharding engine: the weights and the optimizer state from the checkpoint's ``ENGINE_SUBDIR``
+    (every process). Returns whether it loaded them (False: the engine keeps no state of its own)."""
     if not is_fsdp(accelerator):
         return False
-    engine_dir = checkpoint / ENGINE_SUBDIR
-    if not engine_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} has no {ENGINE_SUBDIR}/ (accelerate's sharded FSDP "
-                                "state): it was not written under FSDP and cannot resume an FSDP run")
-    accelerator.load_state(str(engine_dir))
+    fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR)
     return True

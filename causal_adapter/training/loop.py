@@ -1,8 +1,9 @@
 """Fine-tuning entry point (accelerate): ``causal-adapter train``, ``python -m causal_adapter train``,
 ``accelerate launch -m causal_adapter train`` and the Python API `train(model, TrainConfig(...))`.
 docs/cli.md and docs/values.md (the training recipe) show how to run it; the settings are
-`training.config.TrainConfig`, the checkpoints `training.checkpoints`, the plot `training.plotting`;
-`train` reads as its steps (`_start`, `_build_model_and_data`, `_prepare_optimization`,
+`training.config.TrainConfig`, the datasets and their order `training.data`, the value head's fits
+`training.value_head`, the accelerator and each engine's setup and checkpoint state `training.engines`,
+the checkpoints `training.checkpoints`, the plot `training.plotting`; `train` reads as its steps (`_start`, `_build_model_and_data`, `_prepare_optimization`,
 `_resume_and_open_log`, `_train_steps`, `_finish`), which share one `Run`.
 
 What a run does
@@ -42,7 +43,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -52,15 +52,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
-from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
-from ..data.corpora import build_corpus
-from ..data.pipeline import NumericCollator, load_text_dataset, number_layout, tokenize_dataset
-from ..modeling.intervals import choose_scale_exponent, fit_calibration
+from ..config import IGNORE_INDEX
+from ..data.pipeline import NumericCollator, number_layout
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
-from ..saving.integrations import unwrap_model
+from ..saving.unwrap import unwrap_model
 from ..saving.model import get_causal_model
 from . import engines
 from .checkpoints import (
@@ -74,18 +72,15 @@ from .checkpoints import (
     write_checkpoint,
 )
 from .config import PARAMETER_GROUPS, TrainConfig
+from .data import EpochSampler, pad_token_id, prepare_datasets, rows_at, step_plan
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, train_median
 from .plotting import plot_training
-from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
+from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
 
 ADAPTER_SUBDIR = "adapter"
 METRICS_LOG = "metrics.jsonl"
 FINAL_METRICS = "final_metrics.json"
 PLOT_NAME = "training.png"
-
-
-class LaunchWarning(UserWarning):
-    """The launch did not give the processes that were asked for."""
 
 
 
@@ -150,279 +145,6 @@ def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
         [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()],
         lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
     )
-
-
-class EpochSampler(Sampler[int]):
-    """Indices of one process for one epoch: a permutation drawn from ``seed + epoch`` (or the
-    identity with shuffle=False), padded by wrapping to a multiple of ``num_replicas`` and taken
-    ``rank::num_replicas`` (as ``DistributedSampler``), starting after the first ``start`` of them.
-    Uses its own generator: the global RNGs are untouched."""
-
-    def __init__(self, num_examples: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
-        if num_examples <= 0:
-            raise ValueError("the training set is empty")
-        self.n, self.world, self.rank, self.seed, self.shuffle = num_examples, num_replicas, rank, seed, shuffle
-        self.epoch, self.start = 0, 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    @property
-    def shard_size(self) -> int:
-        return math.ceil(self.n / self.world)
-
-    def shard(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        total = self.shard_size * self.world
-        while len(order) < total:
-            order += order[: total - len(order)]
-        return order[self.rank:total:self.world]
-
-    def __iter__(self):
-        return iter(self.shard()[self.start:])
-
-    def __len__(self) -> int:
-        return self.shard_size - self.start
-
-
-
-# ---------------------------------------------------------------------------- data
-def _feature_columns(ds, config: TrainConfig):
-    """Rename the baseline columns to target/previous and keep only what the loop uses."""
-    cols = ds.column_names
-    for src, dst in ((config.target_column, "target"), (config.previous_column, "previous")):
-        if src != dst and src in cols and dst not in cols:
-            ds = ds.rename_column(src, dst)
-    keep = [c for c in (*MODEL_INPUTS, "target", "previous") if c in ds.column_names]
-    return ds.select_columns(keep)
-
-
-def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, eval_dataset=None,
-                     accelerator=None):
-    """(train, validation or None, train targets or None): tokenised, columns selected.
-
-    Datasets passed in are used as they are when they already have ``input_ids`` (pre-tokenised),
-    else tokenised; otherwise the files or built-in corpus of `config` are loaded."""
-    import datasets
-
-
-    if train_dataset is None:
-        if config.train_file:
-            columns = (config.text_column, config.prompt_column, config.completion_column)  # CSV: read as text
-            train_dataset = load_text_dataset(config.train_file, file_type=config.file_type, string_columns=columns)
-            if config.validation_file:
-                eval_dataset = load_text_dataset(config.validation_file, file_type=config.file_type,
-                                                 string_columns=columns)
-        else:
-            kw = {} if config.corpus_window is None else {"window": config.corpus_window}
-            dd = build_corpus(config.dataset, **kw)
-            train_dataset, eval_dataset = dd["train"], dd["validation"]
-    train_dataset, eval_dataset = _materialize_streams(config, train_dataset, eval_dataset, accelerator)
-    for ds in (train_dataset, eval_dataset):
-        if ds is not None and not isinstance(ds, datasets.Dataset):
-            raise ValueError(f"training needs a datasets.Dataset or a streaming datasets.IterableDataset, got "
-                             f"{type(ds).__name__}")
-    if config.max_train_samples:
-        train_dataset = train_dataset.select(range(min(config.max_train_samples, len(train_dataset))))
-    if eval_dataset is not None and config.max_eval_samples:
-        eval_dataset = eval_dataset.select(range(min(config.max_eval_samples, len(eval_dataset))))
-    targets = None
-    if config.target_column in train_dataset.column_names:
-        targets = [v for v in train_dataset[config.target_column] if isinstance(v, (int, float))]
-
-    def tok(ds, prompt_loss="none"):
-        if ds is None or "input_ids" in ds.column_names:
-            return ds
-        if number_tokenizer is None:
-            raise ValueError("the dataset is not tokenised (no input_ids column): pass tokenizer=... to train()")
-        return tokenize_dataset(ds, number_tokenizer, text_column=config.text_column,
-                                prompt_column=config.prompt_column, completion_column=config.completion_column,
-                                max_length=config.max_length, add_eos_token=config.add_eos_token,
-                                prompt_loss=prompt_loss)
-
-    ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
-    with ctx:
-        # validation keeps completion-only labels: its metrics stay those of `causal-adapter eval`
-        train_dataset, eval_dataset = tok(train_dataset, config.prompt_loss), tok(eval_dataset)
-    train_dataset = _feature_columns(train_dataset, config)
-    if eval_dataset is not None:
-        eval_dataset = _feature_columns(eval_dataset, config)
-    return train_dataset, eval_dataset, targets
-
-
-def features_trained(inner) -> bool:
-    """True when training changed what the regression head reads (LoRA, W_loc / b_loc, d)."""
-    return any(p.requires_grad for n, p in inner.named_parameters()
-               if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
-
-
-def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
-                   max_rows: int = 8192, eval_ds=None) -> dict:
-    """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
-    when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
-    regression head (`value_fit`). Every process computes the same from the same rows."""
-    summary: dict = {}
-    rows = train_ds.select(range(min(len(train_ds), max_rows)))
-    num_id = inner.num_token_id
-    value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
-    values = [v for labels, vals in zip(rows["labels"], rows[value_column])
-              for lab, v in zip(labels, vals) if lab == num_id]
-    if not values:
-        return summary
-    if inner.causal_config.value_loc is None:
-        loc, scale = fit_value_units(values)
-        inner.set_value_units(loc, scale, value_decimals(values))
-        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
-    if config.regression_init == "ridge":
-        inner.to(device)
-        bs = config.per_device_eval_batch_size
-
-        def batches(ds):
-            return (collator(_rows(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
-
-        val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
-                                        loss=config.value_loss, max_shift=_head_shift_bound(inner, config)) or {})
-    if verbose and summary:
-        print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in summary.items()), file=sys.stderr)
-    return summary
-
-
-def _refit_value_head(inner, config: TrainConfig, train_ds, collator, device, accelerator, verbose: bool,
-                      eval_ds=None) -> bool:
-    """When training moves the features the value head reads (LoRA, W_loc, d; `features_trained`) and
-    ``regression_init='ridge'``: fit the head again on them (`fit_value_head`, under the training
-    autocast) and drop the calibration map, which described the old head (the end of `train` fits a new
-    one). Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots
-    validation MAE 21,963,900 mid-run with W_loc trained). Returns whether it refitted."""
-    if config.regression_init != "ridge" or not features_trained(inner):
-        return False
-    with accelerator.autocast():
-        fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
-    inner.causal_config.value_calibration = None
-    return True
-
-
-def _head_shift_bound(inner, config: TrainConfig) -> float:
-    """The bf16 bound of the value head's fit (`value_fit.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`.
-    'auto' = on only when the heads themselves are 16-bit (`autocast_adapter_dtype=False` on a 16-bit base):
-    the only case where loc_U is rounded. Under a bf16 base or bf16 autocast the heads compute in fp32 and
-    the fit sees the 16-bit features it will run on, so its validation-chosen penalty already accounts for
-    them (sunspots, 60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md)."""
-    if config.bf16_safe_head == "auto":
-        return BF16_MAX_SHIFT if inner.action.w_reg.dtype in (torch.bfloat16, torch.float16) else math.inf
-    return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
-
-
-def _materialize_streams(config: TrainConfig, train_dataset, eval_dataset, accelerator=None):
-    """Streaming `datasets.IterableDataset`s: the training stream is read up to the examples the run
-    consumes (max_steps x per-device batch x accumulation x processes, in stream order; it needs
-    max_steps > 0) and the validation stream up to max_eval_samples (or to its end); both are then
-    map-style datasets for the rest of the run. So a resumed run re-reads the same first examples of
-    the (deterministic) stream and continues exactly where it stopped, as for a map-style dataset; a
-    stream shorter than what the run needs is cycled over as epochs."""
-    import datasets
-
-    world = accelerator.num_processes if accelerator is not None else 1
-
-    def take(ds, n):
-        rows = list(ds.take(n) if n is not None else ds)
-        if not rows:
-            raise ValueError("the streaming dataset yielded no example")
-        return datasets.Dataset.from_list(rows)
-
-    if isinstance(train_dataset, datasets.IterableDataset):
-        if config.max_steps <= 0:
-            raise ValueError("a streaming train_dataset (datasets.IterableDataset) has no length: set max_steps > 0 "
-                             "(num_train_epochs cannot be counted on a stream)")
-        n = config.max_steps * config.per_device_train_batch_size * config.gradient_accumulation_steps * world
-        if config.max_train_samples:
-            n = min(n, config.max_train_samples)
-        train_dataset = take(train_dataset, n)
-    if isinstance(eval_dataset, datasets.IterableDataset):
-        eval_dataset = take(eval_dataset, config.max_eval_samples)
-    return train_dataset, eval_dataset
-
-
-def _rows(ds, indices: Sequence[int]) -> list[dict]:
-    cols = ds[list(indices)]
-    keys = list(cols)
-    return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
-
-
-
-# ---------------------------------------------------------------------------- launch checks
-def launch_warnings(num_processes: int, expected: int | None = None, env: dict | None = None) -> list[str]:
-    """Messages for a launch that did not give the processes that were asked for."""
-    env = os.environ if env is None else env
-    msgs = []
-    cpu_recipe = ("for N CPU processes (DDP over gloo) use: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
-                  "--num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no "
-                  "-m causal_adapter train ...")
-    if expected is not None and expected != num_processes:
-        msgs.append(f"expected {expected} processes but this run has {num_processes}; {cpu_recipe}")
-    if num_processes == 1:
-        world = int(env.get("WORLD_SIZE", "1") or 1)
-        if world > 1:
-            msgs.append(f"WORLD_SIZE={world} but accelerate set up ONE process (no GPU and not in CPU mode?): "
-                        f"pass --cpu or set ACCELERATE_USE_CPU=1; {cpu_recipe}")
-        elif "MASTER_ADDR" in env and "ACCELERATE_USE_CPU" in env and "LOCAL_RANK" not in env:
-            # accelerate's simple launcher sets MASTER_ADDR only for --num_processes > 1, and starts one process
-            msgs.append("accelerate launch was asked for several processes but started ONE "
-                        "(`accelerate launch --cpu --num_processes N` does not start DDP); " + cpu_recipe)
-    return msgs
-
-
-def _make_accelerator(config: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    cpu = config.cpu or (world > 1 and not torch.cuda.is_available())
-    log_with = _available_trackers(config.report_to)
-    kwargs = dict(cpu=cpu, mixed_precision=config.mixed_precision,
-                  kwargs_handlers=[DistributedDataParallelKwargs(
-                      find_unused_parameters=config.ddp_find_unused_parameters)])
-    if log_with:
-        kwargs.update(log_with=log_with, project_dir=config.output_dir)
-    try:
-        return Accelerator(**kwargs)
-    except ValueError as e:
-        # a previous run in this (single) process fixed another mixed precision: start afresh
-        if "already been initialized" not in str(e) or world > 1:
-            raise
-        AcceleratorState._reset_state()
-        return Accelerator(**kwargs)
-
-
-_TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
-                    "comet_ml": ("comet_ml",), "aim": ("aim",), "clearml": ("clearml",), "dvclive": ("dvclive",),
-                    "swanlab": ("swanlab",), "trackio": ("trackio",)}
-
-
-def _available_trackers(report_to: Sequence[str]) -> list[str] | str | None:
-    import importlib.util
-
-    names = [r for r in report_to if r and r != "none"]
-    if not names:
-        return None
-    if "all" in names:
-        return "all"
-    ok = []
-    for n in names:
-        mods = _TRACKER_MODULES.get(n, (n,))
-        if any(importlib.util.find_spec(m) is not None for m in mods):
-            ok.append(n)
-        else:
-            warnings.warn(f"tracker {n!r} is not installed: skipped (pip install {mods[0]})")
-    return ok or None
-
 
 
 # ============================================================================ train
@@ -496,12 +218,12 @@ def _start(config: TrainConfig) -> Run:
     """The accelerator (refusing DeepSpeed / FSDP1: `engines.check_engine`), launch warnings, the output directory, the seed."""
     from accelerate.utils import set_seed
 
-    accelerator = _make_accelerator(config)
+    accelerator = engines.make_accelerator(config)
     engines.check_engine(accelerator)
     run = Run(config=config, accelerator=accelerator, out_dir=Path(config.output_dir),
               is_main=accelerator.is_main_process, world=accelerator.num_processes, rank=accelerator.process_index)
-    for msg in launch_warnings(run.world, config.expected_num_processes):
-        warnings.warn(msg, LaunchWarning, stacklevel=3)
+    for msg in engines.launch_warnings(run.world, config.expected_num_processes):
+        warnings.warn(msg, engines.LaunchWarning, stacklevel=3)
     if run.is_main:
         run.out_dir.mkdir(parents=True, exist_ok=True)
     set_seed(config.seed)
@@ -532,7 +254,7 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     if train_targets is None:
         train_targets = targets
     run.constant = train_median(train_targets) if train_targets else None
-    run.collator = NumericCollator(_pad_token_id(ntok, model), padding_side="right")
+    run.collator = NumericCollator(pad_token_id(ntok, model), padding_side="right")
     run.resumed_from = resolve_resume(config)
     if ntok is not None:  # where the value head is fitted (the data's, so a resumed run gets the same)
         prefix, contexts = number_layout(run.train_ds, model.num_token_id, ntok.tokenizer)
@@ -552,7 +274,7 @@ def _prepare_optimization(run: Run) -> None:
     run.loader = DataLoader(run.train_ds, batch_size=config.per_device_train_batch_size, sampler=run.sampler,
                             collate_fn=run.collator, num_workers=config.dataloader_num_workers,
                             generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
-    run.batches_per_epoch, run.total_steps, warmup = _step_plan(config, run.sampler.shard_size)
+    run.batches_per_epoch, run.total_steps, warmup = step_plan(config, run.sampler.shard_size)
     optimizer = make_optimizer(run.inner, config)
     run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=run.total_steps)
@@ -597,9 +319,9 @@ def _evaluate(run: Run) -> MetricAccumulator:
     """The validation split, sharded over processes and gathered: one merged MetricAccumulator."""
     from accelerate.utils import gather_object
 
-    config, eval_ds, bs = run.config, run.eval_ds, run.config.per_device_eval_batch_size
+    eval_ds, bs = run.eval_ds, run.config.per_device_eval_batch_size
     idx = list(range(run.rank, len(eval_ds), run.world))
-    batches = (run.collator(_rows(eval_ds, idx[i:i + bs])) for i in range(0, len(idx), bs))
+    batches = (run.collator(rows_at(eval_ds, idx[i:i + bs])) for i in range(0, len(idx), bs))
     # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
     # so processes may run different numbers of evaluation batches
     acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
@@ -607,9 +329,9 @@ def _evaluate(run: Run) -> MetricAccumulator:
                      device=run.device)
     # FSDP: as many forwards as the longest shard has batches (each one all-gathers the layers)
     missing = math.ceil(math.ceil(len(eval_ds) / run.world) / bs) - math.ceil(len(idx) / bs)
-    if missing > 0 and engines.is_fsdp(run.accelerator):
-        pad = {k: v.to(run.device) for k, v in run.collator(_rows(eval_ds, [0])).items() if k in MODEL_INPUTS}
-        engines.pad_forwards(run.eval_model, pad, missing)
+    if missing > 0:
+        pad = {k: v.to(run.device) for k, v in run.collator(rows_at(eval_ds, [0])).items() if k in MODEL_INPUTS}
+        engines.pad_forwards(run.accelerator, run.eval_model, pad, missing)
     states = gather_object([acc.state()]) if run.world > 1 else [acc.state()]
     return MetricAccumulator.merged(states)
 
@@ -627,13 +349,13 @@ def _run_eval(run: Run, split: str = "eval") -> dict:
 
 def _eval_refitted(run: Run) -> dict:
     """An evaluation of the adapter a run stopped here would save: the closed-form value head fitted
-    again on the features as they are now (`_refit_value_head`), then the heads and config restored,
+    again on the features as they are now (`refit_value_head`), then the heads and config restored,
     so evaluations leave the training path (and checkpoints, which resume exactly) unchanged."""
     inner = run.inner
     heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
              for name in ("numeric_embedding", "abduction", "action")}
     saved_config = copy.deepcopy(inner.causal_config)
-    refitted = run.config.value_refit == "eval" and _refit_value_head(
+    refitted = run.config.value_refit == "eval" and refit_value_head(
         inner, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
     try:
         return _run_eval(run)
@@ -769,14 +491,14 @@ def _finish(run: Run) -> TrainResult:
     """After the last step: the value head fitted on the final features, the last evaluation, the
     calibration of the width, the adapter, final_metrics.json, the plot; the TrainResult."""
     config, inner, state = run.config, run.inner, run.state
-    if _refit_value_head(inner, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
+    if refit_value_head(inner, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
                          run.eval_ds) and run.refitted_eval_step != state.global_step:
         run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
     if run.eval_ds is not None and run.last_eval_step != state.global_step:
         _run_eval(run)
     if run.eval_ds is not None and config.calibrate_scale:
-        base = _base_scale(inner, lambda: _evaluate(run).predictions())
-        calibrated = _calibrate_regression_scale(inner, run.predictions, base)
+        base = base_scale(inner, lambda: _evaluate(run).predictions())
+        calibrated = calibrate_regression_scale(inner, run.predictions, base)
         if calibrated:
             if run.is_main and calibrated is not True:
                 print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
@@ -809,79 +531,6 @@ def _write_outputs(run: Run, adapter_dir: Path, tensors: dict | None = None) -> 
         return None
     return plot_training(run.history, run.predictions, run.out_dir / PLOT_NAME,
                          calibration=run.inner.causal_config.value_calibration)
-
-
-def _pad_token_id(ntok, inner) -> int:
-    """The padding id of the batches: the tokenizer's, else the backbone config's, else 0."""
-    if ntok is not None:
-        return ntok.pad_token_id
-    pad_id = getattr(inner.backbone.config, "pad_token_id", None)
-    return 0 if pad_id is None else int(pad_id)
-
-
-def _step_plan(config: TrainConfig, shard_size: int) -> tuple[int, int, int]:
-    """(micro-batches per epoch, total optimizer steps, warmup steps) of a run over `shard_size`
-    examples per process."""
-    batches_per_epoch = math.ceil(shard_size / config.per_device_train_batch_size)
-    updates_per_epoch = math.ceil(batches_per_epoch / config.gradient_accumulation_steps)
-    total_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * updates_per_epoch)
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
-    return batches_per_epoch, total_steps, warmup
-
-
-def _base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
-    """With a per-row scale: the validation widths without their per-row part (w_scale_Y . loc_U = 0, the
-    out-of-depth factor kept), from one more pass of `predict` (rows in the order of the last evaluation's);
-    else None."""
-    act = inner.action
-    if act.w_scale_Y is None or act.b_noise_Y is None:
-        return None
-    saved = act.w_scale_Y.detach().clone(), act.log_scale_range.clone()
-    try:
-        with torch.no_grad():
-            act.w_scale_Y.zero_()
-            act.log_scale_range.zero_()
-        return predict()["scale"]
-    finally:
-        with torch.no_grad():
-            act.w_scale_Y.copy_(saved[0])
-            act.log_scale_range.copy_(saved[1])
-
-
-def _calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
-                                ) -> dict | bool:
-    """After training, on the validation predictions. With a per-row scale and `base_scale` (`_base_scale`):
-    shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
-    interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
-    validation rows) and applied as w_scale_Y *= a, log_scale_range *= a (still an exact Cauchy; the
-    out-of-depth factor stays). Then multiply |b_noise_Y| by the median normalised residual
-    |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
-    calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
-    (`intervals.fit_calibration`) into `config.value_calibration`. Returns {"scale_exponent": a, ...} (or
-    True without the exponent's choice); False (nothing done) without a regression scale of its own or
-    validation values."""
-    act = inner.action
-    if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
-        return False
-    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
-    info: dict | bool = True
-    if base_scale is not None and act.w_scale_Y is not None and len(base_scale) == len(scale):
-        base = torch.tensor(base_scale, dtype=torch.float64)
-        a, scores = choose_scale_exponent(y, loc, base, scale / base)
-        info = {"scale_exponent": a, **{f"interval_score_a{k:g}": round(v, 6) for k, v in scores.items()}}
-        if a != 1.0:
-            with torch.no_grad():
-                act.w_scale_Y.mul_(a)
-                act.log_scale_range.mul_(a)
-            scale = base * (scale / base) ** a
-    factor = float(((y - loc).abs() / scale).median())
-    if not math.isfinite(factor) or factor <= 0:
-        return False
-    with torch.no_grad():
-        new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
-        act.b_noise_Y.fill_(new)
-    inner.causal_config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
-    return info
 
 
 def _reset_log(path: Path, keep_until: int | None) -> None:

@@ -41,7 +41,7 @@ from ..modeling.cauchy import ovr_probability
 from ..modeling.heads import full_precision
 from ..modeling.intervals import interval
 from ..modeling.loss import total_loss
-from ..saving.integrations import unwrap_model
+from ..saving.unwrap import unwrap_model
 
 INTERVAL_LEVELS = (0.5, 0.8, 0.9, 0.95)
 SCORE_CHUNK_ROWS = 128  # rows of [rows, V] scores formed at once (128 x 151,936 x 4 B = 78 MB per tensor)

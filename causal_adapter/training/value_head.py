@@ -1,0 +1,136 @@
+"""The value head's closed-form fits in a run (the fits themselves are `value_fit`'s): the warm start
+before step 1 (`fit_value_head`), the refit on the features training moved (`refit_value_head`) and the
+calibration of the width after training (`calibrate_regression_scale`, on `base_scale`)."""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import DEFAULT_SCALE_FLOOR
+from ..modeling.intervals import choose_scale_exponent, fit_calibration
+from .config import TrainConfig
+from .data import rows_at
+from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
+
+
+def features_trained(inner) -> bool:
+    """True when training changed what the regression head reads (LoRA, W_loc / b_loc, d)."""
+    return any(p.requires_grad for n, p in inner.named_parameters()
+               if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
+
+
+def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
+                   max_rows: int = 8192, eval_ds=None) -> dict:
+    """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
+    when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
+    regression head (`value_fit`). Every process computes the same from the same rows."""
+    summary: dict = {}
+    rows = train_ds.select(range(min(len(train_ds), max_rows)))
+    num_id = inner.num_token_id
+    value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
+    values = [v for labels, vals in zip(rows["labels"], rows[value_column])
+              for lab, v in zip(labels, vals) if lab == num_id]
+    if not values:
+        return summary
+    if inner.causal_config.value_loc is None:
+        loc, scale = fit_value_units(values)
+        inner.set_value_units(loc, scale, value_decimals(values))
+        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
+    if config.regression_init == "ridge":
+        inner.to(device)
+        bs = config.per_device_eval_batch_size
+
+        def batches(ds):
+            return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
+
+        val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
+        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
+                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config)) or {})
+    if verbose and summary:
+        print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in summary.items()), file=sys.stderr)
+    return summary
+
+
+def refit_value_head(inner, config: TrainConfig, train_ds, collator, device, accelerator, verbose: bool,
+                      eval_ds=None) -> bool:
+    """When training moves the features the value head reads (LoRA, W_loc, d; `features_trained`) and
+    ``regression_init='ridge'``: fit the head again on them (`fit_value_head`, under the training
+    autocast) and drop the calibration map, which described the old head (the end of `train` fits a new
+    one). Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots
+    validation MAE 21,963,900 mid-run with W_loc trained). Returns whether it refitted."""
+    if config.regression_init != "ridge" or not features_trained(inner):
+        return False
+    with accelerator.autocast():
+        fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
+    inner.causal_config.value_calibration = None
+    return True
+
+
+def head_shift_bound(inner, config: TrainConfig) -> float:
+    """The bf16 bound of the value head's fit (`value_fit.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`.
+    'auto' = on only when the heads themselves are 16-bit (`autocast_adapter_dtype=False` on a 16-bit base):
+    the only case where loc_U is rounded. Under a bf16 base or bf16 autocast the heads compute in fp32 and
+    the fit sees the 16-bit features it will run on, so its validation-chosen penalty already accounts for
+    them (sunspots, 60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md)."""
+    if config.bf16_safe_head == "auto":
+        return BF16_MAX_SHIFT if inner.action.w_reg.dtype in (torch.bfloat16, torch.float16) else math.inf
+    return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
+
+
+def base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
+    """With a per-row scale: the validation widths without their per-row part (w_scale_Y . loc_U = 0, the
+    out-of-depth factor kept), from one more pass of `predict` (rows in the order of the last evaluation's);
+    else None."""
+    act = inner.action
+    if act.w_scale_Y is None or act.b_noise_Y is None:
+        return None
+    saved = act.w_scale_Y.detach().clone(), act.log_scale_range.clone()
+    try:
+        with torch.no_grad():
+            act.w_scale_Y.zero_()
+            act.log_scale_range.zero_()
+        return predict()["scale"]
+    finally:
+        with torch.no_grad():
+            act.w_scale_Y.copy_(saved[0])
+            act.log_scale_range.copy_(saved[1])
+
+
+def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
+                                ) -> dict | bool:
+    """After training, on the validation predictions. With a per-row scale and `base_scale` (`base_scale`):
+    shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
+    interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
+    validation rows) and applied as w_scale_Y *= a, log_scale_range *= a (still an exact Cauchy; the
+    out-of-depth factor stays). Then multiply |b_noise_Y| by the median normalised residual
+    |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
+    calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
+    (`intervals.fit_calibration`) into `config.value_calibration`. Returns {"scale_exponent": a, ...} (or
+    True without the exponent's choice); False (nothing done) without a regression scale of its own or
+    validation values."""
+    act = inner.action
+    if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
+        return False
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    info: dict | bool = True
+    if base_scale is not None and act.w_scale_Y is not None and len(base_scale) == len(scale):
+        base = torch.tensor(base_scale, dtype=torch.float64)
+        a, scores = choose_scale_exponent(y, loc, base, scale / base)
+        info = {"scale_exponent": a, **{f"interval_score_a{k:g}": round(v, 6) for k, v in scores.items()}}
+        if a != 1.0:
+            with torch.no_grad():
+                act.w_scale_Y.mul_(a)
+                act.log_scale_range.mul_(a)
+            scale = base * (scale / base) ** a
+    factor = float(((y - loc).abs() / scale).median())
+    if not math.isfinite(factor) or factor <= 0:
+        return False
+    with torch.no_grad():
+        new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
+        act.b_noise_Y.fill_(new)
+    inner.causal_config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
+    return info
