@@ -150,3 +150,6 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """Trainer's (TRL's reads ``outputs.logits``, which a CausalOutput does not have)."""
         return Trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """No TRL card in ``output_dir``: the adapter's own card is written with every save (`save_adapter_into`)."""
