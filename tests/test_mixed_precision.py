@@ -303,6 +303,7 @@ def _test_value_mae(adapter_dir, corpus, tokenizer, tiny):
     return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
 
 
+@pytest.mark.slow  # four train / eval passes on the real vocabulary: ~40 s on 2 idle cores
 def test_bf16_autocast_recipe_within_15_percent_of_fp32(tmp_path, qwen_tokenizer):
     """Issue 27 item 2 at toy size: `causal-adapter train --dataset sunspots --mixed-precision bf16` (CPU
     autocast) scores within 1.15x of the same run in fp32 on the test split, as `causal-adapter eval`
