@@ -34,6 +34,7 @@ from ..saving.hf_trainer import CausalTrainer
 from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
 from .data import pad_token_id, rows_at
+from .engines import inference_precision
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate
 from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
 
@@ -115,7 +116,7 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         calibrated after the last step (what `save_model` then writes)."""
         inner = unwrap_causal_model(self.model)
         if not resume_from_checkpoint:  # a resumed run takes the units and heads from its checkpoint
-            with self.accelerator.autocast():
+            with inference_precision(inner):  # the features the saved adapter will see
                 fit_value_head(inner, self.value_fit, self.train_dataset, self.data_collator, self.args.device,
                                verbose=self.is_world_process_zero(), eval_ds=self._eval_rows())
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -138,7 +139,7 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
                        for i in range(0, len(eval_ds), bs))
             acc = MetricAccumulator(inner.num_token_id, inner.causal_config.reg_weight,
                                     calibration=inner.causal_config.value_calibration)
-            with torch.no_grad(), self.accelerator.autocast():
+            with torch.no_grad(), inference_precision(inner):
                 return accumulate(inner, batches, acc, device=self.args.device).predictions()
 
         return calibrate_regression_scale(inner, predict(), base_scale(inner, predict))
