@@ -67,9 +67,10 @@ def run_corpus(corpus: str, args, work: Path) -> dict:
     data = work / "data"
     main(["data", corpus, str(data)])
     out = work / f"run_{corpus}"
-    main(["train", "--train-file", str(data / f"{corpus}_train.jsonl"), "--validation-file",
-          str(data / f"{corpus}_validation.jsonl"), "--max-steps", str(args.max_steps), "--output-dir", str(out),
-          "--no-plot", *args.train_args])
+    if not (out / "adapter").is_dir():  # a finished run in --work-dir is reused
+        main(["train", "--train-file", str(data / f"{corpus}_train.jsonl"), "--validation-file",
+            str(data / f"{corpus}_validation.jsonl"), "--max-steps", str(args.max_steps), "--output-dir", str(out),
+            "--no-plot", *args.train_args])
     adapter = str(out / "adapter")
     preds = {}
     for split in ("validation", "test"):
@@ -78,7 +79,7 @@ def run_corpus(corpus: str, args, work: Path) -> dict:
               "--targets-column", "target"])  # the file's value / scale; the intervals are recomputed here
         preds[split] = _rows(f)
     val, test = preds["validation"], preds["test"]
-    cal = json.loads((Path(adapter) / CONFIG_NAME).read_text())["value_calibration"]
+    cal = json.loads((Path(adapter) / CONFIG_NAME).read_text())["adapter_config"]["value_calibration"]
     g_val, table = choose_gamma(val, args.gammas)
     gamma = args.gamma if args.gamma is not None else DEFAULT_GAMMA
     res = {"gamma_chosen_on_validation": g_val, "gamma_used": gamma, "validation_gamma_table": table}
