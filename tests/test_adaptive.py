@@ -92,3 +92,13 @@ def saved_adapter_for_aci(tmp_path_factory, qwen_tokenizer):
     model.save_pretrained(path)
     fresh, _ = load_base(None, "qwen2", "float32", 32, 1)
     return path, CausalModel.from_pretrained(fresh, path, tokenizer=qwen_tokenizer), qwen_tokenizer
+
+
+def test_evaluate_reports_adaptive_coverage_in_row_order():
+    from causal_adapter.training.metrics import coverage_metrics
+
+    y, loc, scale, cal = drifting_series()
+    m = coverage_metrics(y.tolist(), loc.tolist(), scale.tolist(), levels=(0.5, 0.9), calibration=cal)
+    assert m["coverage_90"] < 0.75 and abs(m["aci_coverage_90"] - 0.9) < 0.04 and abs(m["aci_coverage_50"] - 0.5) < 0.04
+    assert m["aci_winkler_90"] < m["winkler_90"]
+    assert "aci_coverage_90" not in coverage_metrics(y.tolist(), loc.tolist(), scale.tolist(), levels=(0.9,))
