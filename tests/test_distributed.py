@@ -81,9 +81,9 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
 
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP1"])
-def test_train_refuses_deepspeed_and_fsdp1_at_start_naming_the_launchers(tmp_path, kind):
-    """A real Accelerator whose state says what a DeepSpeed / FSDP1 launch sets (accelerate selects neither on
-    CPU). FSDP2 runs (tests/test_fsdp_train.py)."""
+def test_train_refuses_deepspeed_and_fsdp1_without_orig_params_at_start_naming_the_launchers(tmp_path, kind):
+    """A real Accelerator whose state says what a DeepSpeed / FSDP1 (use_orig_params off) launch sets
+    (accelerate selects neither on CPU). FSDP1 with use_orig_params and FSDP2 run (tests/test_fsdp_train.py)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -96,11 +96,12 @@ def test_train_refuses_deepspeed_and_fsdp1_at_start_naming_the_launchers(tmp_pat
         if kind == "FSDP1":
             accelerator.state.distributed_type = DistributedType.FSDP
             accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
-            check_engine_error = r"does not support FSDP1.*fsdp_version: 2"
+            assert not accelerator.state.fsdp_plugin.use_orig_params
+            check_engine_error = r"FSDP1 with fsdp_use_orig_params: true only.*fsdp_version: 2"
         else:
             accelerator.state.distributed_type = DistributedType.DEEPSPEED
             check_engine_error = "does not support DeepSpeed"
-        with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml"):
+        with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml.*fsdp.yaml"):
             check_engine(accelerator)
     finally:
         AcceleratorState._reset_state(True)

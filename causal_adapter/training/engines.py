@@ -3,9 +3,9 @@ and, per engine, its setup and where it keeps its checkpointed weights (docs/dis
 
 * one process / DDP: `accelerator.prepare(model, optimizer)`; the checkpoint holds the adapter files and
   ``optimizer.pt`` written by the main process (every process holds the same state: `checkpoints`).
-* FSDP2 (``fsdp_version: 2``): `fsdp_engine` (sharded state through accelerate's ``save_state`` in
-  ``ENGINE_SUBDIR``).
-* refused at start, naming what runs: DeepSpeed and FSDP1.
+* FSDP1 (``fsdp_version: 1``, ``fsdp_use_orig_params: true``) and FSDP2 (``fsdp_version: 2``): `fsdp_engine`
+  (sharded state through accelerate's ``save_state`` in ``ENGINE_SUBDIR``).
+* refused at start, naming what runs: DeepSpeed, and FSDP1 without ``use_orig_params``.
 """
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from typing import Sequence
 import torch
 
 from ..modeling.heads import full_precision
+from ..saving.unwrap import unwrap_causal_model
 from . import fsdp_engine
 from .config import TrainConfig
 
 ENGINE_SUBDIR = "accelerate_state"  # inside checkpoint-STEP: accelerate's save_state (FSDP only)
 
 SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), DDP (accelerate launch "
-                       "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml) or FSDP2 "
-                       "(examples/accelerate_configs/fsdp2.yaml)")
+                       "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml), FSDP2 "
+                       "(examples/accelerate_configs/fsdp2.yaml) or FSDP1 (examples/accelerate_configs/fsdp.yaml)")
 
 
 # ---------------------------------------------------------------------------- the accelerator and the launch
@@ -117,9 +118,11 @@ def check_engine(accelerator) -> None:
     if kind == DistributedType.DEEPSPEED:
         raise ValueError(f"causal_adapter.training.loop does not support DeepSpeed yet (issue 26); supported "
                          f"launchers: {SUPPORTED_LAUNCHERS}")
-    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
-        raise ValueError("causal_adapter.training.loop does not support FSDP1 (fsdp_version: 1): set fsdp_version: 2 "
-                         f"in the accelerate config; supported launchers: {SUPPORTED_LAUNCHERS}")
+    plugin = accelerator.state.fsdp_plugin if kind == DistributedType.FSDP else None
+    if plugin is not None and plugin.fsdp_version == 1 and not plugin.use_orig_params:
+        # the optimizer, the clipping and the LoRA gathering work on the original parameters
+        raise ValueError("causal_adapter.training.loop runs FSDP1 with fsdp_use_orig_params: true only: set it in "
+                         f"the accelerate config (or use fsdp_version: 2); supported launchers: {SUPPORTED_LAUNCHERS}")
 
 
 # ---------------------------------------------------------------------------- per engine
@@ -132,7 +135,7 @@ def prepare(accelerator, model, optimizer):
 
 @contextlib.contextmanager
 def inference_precision(model):
-    """Run `model` (the unwrapped CausalModel) as the saved adapter runs at inference (`eval`, `predict`,
+    """Run `model` (the CausalModel, or the module whose forward runs it) as the saved adapter runs at inference (`eval`, `predict`,
     `generate`): the base in its own dtype, with no autocast, also when accelerate's mixed precision
     wrapped its forward in one (`prepare` keeps the plain forward as ``_original_forward``, the one
     ``unwrap_model(keep_fp32_wrapper=False)`` restores; here only for the duration of the context).
@@ -143,16 +146,32 @@ def inference_precision(model):
     bf16-autocast features is scored by `eval` on float32 features and loses 2.2x; fitted on the
     features inference computes, a bf16-autocast run matches fp32. On a 16-bit base the features are
     16-bit at inference too, and this changes nothing."""
-    original = model.__dict__.get("_original_forward")
-    patched = model.__dict__.get("forward")
+    inner = unwrap_causal_model(model) or model  # FSDP1: `model` is the root unit that wraps it
+    original = inner.__dict__.get("_original_forward")
+    patched = inner.__dict__.get("forward")
     if original is not None:
-        model.forward = original
+        inner.forward = original
     try:
-        with full_precision(model.device):
+        with full_precision(inner.device):
             yield model
     finally:
         if original is not None:
-            model.forward = patched
+            inner.forward = patched
+
+
+def eval_model(accelerator, model):
+    """What evaluations and value-head fits call: the module without DDP's wrapper (no collective in its
+    forward, so processes may run different numbers of batches), with accelerate's autocast forward. Under
+    FSDP1 the root unit itself: only its forward gathers the root's parameters (embeddings, lm_head)."""
+    return model if fsdp_engine.is_fsdp1(accelerator) else accelerator.unwrap_model(model)
+
+
+def clip_grad_norm_(accelerator, model, trainable: list, max_norm: float):
+    """Clip the gradients to a total norm of `max_norm`, counted once over the processes. Under FSDP1 the
+    root's own `clip_grad_norm_` (accelerate calls it when given every parameter of the root): it sums
+    the shards' norms over the processes and adds the replicated heads' once."""
+    return accelerator.clip_grad_norm_(list(model.parameters()) if fsdp_engine.is_fsdp1(accelerator) else trainable,
+                                       max_norm)
 
 
 def whole_adapter_tensors(accelerator, model) -> dict[str, torch.Tensor] | None:
@@ -174,10 +193,10 @@ def save_engine_state(accelerator, tmp_dir: Path) -> Path | None:
     return fsdp_engine.save_state(accelerator, tmp_dir) if is_fsdp(accelerator) else None
 
 
-def load_engine_state(accelerator, checkpoint: Path) -> bool:
+def load_engine_state(accelerator, checkpoint: Path, optimizer) -> bool:
     """Under a sharding engine: the weights and the optimizer state from the checkpoint's ``ENGINE_SUBDIR``
     (every process). Returns whether it loaded them (False: the engine keeps no state of its own)."""
     if not is_fsdp(accelerator):
         return False
-    fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR)
+    fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR, optimizer)
     return True

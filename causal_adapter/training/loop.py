@@ -33,8 +33,9 @@ What a run does
   ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1
   --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
-  FSDP2 (``examples/accelerate_configs/fsdp2.yaml``): the setup, the evaluation's padded forwards and the
-  sharded checkpoint state are `engines`' (docs/distributed.md); FSDP1 and DeepSpeed are refused at start.
+  FSDP2 and FSDP1 (``examples/accelerate_configs/fsdp2.yaml``, ``fsdp.yaml``): the setup, the evaluation's
+  model and padded forwards, the clipping and the sharded checkpoint state are `engines`'
+  (docs/distributed.md); DeepSpeed is refused at start.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ from . import engines
 from .checkpoints import (
     CHECKPOINT_PREFIX,
     TrainState,
+    check_same_resume,
     list_checkpoints,
     load_checkpoint,
     remove_old_checkpoints,
@@ -160,7 +162,7 @@ class Run:
     rank: int
     inner: Any = None  # the CausalModel (unwrapped)
     model: Any = None  # what accelerate prepared (DDP wrapper / autocast forward)
-    eval_model: Any = None  # the unwrapped model (accelerate's autocast forward; evaluated without it)
+    eval_model: Any = None  # what evaluations and value-head fits run (`engines.eval_model`; without autocast)
     tokenizer: Any = None
     train_ds: Any = None
     eval_ds: Any = None
@@ -215,7 +217,7 @@ def train(
 
 
 def _start(config: TrainConfig) -> Run:
-    """The accelerator (refusing DeepSpeed / FSDP1: `engines.check_engine`), launch warnings, the output directory, the seed."""
+    """The accelerator (refusing what `engines.check_engine` refuses), launch warnings, the output directory, the seed."""
     from accelerate.utils import set_seed
 
     accelerator = engines.make_accelerator(config)
@@ -256,6 +258,7 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     run.constant = train_median(train_targets) if train_targets else None
     run.collator = NumericCollator(pad_token_id(ntok, model), padding_side="right")
     run.resumed_from = resolve_resume(config)
+    check_same_resume(run.resumed_from, run.accelerator)  # a node without the checkpoint: refused, not a hang
     if ntok is not None:  # where the value head is fitted (the data's, so a resumed run gets the same)
         prefix, contexts = number_layout(run.train_ds, model.num_token_id, ntok.tokenizer)
         model.causal_config.number_prefix_id, model.causal_config.number_contexts = prefix, contexts
@@ -279,7 +282,7 @@ def _prepare_optimization(run: Run) -> None:
     run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=run.total_steps)
     run.model, run.optimizer = engines.prepare(run.accelerator, run.inner, optimizer)
-    run.eval_model = run.accelerator.unwrap_model(run.model)
+    run.eval_model = engines.eval_model(run.accelerator, run.model)
     run.inner = unwrap_model(run.eval_model)
     run.device = run.accelerator.device
     run.trainable = [p for _, p in run.inner.trainable_parameters()]
@@ -293,7 +296,7 @@ def _resume_and_open_log(run: Run) -> None:
     if config.resume_from_checkpoint == "latest" and run.resumed_from is None and run.is_main:
         print(f"no checkpoint in {run.out_dir}: starting from scratch", file=sys.stderr)
     if run.resumed_from is not None:
-        weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from)  # FSDP: sharded state
+        weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from, run.optimizer)  # FSDP: sharded state
         run.history = load_checkpoint(run.resumed_from, run.inner, run.optimizer, run.scheduler, run.state, config,
                                       run.world, run.rank, len(run.train_ds), weights_loaded=weights_loaded)
     run.log_path = run.out_dir / METRICS_LOG
@@ -357,7 +360,7 @@ def _eval_refitted(run: Run) -> dict:
              for name in ("numeric_embedding", "abduction", "action")}
     saved_config = copy.deepcopy(inner.causal_config)
     refitted = run.config.value_refit == "eval" and refit_value_head(
-        inner, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
+        run.eval_model, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
     try:
         return _run_eval(run)
     finally:
@@ -450,7 +453,7 @@ def _optimizer_step(run: Run, it, window: _Window) -> None:
         window.running[3] += 1
         window.tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
     if config.max_grad_norm:
-        accelerator.clip_grad_norm_(run.trainable, config.max_grad_norm)
+        engines.clip_grad_norm_(accelerator, run.model, run.trainable, config.max_grad_norm)
     run.optimizer.step()
     if not accelerator.optimizer_step_was_skipped:
         run.scheduler.step()
@@ -492,7 +495,7 @@ def _finish(run: Run) -> TrainResult:
     """After the last step: the value head fitted on the final features, the last evaluation, the
     calibration of the width, the adapter, final_metrics.json, the plot; the TrainResult."""
     config, inner, state = run.config, run.inner, run.state
-    if refit_value_head(inner, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
+    if refit_value_head(run.eval_model, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
                          run.eval_ds) and run.refitted_eval_step != state.global_step:
         run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
     if run.eval_ds is not None and run.last_eval_step != state.global_step:
