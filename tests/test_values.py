@@ -132,6 +132,30 @@ def test_robust_fit_resists_shuffled_targets(loss):
     assert err[loss] < 0.3 * err["squared"] and err["squared"] > 0.5, err
 
 
+def test_tukey_fit_gives_far_shuffled_targets_no_weight():
+    """Issue 27 item 5: Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
+    shuffled the rows far from the fit stop pulling (a Cauchy weight never reaches 0), the fit lands on
+    least squares over the clean rows, and `auto` has it among its candidates."""
+    from causal_adapter.training.value_fit import TUKEY_C
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 5, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.25], dtype=torch.float64)
+    t = X @ w + 0.1 * torch.randn(300, generator=g, dtype=torch.float64)
+    bad = torch.randperm(300, generator=g)[:120]  # 40% of the targets shuffled among themselves
+    t[bad] = t[bad[torch.randperm(120, generator=g)]]
+    Xv = torch.randn(100, 5, generator=g, dtype=torch.float64)
+    clean = torch.ones(300, dtype=torch.bool)
+    clean[bad] = False
+    oracle = fit_linear_head(X[clean], t[clean], Xv, Xv @ w, loss="squared", max_shift=math.inf)
+    fit = fit_linear_head(X, t, Xv, Xv @ w, loss="tukey", max_shift=math.inf)
+    resid = t - X @ fit["w"] - fit["b"]
+    far = resid.abs() > TUKEY_C * float(resid.abs().median()) / 0.6745
+    assert int(far[bad].sum()) > 60 and float(fit["weights"][far].max()) <= 1e-12
+    assert float((fit["w"] - oracle["w"]).norm()) < 0.01  # least squares on all rows: 0.57
+    assert "tukey" in fit_linear_head(X, t, Xv, Xv @ w, loss="auto", max_shift=math.inf)["scores"]
+
+
 def _corrupted_problem(seed):
     """(X, t, t with 30% of the targets shuffled, Xv, clean tv) of one linear model with noise sd 0.3."""
     g = torch.Generator().manual_seed(seed)
@@ -154,7 +178,7 @@ def test_auto_loss_is_the_validation_best_fit():
     torch.testing.assert_close(auto["w"], fits["cauchy"]["w"])
     assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation+leave-one-out"
     # without validation rows the LOO MAE decides, and picks another loss on these data
-    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "huber"
+    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "tukey"
     # clean targets: least squares wins on validation and is kept
     X, t, _, Xv, tv = _corrupted_problem(0)
     assert fit_linear_head(X, t, Xv, tv, loss="auto", max_shift=math.inf)["loss"] == "squared"

@@ -93,7 +93,7 @@ class TrainConfig:
                             "last step either way", choices=["eval", "end"])
     value_loss: str = flag("auto", "loss of the value head's fit before / after training: 'auto' fits each of "
                            "least squares ('squared') and the robust M-estimates by IRLS from the ridge solution "
-                           "('huber', 'cauchy'; 'tukey' from a least-absolute-deviations start) and keeps least squares "
+                           "('huber', 'cauchy', 'tukey') and keeps least squares "
                            "unless a robust fit's validation MAE (else LOO MAE) is smaller by one standard error; "
                            "a name fixes it. docs/values.md has the validation figures behind the default",
                            choices=["auto", "cauchy", "huber", "squared", "tukey"])

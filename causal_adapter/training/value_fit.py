@@ -39,13 +39,9 @@ LOSSES = ("squared", "huber", "cauchy", "tukey")
 #: textbook 4.685: on sunspots with 40% shuffled targets the MAD is inflated by the shuffled rows
 #: (validation MAE 22.9 at 3 vs 25.2 at 4.685 and 37.6 at 2; docs/values.md)
 TUKEY_C = 3.0
-#: loss of the value head's fit: 'auto' = the one of LOSSES with the smallest validation MAE, per fit
-#: (docs/values.md); 'cauchy', 'huber' or 'squared' fix it
+#: loss of the value head's fit: 'auto' = least squares unless a robust one of LOSSES wins on validation, per fit
+#: (docs/values.md); 'cauchy', 'huber', 'tukey' or 'squared' fix it
 ROBUST_LOSS = "auto"
-#: IRLS loss a robust fit starts from, per loss (else from the least-squares ridge): a redescending loss
-#: (Tukey's weight is 0 beyond TUKEY_C) has local optima, so it starts from least absolute deviations,
-#: convex and with the highest breakdown among the convex fits
-ROBUST_START = {"tukey": "lad"}
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -142,7 +138,7 @@ def robust_weights(resid: Tensor, loss: str) -> Tensor:
     """IRLS weights of the residuals [n] for an M-estimate: 'cauchy' 1 / (1 + (r / s)^2) with s the
     median |r| (a Cauchy's scale), 'huber' min(1, 1.345 s / |r|) with s = median |r| / 0.6745,
     'tukey' (1 - (r / (TUKEY_C s))^2)^2 inside TUKEY_C s and 0 beyond (redescending: a shuffled target
-    far from the fit stops pulling), 'lad' s / |r| (least absolute deviations), 'squared' ones."""
+    far from the fit stops pulling), 'squared' ones."""
     s = max(float(resid.abs().median()), 1e-12)
     if loss == "cauchy":
         return 1.0 / (1.0 + (resid / s) ** 2)
@@ -153,9 +149,7 @@ def robust_weights(resid: Tensor, loss: str) -> Tensor:
     if loss == "tukey":
         u = (resid / (TUKEY_C * s / 0.6745)).clamp(-1.0, 1.0)
         return (1.0 - u ** 2) ** 2
-    if loss == "lad":  # least absolute deviations: |r| = r^2 / |r|, capped where |r| < 1e-3 s
-        return s / resid.abs().clamp_min(1e-3 * s)
-    raise ValueError(f"unknown robust loss {loss!r}; use 'cauchy', 'huber', 'tukey', 'lad' or 'squared'")
+    raise ValueError(f"unknown robust loss {loss!r}; use 'cauchy', 'huber', 'tukey' or 'squared'")
 
 
 def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tensor | None):
@@ -191,7 +185,7 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     the standardised features) is the grid entry with the smallest mean of the validation MAE (X_val, t_val)
     and the mean |LOO residual| (`penalty_score`), else of the latter alone, among those whose weights keep
     the bf16-rounding shift <= `max_shift`.
-    loss != 'squared': IRLS M-estimate started from the ridge solution, then the penalty is chosen again
+    loss != 'squared' ('huber', 'cauchy', 'tukey'): IRLS M-estimate started from the ridge solution, then the penalty is chosen again
     under the final weights and IRLS runs once more. loss 'auto': each of `LOSSES` is fitted so; least
     squares is kept unless a robust fit's validation MAE (else mean |LOO residual|) is smaller by more
     than one standard error of the paired difference (`_one_standard_error_choice`).
@@ -214,18 +208,15 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
 
     weights = torch.ones_like(t)
     rounds = 1 if loss == "squared" else 2
-    for round_ in range(rounds):
+    for _ in range(rounds):
         _, lam, w, b, loo = _choose(_ridge_path(Xs, t, weights, [r * unit for r in grid]), score, X, sd,
                                     max_shift, X_val if has_val else None)
         if loss == "squared":
             break
-        # the robust start (`ROBUST_START`), then the loss's own IRLS from there
-        start = (ROBUST_START[loss],) if round_ == 0 and loss in ROBUST_START else ()
-        for name in (*start, loss):
-            for _ in range(iters):  # IRLS at this penalty
-                resid = t - b - Xs @ w
-                weights = robust_weights(resid, name).clamp_min(1e-12)
-                _, w, b, loo = next(_ridge_path(Xs, t, weights, [lam]))
+        for _ in range(iters):  # IRLS at this penalty
+            resid = t - b - Xs @ w
+            weights = robust_weights(resid, loss).clamp_min(1e-12)
+            _, w, b, loo = next(_ridge_path(Xs, t, weights, [lam]))
     w_raw = w / sd
     abs_errors = (X_val @ w_raw + b - mean @ w_raw - t_val).abs() if has_val else loo.abs()
     return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "loo": loo, "weights": weights,
