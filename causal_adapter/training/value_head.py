@@ -13,7 +13,7 @@ from ..config import DEFAULT_SCALE_FLOOR
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
 from .config import TrainConfig
 from .data import rows_at
-from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
+from .value_fit import BF16_MAX_SHIFT, LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
 
 
 def features_trained(inner) -> bool:
@@ -23,10 +23,12 @@ def features_trained(inner) -> bool:
 
 
 def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
-                   max_rows: int = 8192, eval_ds=None) -> dict:
+                   max_rows: int = 8192, eval_ds=None, final: bool | None = None) -> dict:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
     when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
-    regression head (`value_fit`). Every process computes the same from the same rows."""
+    regression head (`value_fit`). Every process computes the same from the same rows. `final`: no
+    gradient training follows this head (default: when nothing moves the features), so `value_loss='auto'`
+    chooses among all of `LOSSES`; else among `WARM_START_LOSSES`."""
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
@@ -40,6 +42,7 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
         inner.set_value_units(loc, scale, value_decimals(values))
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
     if config.regression_init == "ridge":
+        final = not features_trained(inner) if final is None else final
         inner.to(device)
         bs = config.per_device_eval_batch_size
 
@@ -48,7 +51,8 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
         summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
-                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config)) or {})
+                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config),
+                                        losses=LOSSES if final else WARM_START_LOSSES) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
@@ -65,7 +69,7 @@ def refit_value_head(inner, config: TrainConfig, train_ds, collator, device, acc
     if config.regression_init != "ridge" or not features_trained(inner):
         return False
     with accelerator.autocast():
-        fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
+        fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds, final=True)
     inner.causal_config.value_calibration = None
     return True
 
