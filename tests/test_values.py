@@ -156,6 +156,33 @@ def test_tukey_fit_gives_far_shuffled_targets_no_weight():
     assert "tukey" in fit_linear_head(X, t, Xv, Xv @ w, loss="auto", max_shift=math.inf)["scores"]
 
 
+def test_auto_considers_tukey_only_for_a_head_no_training_follows():
+    """Issue 27: the warm start of a run that trains W_loc chooses among WARM_START_LOSSES (a Tukey head sent
+    sunspots' W_loc training astray at 40% shuffled targets); with W_loc frozen the warm start is the final
+    head and Tukey competes (here it wins on validation)."""
+    from causal_adapter.data.pipeline import NumericCollator
+    from causal_adapter.training.value_head import fit_value_head
+
+    ds, _ = regime_rows(300, 0)
+    val, _ = regime_rows(80, 10)
+    g = torch.Generator().manual_seed(0)
+    bad = torch.randperm(300, generator=g)[:120].tolist()  # 40% of the targets shuffled among themselves
+    perm = torch.randperm(120, generator=g).tolist()
+    label_values, values = [list(r) for r in ds["label_values"]], [list(r) for r in ds["numeric_values"]]
+    for i, j in zip(bad, perm):
+        label_values[i][4] = values[i][4] = ds[bad[j]]["label_values"][4]
+    ds = ds.remove_columns(["label_values", "numeric_values"])
+    ds = ds.add_column("label_values", label_values).add_column("numeric_values", values)
+    losses = {}
+    for frozen in (False, True):
+        model = wrap(seed=0)
+        model.abduction.loc.requires_grad_(not frozen)
+        summary = fit_value_head(model, TrainConfig(output_dir="unused"), ds, NumericCollator(0),
+                                 torch.device("cpu"), eval_ds=val)
+        losses[frozen] = summary["loss"]
+    assert losses == {False: "cauchy", True: "tukey"}, losses
+
+
 def _corrupted_problem(seed):
     """(X, t, t with 30% of the targets shuffled, Xv, clean tv) of one linear model with noise sd 0.3."""
     g = torch.Generator().manual_seed(seed)
