@@ -38,6 +38,8 @@ METRIC_LABELS = {
     "coverage_95": "coverage of 95% interval",
     "cauchy_coverage_50": "coverage of raw Cauchy 50% interval",
     "cauchy_coverage_90": "coverage of raw Cauchy 90% interval",
+    "aci_coverage_50": "coverage of adaptive (ordered rows) 50% interval",
+    "aci_coverage_90": "coverage of adaptive (ordered rows) 90% interval",
 }
 
 

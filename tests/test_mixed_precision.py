@@ -9,6 +9,7 @@ import torch
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
 from causal_adapter.modeling import loss as loss_module
 from causal_adapter.modeling.heads import linear_in_dtype
+from causal_adapter.training.config import TrainConfig
 from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
 from conftest import small_vocab_qwen
 
@@ -247,31 +248,80 @@ def test_gemm_precision_option(monkeypatch):
         fused_ovr_loss(lu.float(), su.float(), W.float(), b.float(), 0.5, y, gemm_precision="fp16")
 
 
-def test_train_bf16_fits_the_ridge_in_the_training_autocast(tmp_path, monkeypatch):
-    """train(mixed_precision="bf16"): the ridge warm start's features come from the forward under the
-    same autocast as the training steps (bf16 backbone, float32 heads); LoRA stays float32; finite."""
+def test_train_bf16_fits_and_evaluates_the_value_head_without_autocast(tmp_path, monkeypatch):
+    """train(mixed_precision="bf16") on a float32 base: the training steps run under bf16 autocast, while
+    the value head's fits (before step 1, mid-run, after the last step) and the evaluations see the
+    backbone as the saved adapter runs at inference, without autocast (accelerate's autocast forward
+    swapped out, `engines.inference_precision`); LoRA stays float32; finite."""
     from accelerate.state import AcceleratorState
 
     from causal_adapter.training import value_fit
     from causal_adapter.training.loop import train
     from test_train import quick_config, small_model, synthetic_dataset
 
-    seen = []
+    where, inside = ["step"], []  # what runs now; the autocast state inside the decoder's forward, per call
     features = value_fit.num_label_features
 
     def recording(model, *a, **k):
-        seen.append(torch.is_autocast_enabled("cpu"))
-        X, t = features(model, *a, **k)
-        seen.append(X.dtype)
-        return X, t
+        where[0] = "fit"
+        try:
+            return features(model, *a, **k)
+        finally:
+            where[0] = "step"
 
     monkeypatch.setattr(value_fit, "num_label_features", recording)
     model = small_model(lora=True)
+    model.decoder.register_forward_pre_hook(lambda m, a: inside.append((where[0], torch.is_autocast_enabled("cpu"))))
     try:
-        result = train(model, quick_config(tmp_path, mixed_precision="bf16", cpu=True, max_steps=2),
+        result = train(model, quick_config(tmp_path, mixed_precision="bf16", cpu=True, max_steps=2, eval_steps=1),
                        train_dataset=synthetic_dataset(), eval_dataset=synthetic_dataset(8, seed=1))
     finally:  # accelerate keeps bf16 in its process-wide state: a later train() would inherit it
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert seen[:2] == [True, torch.float64]
+    fits = {on for kind, on in inside if kind == "fit"}
+    assert fits == {False} and len([1 for kind, _ in inside if kind == "fit"]) >= 3  # start, mid-run, end
+    # the training steps ran under autocast; the evaluations ran without it
+    assert (("step", True) in inside) and (("step", False) in inside)
+    assert result.eval_metrics is not None
     assert result.train_loss is not None and torch.isfinite(torch.tensor(result.train_loss))
     assert {p.dtype for n, p in result.model.named_parameters() if "lora_" in n} == {torch.float32}
+
+
+def _test_value_mae(adapter_dir, corpus, tokenizer, tiny):
+    """The test split's value MAE of a saved adapter as `causal-adapter eval --split test` computes it
+    (a fresh float32 base, no autocast)."""
+    from causal_adapter.data.corpora import build_corpus
+    from causal_adapter.data.pipeline import tokenize_dataset
+    from causal_adapter.numbers import NumberTokenizer
+    from causal_adapter.saving.assets import load_base
+    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.training.metrics import evaluate_dataset
+
+    base, _ = load_base(None, "qwen2", "float32", *tiny)
+    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer)
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
+    ds = tokenize_dataset(build_corpus(corpus)["test"], ntok)
+    return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
+
+
+@pytest.mark.slow  # four train / eval passes on the real vocabulary: ~40 s on 2 idle cores
+def test_bf16_autocast_recipe_within_15_percent_of_fp32(tmp_path, qwen_tokenizer):
+    """Issue 27 item 2 at toy size: `causal-adapter train --dataset sunspots --mixed-precision bf16` (CPU
+    autocast) scores within 1.15x of the same run in fp32 on the test split, as `causal-adapter eval`
+    scores it. With the value head fitted on the bf16-autocast features (the code before
+    `engines.inference_precision`) the ratio is ~2 (the head reads feature differences below bf16's
+    resolution; docs/mixed_precision.md)."""
+    from accelerate.state import AcceleratorState
+
+    from causal_adapter.training.loop import train
+
+    tiny = (32, 1)
+    mae = {}
+    for mp in ("no", "bf16"):
+        config = TrainConfig(dataset="sunspots", max_steps=6, mixed_precision=mp, cpu=True, plot=False, progress=False,
+                             tiny_hidden_size=tiny[0], tiny_layers=tiny[1], output_dir=str(tmp_path / mp))
+        try:
+            result = train(config=config)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+        mae[mp] = _test_value_mae(result.adapter_dir, "sunspots", qwen_tokenizer, tiny)
+    assert mae["bf16"] <= 1.15 * mae["no"], mae

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..data.pipeline import load_text_dataset
+from ..modeling.adaptive import DEFAULT_GAMMA, adaptive_interval
 from ..modeling.families import text_config
-from ..modeling.prediction import check_levels, prediction_columns
+from ..modeling.prediction import check_levels, level_name, prediction_columns
 from ..numbers import NumberTokenizer, find_numbers
 from ..saving.artifacts import atomic_write_file
 from ..saving.model import CausalModel
@@ -101,20 +103,56 @@ def write_predictions(records: Sequence[dict], columns: Sequence[str], output: s
         atomic_write_file(output, write)
 
 
+def row_targets(dataset, column: str, rows: Sequence[int]) -> list[float]:
+    """The float target of each of `rows` from `column` (nan where a row has none: no update)."""
+    if column not in dataset.column_names:
+        raise ValueError(f"--targets-column {column!r} is not a column of the data; columns present: "
+                         f"{list(dataset.column_names)}")
+    values = dataset[column]
+    out = []
+    for i in rows:
+        try:
+            out.append(float(values[i]) if values[i] not in (None, "") else math.nan)
+        except (TypeError, ValueError):
+            raise ValueError(f"row {i}: --targets-column {column!r} holds {values[i]!r:.40}, not a number") from None
+    return out
+
+
+def adapt_intervals(model, records: list[dict], targets: Sequence[float], levels: Sequence[float],
+                    gamma: float = DEFAULT_GAMMA) -> None:
+    """Replace each record's ``lower_<L>`` / ``upper_<L>`` by the adaptive conformal interval
+    (`modeling.adaptive`): the records are the rows in file order, and row t's interval uses only the
+    targets of the rows before it. Adds ``target``."""
+    loc = [r["value"] for r in records]
+    scale = [r["scale"] for r in records]
+    calibration = model.causal_config.value_calibration
+    for q in levels:
+        lo, hi = adaptive_interval(targets, loc, scale, q, calibration, gamma=gamma)
+        n = level_name(q)
+        for r, a, b in zip(records, lo.tolist(), hi.tolist()):
+            r[f"lower_{n}"], r[f"upper_{n}"] = a, b
+    for r, y in zip(records, targets):
+        r["target"] = y
+
+
 def predict_files(model, tokenizer, data_files: Sequence[str], output: str | None = None,
                   levels: Sequence[float] = (0.5, 0.9), batch_size: int = 16, prompt_column: str = "prompt",
-                  text_column: str = "text", completion_column: str = "completion", progress: bool = True) -> dict:
+                  text_column: str = "text", completion_column: str = "completion", progress: bool = True,
+                  targets_column: str | None = None, gamma: float = DEFAULT_GAMMA) -> dict:
     """Predict every row of `data_files` with `model` and write the rows; returns counts
-    {"rows", "written", "skipped"}. Bad rows are reported on stderr, one line each."""
+    {"rows", "written", "skipped"}. Bad rows are reported on stderr, one line each. With `targets_column`
+    the rows are taken as ordered (file order) and the intervals adapt online to the targets seen so far
+    (`adapt_intervals`, step size `gamma`)."""
     from tqdm.auto import tqdm
 
 
     output_format(output)  # a bad --output fails before any work
-    columns = prediction_columns(levels)
+    columns = prediction_columns(levels) + (["target"] if targets_column else [])
     dataset = load_text_dataset(list(data_files), string_columns=(text_column, prompt_column, completion_column))
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     max_tokens = getattr(text_config(model.backbone), "max_position_embeddings", None)
     rows, prompts, bad = row_prompts(dataset, prompt_column, text_column, completion_column, max_tokens, ntok)
+    targets = row_targets(dataset, targets_column, rows) if targets_column else None
     for line in bad:
         print(line, file=sys.stderr)
     if not prompts:
@@ -124,6 +162,8 @@ def predict_files(model, tokenizer, data_files: Sequence[str], output: str | Non
                                        progress=bar.update)
     for r, i in zip(records, rows):
         r["row"] = i
+    if targets is not None:
+        adapt_intervals(model, records, targets, check_levels(levels), gamma)
     write_predictions(records, columns, output)
     return {"rows": len(dataset), "written": len(records), "skipped": len(bad)}
 
@@ -140,6 +180,12 @@ def add_parser(sub, **fmt) -> None:
     p.add_argument("--levels", nargs="+", type=float, default=[0.5, 0.9],
                    help="interval levels: columns lower_<100*level> / upper_<100*level>")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--targets-column", default=None,
+                   help="ordered data: the column of the true values; rows are taken in file order and each row's "
+                        "lower_/upper_ interval adapts to the earlier rows' targets (adaptive conformal inference); "
+                        "adds a target column")
+    p.add_argument("--aci-gamma", type=float, default=DEFAULT_GAMMA,
+                   help=f"step size of the adaptive intervals with --targets-column (default {DEFAULT_GAMMA})")
     p.set_defaults(func=run)
 
 
@@ -156,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         raise tiny_base_hint(e, args) from e
     counts = predict_files(model, tokenizer, args.data_file, output=args.output, levels=args.levels,
                            batch_size=args.batch_size, prompt_column=args.prompt_column,
-                           text_column=args.text_column, completion_column=args.completion_column)
+                           text_column=args.text_column, completion_column=args.completion_column,
+                           targets_column=args.targets_column, gamma=args.aci_gamma)
     where = args.output or "stdout"
     print(f"predict: {counts['written']} of {counts['rows']} rows written to {where}"
           + (f" ({counts['skipped']} skipped, see above)" if counts["skipped"] else ""), file=sys.stderr)

@@ -9,6 +9,14 @@ The calibration map is a small dict stored in `CausalAdapterConfig.value_calibra
 the adapter's config file): ``{"n": n, "scores": [...]}``, the sorted scores, thinned to at most
 `MAX_SCORES` evenly spaced order statistics (interpolated between) for large validation sets.
 
+Assumption: the split-conformal guarantee (coverage >= q) holds when the rows predicted are
+exchangeable with the validation rows the map was fitted on (e.g. rows drawn at random from one
+pool). Ordered data break it: on a time series split by time the test rows come after the
+validation ones, and under drift their residuals are larger (or smaller), so the intervals under-
+(or over-) cover. For ordered rows with targets arriving, `adaptive` (adaptive conformal inference)
+updates the level online from the misses so far (`predict --targets-column`, `eval`'s
+``aci_coverage_*``); docs/predict.md, "Ordered data".
+
 `choose_scale_exponent` picks how much of a fitted per-row width to keep (scale = base * ratio^a) by a
 held-out interval score: conformal maps cross-fitted on halves of the validation rows
 (`crossfit_interval_score`), so no map is scored on the rows it was fitted on.
@@ -40,7 +48,8 @@ def cauchy_multiplier(level: float) -> float:
 def fit_calibration(y: Sequence[float] | Tensor, loc: Sequence[float] | Tensor, scale: Sequence[float] | Tensor,
                     max_scores: int = MAX_SCORES) -> dict | None:
     """The calibration map of validation targets `y` [n] under predictions (loc, scale) [n], or None
-    when no finite score exists."""
+    when no finite score exists. Its intervals assume the rows they are used on are exchangeable with
+    these (module docstring); ordered rows: `adaptive.adaptive_interval`."""
     y, loc, scale = (torch.as_tensor(t, dtype=torch.float64).reshape(-1) for t in (y, loc, scale))
     scores = ((y - loc).abs() / scale).sort().values
     scores = scores[torch.isfinite(scores)]

@@ -238,6 +238,10 @@ class CausalModel(nn.Module):
         """The base model's `PretrainedConfig` (the adapter's config is `causal_config`)."""
         return self.backbone.config
 
+    def add_model_tags(self, tags: str | list[str]) -> None:
+        """transformers' model tags (what TRL's trainers add), kept on the base model as on a peft model."""
+        self.backbone.add_model_tags(tags)
+
     @property
     def decoder(self) -> nn.Module:
         """The transformer body (e.g. Qwen3Model, a VL checkpoint's language model): ends with the final norm."""

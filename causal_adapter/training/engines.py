@@ -9,6 +9,7 @@ and, per engine, its setup and where it keeps its checkpointed weights (docs/dis
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ..modeling.heads import full_precision
 from . import fsdp_engine
 from .config import TrainConfig
 
@@ -126,6 +128,31 @@ def prepare(accelerator, model, optimizer):
     if is_fsdp(accelerator):
         return fsdp_engine.prepare(accelerator, model, optimizer)
     return accelerator.prepare(model, optimizer)
+
+
+@contextlib.contextmanager
+def inference_precision(model):
+    """Run `model` (the unwrapped CausalModel) as the saved adapter runs at inference (`eval`, `predict`,
+    `generate`): the base in its own dtype, with no autocast, also when accelerate's mixed precision
+    wrapped its forward in one (`prepare` keeps the plain forward as ``_original_forward``, the one
+    ``unwrap_model(keep_fp32_wrapper=False)`` restores; here only for the duration of the context).
+
+    Why: the value head reads differences between loc_U rows far smaller than bf16's resolution of
+    the backbone's activations (sunspots, random tiny base: across-row sd of the last attention
+    output 8e-4, bf16 rounding error 4e-5; docs/mixed_precision.md). A head fitted and calibrated on
+    bf16-autocast features is scored by `eval` on float32 features and loses 2.2x; fitted on the
+    features inference computes, a bf16-autocast run matches fp32. On a 16-bit base the features are
+    16-bit at inference too, and this changes nothing."""
+    original = model.__dict__.get("_original_forward")
+    patched = model.__dict__.get("forward")
+    if original is not None:
+        model.forward = original
+    try:
+        with full_precision(model.device):
+            yield model
+    finally:
+        if original is not None:
+            model.forward = patched
 
 
 def whole_adapter_tensors(accelerator, model) -> dict[str, torch.Tensor] | None:

@@ -160,7 +160,7 @@ class Run:
     rank: int
     inner: Any = None  # the CausalModel (unwrapped)
     model: Any = None  # what accelerate prepared (DDP wrapper / autocast forward)
-    eval_model: Any = None  # the unwrapped model with accelerate's autocast forward
+    eval_model: Any = None  # the unwrapped model (accelerate's autocast forward; evaluated without it)
     tokenizer: Any = None
     train_ds: Any = None
     eval_ds: Any = None
@@ -260,7 +260,7 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
         prefix, contexts = number_layout(run.train_ds, model.num_token_id, ntok.tokenizer)
         model.causal_config.number_prefix_id, model.causal_config.number_contexts = prefix, contexts
     if run.resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
-        with run.accelerator.autocast():  # the features as training's forward computes them (bf16 backbone)
+        with engines.inference_precision(model):  # the features the saved adapter will see (no autocast)
             fit_value_head(model, config, run.train_ds, run.collator, run.accelerator.device, verbose=run.is_main,
                            eval_ds=run.eval_ds)
 
@@ -322,16 +322,17 @@ def _evaluate(run: Run) -> MetricAccumulator:
     eval_ds, bs = run.eval_ds, run.config.per_device_eval_batch_size
     idx = list(range(run.rank, len(eval_ds), run.world))
     batches = (run.collator(rows_at(eval_ds, idx[i:i + bs])) for i in range(0, len(idx), bs))
-    # the unwrapped model (keeps accelerate's autocast wrapper): no DDP collective inside forward,
-    # so processes may run different numbers of evaluation batches
-    acc = accumulate(run.eval_model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
-                                                                calibration=run.inner.causal_config.value_calibration),
-                     device=run.device)
-    # FSDP: as many forwards as the longest shard has batches (each one all-gathers the layers)
-    missing = math.ceil(math.ceil(len(eval_ds) / run.world) / bs) - math.ceil(len(idx) / bs)
-    if missing > 0:
-        pad = {k: v.to(run.device) for k, v in run.collator(rows_at(eval_ds, [0])).items() if k in MODEL_INPUTS}
-        engines.pad_forwards(run.accelerator, run.eval_model, pad, missing)
+    # the unwrapped model: no DDP collective inside forward, so processes may run different numbers of
+    # evaluation batches; run as the saved adapter runs at inference (no autocast: the metrics are `eval`'s)
+    with engines.inference_precision(run.eval_model) as model:
+        acc = accumulate(model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
+                                                           calibration=run.inner.causal_config.value_calibration),
+                         device=run.device)
+        # FSDP: as many forwards as the longest shard has batches (each one all-gathers the layers)
+        missing = math.ceil(math.ceil(len(eval_ds) / run.world) / bs) - math.ceil(len(idx) / bs)
+        if missing > 0:
+            pad = {k: v.to(run.device) for k, v in run.collator(rows_at(eval_ds, [0])).items() if k in MODEL_INPUTS}
+            engines.pad_forwards(run.accelerator, model, pad, missing)
     states = gather_object([acc.state()]) if run.world > 1 else [acc.state()]
     return MetricAccumulator.merged(states)
 

@@ -17,6 +17,10 @@ transformers shift: position i predicts ``labels[i + 1]``):
   the model reports at that level: the calibrated one (``intervals``: loc_Y +- c_q scale_Y, the
   adapter's split-conformal map) when the adapter has a calibration map, else the raw Cauchy one;
   ``cauchy_coverage_*`` beside: always the raw Cauchy interval loc_Y +- tan(pi q / 2) scale_Y.
+* ``aci_coverage_*`` (with a calibration map): the same, for the adaptive conformal intervals
+  (`modeling.adaptive`) with the labels taken as ordered in evaluation order (the rows' order: a time
+  series split by time), each label's interval from the earlier labels only; ``winkler_90`` /
+  ``aci_winkler_90``: the mean interval score of the calibrated / adaptive 90% intervals.
 * ``perplexity``: exp of the mean cross-entropy of softmax(loc_S), the softmax-compatible mode.
 * Baselines (from the ``target`` / ``previous`` columns of the rows, when present):
   ``baseline_constant_*`` predicts the median of the TRAIN split's targets,
@@ -39,7 +43,8 @@ from ..config import IGNORE_INDEX, METRIC_LABELS
 from ..data.pipeline import NumericCollator
 from ..modeling.cauchy import ovr_probability
 from ..modeling.heads import full_precision
-from ..modeling.intervals import interval
+from ..modeling.adaptive import adaptive_interval
+from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss
 from ..saving.unwrap import unwrap_model
 
@@ -201,17 +206,25 @@ class MetricAccumulator:
 def coverage_metrics(y_true: Sequence[float], loc: Sequence[float], scale: Sequence[float],
                      levels: Sequence[float] = INTERVAL_LEVELS, calibration: dict | None = None) -> dict[str, Any]:
     """``coverage_<100 q>`` (the reported interval: calibrated when `calibration` is given) and
-    ``cauchy_coverage_<100 q>`` (raw Cauchy) for each level q; None without values."""
+    ``cauchy_coverage_<100 q>`` (raw Cauchy) for each level q; None without values. With `calibration`
+    also ``aci_coverage_<100 q>`` (adaptive conformal, rows in the given order) and, at 90%,
+    ``winkler_90`` / ``aci_winkler_90``."""
     out: dict[str, Any] = {}
     y, lo_, sc = (torch.tensor(list(v), dtype=torch.float64) for v in (y_true, loc, scale))
     for q in levels:
         name = round(100 * q)
-        for key, cal in ((f"coverage_{name}", calibration), (f"cauchy_coverage_{name}", None)):
+        kinds = [(f"coverage_{name}", lambda: interval(lo_, sc, q, calibration)),
+                 (f"cauchy_coverage_{name}", lambda: interval(lo_, sc, q, None))]
+        if calibration:
+            kinds.append((f"aci_coverage_{name}", lambda: adaptive_interval(y, lo_, sc, q, calibration)))
+        for key, make in kinds:
             if not len(y):
                 out[key] = None
                 continue
-            lo, hi = interval(lo_, sc, q, cal)
+            lo, hi = make()
             out[key] = float(((y >= lo) & (y <= hi)).double().mean())
+            if name == 90 and key != f"cauchy_coverage_{name}":
+                out[key.replace("coverage", "winkler")] = float(winkler(y, lo, hi, q).mean())
     return out
 
 
@@ -290,7 +303,8 @@ def evaluate_dataset(model, dataset, pad_token_id: int, *, batch_size: int = 8,
 #: how the tables (`format_metrics_table`, the demo's before / after table) name each metric
 TABLE_ROWS = tuple((key, METRIC_LABELS[key]) for key in (
     "loss", "loss_cls", "loss_reg", "accuracy", "num_precision", "num_recall", "num_f1", "perplexity",
-    "coverage_50", "coverage_80", "coverage_90", "coverage_95", "cauchy_coverage_50", "cauchy_coverage_90"))
+    "coverage_50", "coverage_80", "coverage_90", "coverage_95", "cauchy_coverage_50", "cauchy_coverage_90",
+    "aci_coverage_50", "aci_coverage_90"))
 
 
 def format_value(v) -> str:

@@ -13,6 +13,7 @@ from ..config import DEFAULT_SCALE_FLOOR
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
 from .config import TrainConfig
 from .data import rows_at
+from .engines import inference_precision
 from .value_fit import BF16_MAX_SHIFT, LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
 
 
@@ -68,7 +69,7 @@ def refit_value_head(inner, config: TrainConfig, train_ds, collator, device, acc
     validation MAE 21,963,900 mid-run with W_loc trained). Returns whether it refitted."""
     if config.regression_init != "ridge" or not features_trained(inner):
         return False
-    with accelerator.autocast():
+    with inference_precision(inner):  # the features the saved adapter will see (no autocast)
         fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds, final=True)
     inner.causal_config.value_calibration = None
     return True
@@ -77,9 +78,11 @@ def refit_value_head(inner, config: TrainConfig, train_ds, collator, device, acc
 def head_shift_bound(inner, config: TrainConfig) -> float:
     """The bf16 bound of the value head's fit (`value_fit.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`.
     'auto' = on only when the heads themselves are 16-bit (`autocast_adapter_dtype=False` on a 16-bit base):
-    the only case where loc_U is rounded. Under a bf16 base or bf16 autocast the heads compute in fp32 and
-    the fit sees the 16-bit features it will run on, so its validation-chosen penalty already accounts for
-    them (sunspots, 60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md)."""
+    the only case where loc_U is rounded. On a bf16 base the heads compute in fp32 and the fit sees the
+    16-bit features it will run on, so its validation-chosen penalty already accounts for them (sunspots,
+    60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md); under bf16
+    autocast on a float32 base the fit sees the float32 features inference computes
+    (`engines.inference_precision`)."""
     if config.bf16_safe_head == "auto":
         return BF16_MAX_SHIFT if inner.action.w_reg.dtype in (torch.bfloat16, torch.float16) else math.inf
     return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf
