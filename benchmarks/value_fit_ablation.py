@@ -14,7 +14,7 @@ import torch
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer
-from causal_adapter.training.value_fit import fit_value_units, num_label_features, fit_linear_head
+from causal_adapter.training.value_fit import LOSSES, fit_value_units, num_label_features, fit_linear_head
 from causal_adapter.data.corpora import build_corpus
 from causal_adapter.saving.assets import load_qwen_tokenizer
 
@@ -52,7 +52,7 @@ def main() -> None:
     corpus, noise = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     scale, X, t = features(corpus, noise)
     print(f"{corpus}, {noise:g} of the training targets shuffled; value_scale {scale:.4g}")
-    for loss in ("squared", "huber", "cauchy"):
+    for loss in LOSSES:
         for ms in [float(x) for x in os.environ.get("MS", "0.005,0.01,0.05,1e9").split(",")]:
             f = fit_linear_head(X["train"], t["train"], X["validation"], t["validation"], loss=loss, max_shift=ms)
             mae = {k: float((X[k] @ f["w"] + f["b"] - t[k]).abs().mean()) * scale for k in ("validation", "test")}

@@ -132,6 +132,57 @@ def test_robust_fit_resists_shuffled_targets(loss):
     assert err[loss] < 0.3 * err["squared"] and err["squared"] > 0.5, err
 
 
+def test_tukey_fit_gives_far_shuffled_targets_no_weight():
+    """Issue 27 item 5: Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
+    shuffled the rows far from the fit stop pulling (a Cauchy weight never reaches 0), the fit lands on
+    least squares over the clean rows, and `auto` has it among its candidates."""
+    from causal_adapter.training.value_fit import TUKEY_C
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 5, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.25], dtype=torch.float64)
+    t = X @ w + 0.1 * torch.randn(300, generator=g, dtype=torch.float64)
+    bad = torch.randperm(300, generator=g)[:120]  # 40% of the targets shuffled among themselves
+    t[bad] = t[bad[torch.randperm(120, generator=g)]]
+    Xv = torch.randn(100, 5, generator=g, dtype=torch.float64)
+    clean = torch.ones(300, dtype=torch.bool)
+    clean[bad] = False
+    oracle = fit_linear_head(X[clean], t[clean], Xv, Xv @ w, loss="squared", max_shift=math.inf)
+    fit = fit_linear_head(X, t, Xv, Xv @ w, loss="tukey", max_shift=math.inf)
+    resid = t - X @ fit["w"] - fit["b"]
+    far = resid.abs() > TUKEY_C * float(resid.abs().median()) / 0.6745
+    assert int(far[bad].sum()) > 60 and float(fit["weights"][far].max()) <= 1e-12
+    assert float((fit["w"] - oracle["w"]).norm()) < 0.01  # least squares on all rows: 0.57
+    assert "tukey" in fit_linear_head(X, t, Xv, Xv @ w, loss="auto", max_shift=math.inf)["scores"]
+
+
+def test_auto_considers_tukey_only_for_a_head_no_training_follows():
+    """Issue 27: the warm start of a run that trains W_loc chooses among WARM_START_LOSSES (a Tukey head sent
+    sunspots' W_loc training astray at 40% shuffled targets); with W_loc frozen the warm start is the final
+    head and Tukey competes (here it wins on validation)."""
+    from causal_adapter.data.pipeline import NumericCollator
+    from causal_adapter.training.value_head import fit_value_head
+
+    ds, _ = regime_rows(300, 0)
+    val, _ = regime_rows(80, 10)
+    g = torch.Generator().manual_seed(0)
+    bad = torch.randperm(300, generator=g)[:120].tolist()  # 40% of the targets shuffled among themselves
+    perm = torch.randperm(120, generator=g).tolist()
+    label_values, values = [list(r) for r in ds["label_values"]], [list(r) for r in ds["numeric_values"]]
+    for i, j in zip(bad, perm):
+        label_values[i][4] = values[i][4] = ds[bad[j]]["label_values"][4]
+    ds = ds.remove_columns(["label_values", "numeric_values"])
+    ds = ds.add_column("label_values", label_values).add_column("numeric_values", values)
+    losses = {}
+    for frozen in (False, True):
+        model = wrap(seed=0)
+        model.abduction.loc.requires_grad_(not frozen)
+        summary = fit_value_head(model, TrainConfig(output_dir="unused"), ds, NumericCollator(0),
+                                 torch.device("cpu"), eval_ds=val)
+        losses[frozen] = summary["loss"]
+    assert losses == {False: "cauchy", True: "tukey"}, losses
+
+
 def _corrupted_problem(seed):
     """(X, t, t with 30% of the targets shuffled, Xv, clean tv) of one linear model with noise sd 0.3."""
     g = torch.Generator().manual_seed(seed)
@@ -154,7 +205,7 @@ def test_auto_loss_is_the_validation_best_fit():
     torch.testing.assert_close(auto["w"], fits["cauchy"]["w"])
     assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation+leave-one-out"
     # without validation rows the LOO MAE decides, and picks another loss on these data
-    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "huber"
+    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "tukey"
     # clean targets: least squares wins on validation and is kept
     X, t, _, Xv, tv = _corrupted_problem(0)
     assert fit_linear_head(X, t, Xv, tv, loss="auto", max_shift=math.inf)["loss"] == "squared"

@@ -93,9 +93,10 @@ class TrainConfig:
                             "last step either way", choices=["eval", "end"])
     value_loss: str = flag("auto", "loss of the value head's fit before / after training: 'auto' fits each of "
                            "least squares ('squared') and the robust M-estimates by IRLS from the ridge solution "
-                           "('huber', 'cauchy') and keeps the one with the smallest validation MAE (else LOO MAE); "
+                           "('huber', 'cauchy', 'tukey') and keeps least squares "
+                           "unless a robust fit's validation MAE (else LOO MAE) is smaller by one standard error; "
                            "a name fixes it. docs/values.md has the validation figures behind the default",
-                           choices=["auto", "cauchy", "huber", "squared"])
+                           choices=["auto", "cauchy", "huber", "squared", "tukey"])
     bf16_safe_head: str = flag("auto", "bound the value head's ridge penalty so that rounding loc_U to bf16 moves "
                                "loc_Y by < 0.5 percent of value_scale: 'on', 'off', or 'auto' = on when the heads "
                                "themselves are 16-bit (elsewhere the heads compute in fp32 and the bound costs "

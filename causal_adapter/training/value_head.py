@@ -15,7 +15,7 @@ from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
 from .data import rows_at
 from .engines import inference_precision
-from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
+from .value_fit import BF16_MAX_SHIFT, LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
 
 
 def features_trained(inner) -> bool:
@@ -25,11 +25,13 @@ def features_trained(inner) -> bool:
 
 
 def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
-                   max_rows: int = 8192, eval_ds=None) -> dict:
+                   max_rows: int = 8192, eval_ds=None, final: bool | None = None) -> dict:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
     when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
     regression head (`value_fit`). Every process computes the same from the same rows. `model`: the
-    CausalModel, or the module whose forward runs it (an FSDP1 root unit)."""
+    CausalModel, or the module whose forward runs it (an FSDP1 root unit). `final`: no gradient training
+    follows this head (default: when nothing moves the features), so `value_loss='auto'` chooses among
+    all of `LOSSES`; else among `WARM_START_LOSSES`."""
     inner = unwrap_causal_model(model)
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
@@ -44,6 +46,7 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
         inner.set_value_units(loc, scale, value_decimals(values))
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
     if config.regression_init == "ridge":
+        final = not features_trained(inner) if final is None else final
         if model is inner:  # not yet prepared: on the accelerator's device for the features' forwards
             inner.to(device)
         bs = config.per_device_eval_batch_size
@@ -53,7 +56,8 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
         summary.update(ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val,
-                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config)) or {})
+                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config),
+                                        losses=LOSSES if final else WARM_START_LOSSES) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
@@ -64,15 +68,15 @@ def refit_value_head(model, config: TrainConfig, train_ds, collator, device, acc
                      eval_ds=None) -> bool:
     """When training moves the features the value head reads (LoRA, W_loc, d; `features_trained`) and
     ``regression_init='ridge'``: fit the head again on them (`fit_value_head`, on the features inference
-    computes: `engines.inference_precision`) and drop the calibration map, which described the old head (the end of `train` fits a new
-    one). Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots
+    computes: `engines.inference_precision`) and drop the calibration map, which described the old head
+    (the end of `train` fits a new one). Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots
     validation MAE 21,963,900 mid-run with W_loc trained). `model`: as for `fit_value_head`. Returns
     whether it refitted."""
     inner = unwrap_causal_model(model)
     if config.regression_init != "ridge" or not features_trained(inner):
         return False
     with inference_precision(inner):  # the features the saved adapter will see (no autocast)
-        fit_value_head(model, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
+        fit_value_head(model, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds, final=True)
     inner.causal_config.value_calibration = None
     return True
 
