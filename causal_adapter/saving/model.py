@@ -250,7 +250,8 @@ class CausalModel(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.W_cls.shape[0]
+        W = self.W_cls
+        return getattr(W, "ds_shape", W.shape)[0]  # ZeRO-3 keeps a partition in W (empty here): its shape apart
 
     @property
     def device(self) -> torch.device:
