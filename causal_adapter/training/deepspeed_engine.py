@@ -60,7 +60,7 @@ def prepare(accelerator, model, optimizer, config):
     configure(accelerator, config)
     engine, optimizer = accelerator.prepare(model, optimizer)
     if zero_stage(accelerator) == 3:
-        from deepspeed.zero import register_external_parameter
+        from deepspeed.runtime.zero import register_external_parameter
 
         for p in head_parameters(model):
             register_external_parameter(model, p)
@@ -84,7 +84,7 @@ def whole_heads(accelerator, inner, modify: bool = False) -> Iterator[None]:
     if zero_stage(accelerator) != 3:
         yield
         return
-    from deepspeed.zero import GatheredParameters
+    from deepspeed.runtime.zero import GatheredParameters
 
     params = head_parameters(inner) + [p for n, p in inner.backbone.named_parameters() if "lora_" in n]
     with GatheredParameters(params, modifier_rank=0 if modify else None):
