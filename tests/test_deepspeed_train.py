@@ -4,8 +4,7 @@ copies: mixed_precision "no"; DS_ACCELERATOR=cpu), as launched, nothing in accel
 (tests/deepspeed_train_worker.py). Per stage: no refusal, 2 processes, finite losses, DeepSpeed's own sharded
 checkpoint without the frozen base; a run SIGKILLed after its step-2 checkpoint and resumed ends bit-identical
 to the uninterrupted run; the final directory is adapter-only and reloads onto a fresh base; 2 processes with
-per-device batch 2 match 1 process (plain train()) with batch 4: loss curve and adapter (tolerance: tests/
-test_fsdp_train.py's RTOL / ATOL). Two launches per stage. Skipped without deepspeed (the `deepspeed` extra)."""
+per-device batch 2 match 1 process (plain train()) with batch 4: loss curve and adapter (tolerances below). Two launches per stage. Skipped without deepspeed (the `deepspeed` extra)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +21,14 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra: DS_BUILD_OPS=0 pip
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import fsdp_train_worker as worker  # noqa: E402  (the runs' model, data and settings)
-from test_fsdp_train import RTOL, adapter_files, assert_adapters_close, launch, records  # noqa: E402
+from test_fsdp_train import adapter_files, assert_adapters_close, launch, records  # noqa: E402
+
+# 2 processes x batch 2 (DeepSpeed) against 1 x batch 4 (plain train()), fp32: DeepSpeed reduces flattened
+# gradient buffers and computes the clipping norm over partitions, so the sums run in another order than
+# FSDP's. Measured (ZeRO-2 / ZeRO-3): losses within 1.0e-7 relative; every adapter tensor within 6.8e-5 / 2.7e-4
+# of its largest |entry|. Planted (ZeRO-2): the loss divided by the accumulation twice (DeepSpeed's
+# gradient_accumulation_steps left at the run's 2) -> losses 4.2e-3, tensors 0.17; clipping lost -> 3.0e-2, 18.
+LOSS_RTOL, ADAPTER_SCALE_RTOL = 1e-5, 1e-3
 
 WORKER = REPO / "tests" / "deepspeed_train_worker.py"
 pytestmark = pytest.mark.slow
@@ -70,8 +76,14 @@ def test_deepspeed_train_runs_two_processes_with_deepspeed_checkpoints(runs):
     state = out / "full" / "checkpoint-2" / "accelerate_state" / "pytorch_model"
     optim = sorted(p.name for p in state.glob("*optim_states.pt"))
     assert len(optim) == 2 and all(f"zero_pp_rank_{r}_" in optim[r] for r in range(2)), optim
-    module = torch.load(state / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    assert not any(k.endswith("mlp.up_proj.weight") for k in module)  # the frozen base is not checkpointed
+    models = sorted(state.glob("*model_states.pt"))  # ZeRO-2: one (process 0's); ZeRO-3: one per process
+    assert len(models) == (1 if stage == 2 else 2), models
+    for path in models:  # the frozen base is not checkpointed: LoRA and the heads only, and the tiny base's
+        # lm_head.weight, tied to the embedding (DeepSpeed's frozen filter walks named_parameters, which lists a
+        # shared tensor once, under the embedding's name)
+        module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        base = [k for k in module if k.startswith("backbone.") and "lora_" not in k]
+        assert any("lora_" in k for k in module) and base in ([], ["backbone.lm_head.weight"]), base
 
 
 def test_deepspeed_resume_after_sigkill_ends_equal_to_the_uninterrupted_run(runs):
@@ -108,8 +120,9 @@ def test_deepspeed_two_processes_match_one_process_with_twice_the_batch(runs, on
     _, out = runs
     two, one = records(out / "full"), records(one_process)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
-                               rtol=RTOL, atol=1e-6)
-    assert_adapters_close(adapter_files(out / "full" / "adapter"), adapter_files(one_process / "adapter"))
+                               rtol=LOSS_RTOL, atol=0)
+    assert_adapters_close(adapter_files(out / "full" / "adapter"), adapter_files(one_process / "adapter"),
+                          scale_rtol=ADAPTER_SCALE_RTOL)
     ev2, ev1 = records(out / "full", "eval_calibrated")[-1], records(one_process, "eval_calibrated")[-1]
     assert ev2["num_targets"] == ev1["num_targets"] == 5  # every validation row once, gathered from both ranks
-    assert ev2["loss"] == pytest.approx(ev1["loss"], rel=RTOL)
+    assert ev2["loss"] == pytest.approx(ev1["loss"], rel=LOSS_RTOL)

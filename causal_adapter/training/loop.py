@@ -34,7 +34,9 @@ What a run does
   --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
   FSDP2 (``examples/accelerate_configs/fsdp2.yaml``): the setup, the evaluation's padded forwards and the
-  sharded checkpoint state are `engines`' (docs/distributed.md); FSDP1 and DeepSpeed are refused at start.
+  sharded checkpoint state are `engines`' (docs/distributed.md); DeepSpeed ZeRO-2 / ZeRO-3
+  (``examples/accelerate_configs/deepspeed_zero{2,3}.yaml``): `engines` too (the backward, the gathered heads
+  under ZeRO-3, DeepSpeed's own sharded checkpoint); FSDP1 and ZeRO-0/1 are refused at start.
 """
 from __future__ import annotations
 
@@ -214,7 +216,7 @@ def train(
 
 
 def _start(config: TrainConfig) -> Run:
-    """The accelerator (refusing DeepSpeed / FSDP1: `engines.check_engine`), launch warnings, the output directory, the seed."""
+    """The accelerator (refusing FSDP1 / ZeRO-0/1: `engines.check_engine`), launch warnings, the output directory, the seed."""
     from accelerate.utils import set_seed
 
     accelerator = engines.make_accelerator(config)
