@@ -35,10 +35,25 @@ pytestmark = pytest.mark.slow
 
 
 def cpu_config(stage: int, out: Path) -> Path:
-    """examples/accelerate_configs/deepspeed_zeroN.yaml with fp32 compute (mixed_precision: no)."""
-    text = (REPO / f"examples/accelerate_configs/deepspeed_zero{stage}.yaml").read_text()
+    """examples/accelerate_configs/deepspeed_zeroN.yaml with fp32 compute (mixed_precision: no). ZeRO-3: its
+    settings through a DeepSpeed config file that adds ``stage3_param_persistence_threshold: 0``: DeepSpeed
+    keeps every parameter under 1e5 elements whole by default, which at this test's size is all of them
+    (W_cls is 320 x 32), so without it nothing would be partitioned."""
+    import yaml
+
+    config = yaml.safe_load((REPO / f"examples/accelerate_configs/deepspeed_zero{stage}.yaml").read_text())
+    config["mixed_precision"] = "no"
+    if stage == 3:
+        ds = config.pop("deepspeed_config")
+        del config["mixed_precision"]  # the file's (no bf16 / fp16 section: fp32); accelerate refuses both
+        ds_file = out / "zero3.json"
+        ds_file.write_text(json.dumps({
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "gradient_accumulation_steps": ds["gradient_accumulation_steps"], "gradient_clipping": ds["gradient_clipping"],
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}))
+        config["deepspeed_config"] = {"deepspeed_config_file": str(ds_file), "zero3_init_flag": ds["zero3_init_flag"]}
     path = out / f"cpu_deepspeed_zero{stage}.yaml"
-    path.write_text(text.replace("mixed_precision: bf16", 'mixed_precision: "no"'))
+    path.write_text(yaml.safe_dump(config))
     return path
 
 
