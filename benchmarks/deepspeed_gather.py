@@ -5,8 +5,9 @@ CausalModel, so DeepSpeed all-gathers them for its forward and again for its bac
     python benchmarks/deepspeed_gather.py                       # H=128, 2 layers, Qwen's vocabulary (151,936)
     python benchmarks/deepspeed_gather.py --hidden-size 256 --layers 4 --vocab 32768
 
-Launches itself with `accelerate launch` of examples/accelerate_configs/deepspeed_zero3.yaml (its CPU copy:
-mixed_precision "no", DS_ACCELERATOR=cpu; 2 gloo processes, OMP_NUM_THREADS=1 each). In the same run it times
+Launches itself with `accelerate launch` of a ZeRO-3 config (examples/accelerate_configs/deepspeed_zero3.yaml's
+settings, fp32, every parameter partitioned: stage3_param_persistence_threshold 0; DS_ACCELERATOR=cpu; 2 gloo
+processes, OMP_NUM_THREADS=1 each). In the same run it times
 (medians over --repeats, after a warm-up): one training step of the prepared engine (forward, backward, the
 ZeRO-3 optimizer step, batch --batch x --seq tokens per process), and one all-gather + re-partition of the
 external parameters alone (``deepspeed.zero.GatheredParameters`` over the same tensors), which a step pays
@@ -17,6 +18,7 @@ shape the layers' own all-gathers dominate. CPU figures: a GPU's collectives cos
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -30,12 +32,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(args) -> int:
-    text = (REPO / "examples/accelerate_configs/deepspeed_zero3.yaml").read_text()
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+        # ZeRO-3 in fp32 with every parameter partitioned (DeepSpeed keeps those under 1e5 elements whole by
+        # default: the heads at this hidden size; at a real one they are partitioned)
+        (Path(tmp) / "zero3.json").write_text(json.dumps({
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}))
         config = Path(tmp) / "zero3_cpu.yaml"
-        config.write_text(text.replace("mixed_precision: bf16", 'mixed_precision: "no"'))
+        config.write_text(f"distributed_type: DEEPSPEED\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n"
+                          f"deepspeed_config:\n  deepspeed_config_file: {tmp}/zero3.json\n  zero3_init_flag: false\n")
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
