@@ -85,7 +85,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
     from safetensors.torch import save_file
 
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from causal_adapter.saving.fsdp import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter
+    from causal_adapter.saving.fsdp import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter, set_lora_wrap_policy
 
     accelerator = Accelerator()
     use_fsdp_on_cpu(accelerator)
@@ -99,6 +99,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(str(kw["numeric_values"].dtype)), with_kwargs=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    set_lora_wrap_policy(accelerator, model)  # FSDP1 + LoRA: LoRA matrices in units of their own (peft's policy)
     model, optimizer = accelerator.prepare(model, optimizer)
     finish_fsdp_wrap(model)
     rank = accelerator.process_index

@@ -1,14 +1,18 @@
-"""A process of `causal_adapter.training.loop.train` under FSDP2, started by tests/test_fsdp_train.py with
-`accelerate launch --config_file <CPU copy of examples/accelerate_configs/fsdp2.yaml>` (2 gloo processes).
+"""A process of `causal_adapter.training.loop.train` under FSDP1 or FSDP2, started by tests/test_fsdp_train.py
+with `accelerate launch --config_file <CPU copy of examples/accelerate_configs/fsdp.yaml or fsdp2.yaml>`
+(2 gloo processes).
 
 On a CPU accelerate 1.15 keeps MULTI_CPU for an FSDP launch (state.py selects FSDP on an accelerator only):
 `use_fsdp_on_cpu` sets the three state fields an FSDP launch on GPUs sets, before `train` builds its
 Accelerator on that same state. That is this test's business only: the product never fakes its launcher.
 
     --job first    OUT/full: train RUN_STEPS steps (checkpoints every 2); OUT/bf16: LoRA in fp32 on a bf16
-                   base (its adapter gathered whole into OUT/bf16/trained.safetensors); then OUT/killed: the
-                   run of OUT/full, SIGKILLed (both processes) after checkpoint 2, as a kill -9 of the job
-    --job resume   resume OUT/killed from its latest checkpoint to the end
+                   base (its adapter gathered whole into OUT/bf16/trained.safetensors); OUT/trainer:
+                   CausalTrainer, RUN_STEPS steps (checkpoints every 2), save_model into OUT/trainer/adapter;
+                   then OUT/killed: the run of OUT/full, SIGKILLed (both processes) after checkpoint 2, as a
+                   kill -9 of the job
+    --job resume   resume OUT/killed from its latest checkpoint to the end; OUT/trainer_resumed: CausalTrainer
+                   resumed from OUT/trainer/checkpoint-2 to the end, save_model into OUT/trainer_resumed/adapter
 """
 from __future__ import annotations
 
@@ -96,6 +100,7 @@ def main() -> None:
     if args.job == "first":
         train(model(), config(args.out / "full", args.batch), train_dataset=train_ds, eval_dataset=eval_ds)
         bf16_lora(args.out / "bf16", args.batch, train_ds, eval_ds)
+        trainer_run(args.out / "trainer", args.batch, train_ds)
 
         def kill(state, logs):
             if state.global_step == KILL_AT:  # checkpoint-2 is in place
@@ -105,6 +110,30 @@ def main() -> None:
     else:
         train(model(), config(args.out / "killed", args.batch, resume_from_checkpoint="latest"),
               train_dataset=train_ds, eval_dataset=eval_ds)
+        trainer_run(args.out / "trainer_resumed", args.batch, train_ds, args.out / "trainer" / "checkpoint-2")
+
+
+def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None) -> None:
+    """`CausalTrainer` under the same launch: RUN_STEPS steps of 2 micro-batches, clipping, checkpoints every 2
+    steps (Trainer's sharded model and optimizer beside the adapter files); the adapter-only `save_model`."""
+    from safetensors.torch import save_file
+    from transformers import TrainingArguments
+
+    from causal_adapter.data.pipeline import NumericCollator
+    from causal_adapter.saving.hf_trainer import CausalTrainer
+
+    targs = TrainingArguments(output_dir=str(out), max_steps=RUN_STEPS, per_device_train_batch_size=batch,
+                              gradient_accumulation_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
+                              lr_scheduler_type="constant", save_strategy="steps", save_steps=2, logging_steps=1,
+                              use_cpu=True, report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
+                              disable_tqdm=True,
+                              # the state `use_fsdp_on_cpu` set as an FSDP launch on GPUs does (else Trainer resets it)
+                              accelerator_config={"use_configured_state": True})
+    trainer = CausalTrainer(model=model(), args=targs, train_dataset=train_ds, data_collator=NumericCollator(0))
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    trainer.save_model(str(out / "adapter"))
+    save_file({k: v.contiguous() for k, v in trainer.model.adapter_state_dict(lora=False).items()},  # replicated
+              str(out / f"heads_rank{os.environ['RANK']}.safetensors"))
 
 
 def bf16_lora(out: Path, batch: int, train_ds, eval_ds) -> None:

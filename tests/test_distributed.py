@@ -81,10 +81,10 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
 
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP1"])
-def test_train_refuses_deepspeed_zero1_and_fsdp1_at_start_naming_the_launchers(tmp_path, kind):
-    """A real Accelerator whose state says what a DeepSpeed ZeRO-1 / FSDP1 launch sets (accelerate selects
-    FSDP on an accelerator only; the plugin needs no deepspeed). FSDP2 and ZeRO-2/3 run
-    (tests/test_fsdp_train.py, tests/test_deepspeed_train.py)."""
+def test_train_refuses_deepspeed_zero1_and_fsdp1_without_orig_params_at_start_naming_the_launchers(tmp_path, kind):
+    """A real Accelerator whose state says what a DeepSpeed ZeRO-1 / FSDP1 (use_orig_params off) launch sets
+    (accelerate selects FSDP on an accelerator only; the plugin needs no deepspeed). FSDP1 with use_orig_params,
+    FSDP2 and ZeRO-2/3 run (tests/test_fsdp_train.py, tests/test_deepspeed_train.py)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
@@ -97,13 +97,14 @@ def test_train_refuses_deepspeed_zero1_and_fsdp1_at_start_naming_the_launchers(t
         if kind == "FSDP1":
             accelerator.state.distributed_type = DistributedType.FSDP
             accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
-            check_engine_error = r"does not support FSDP1.*fsdp_version: 2"
+            assert not accelerator.state.fsdp_plugin.use_orig_params
+            check_engine_error = r"FSDP1 with fsdp_use_orig_params: true only.*fsdp_version: 2"
         else:
             accelerator.state.distributed_type = DistributedType.DEEPSPEED
             accelerator.state.deepspeed_plugins = DeepSpeedPlugin(zero_stage=1)
             check_engine_error = r"runs DeepSpeed ZeRO-2 and ZeRO-3 only.*got 1"
         with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml"
-                                             r".*deepspeed_zero2.yaml, deepspeed_zero3.yaml"):
+                                             r".*fsdp.yaml.*deepspeed_zero2.yaml, deepspeed_zero3.yaml"):
             check_engine(accelerator)
     finally:
         AcceleratorState._reset_state(True)

@@ -1,10 +1,12 @@
-"""The product's training (`causal_adapter.training.loop.train`) under FSDP2: 2 gloo processes on CPU through
-`accelerate launch` of examples/accelerate_configs/fsdp2.yaml (its CPU copy), the accelerate state set as an
-FSDP launch on GPUs sets it (tests/fsdp_train_worker.py). Checked: no refusal and finite losses; a run
-SIGKILLed after its step-2 checkpoint and resumed ends bit-identical to the uninterrupted run; the final
-directory is adapter-only (a single process's files) and reloads onto a fresh base; 2 processes with
-per-device batch 2 match 1 process with batch 4 (the loss curve and the adapter); LoRA in fp32 on a bf16
-base saves and reloads bit for bit. One launch + one resume launch for all of it (~25 s here)."""
+"""The product's training (`causal_adapter.training.loop.train`) under FSDP1 and FSDP2: 2 gloo processes on
+CPU through `accelerate launch` of examples/accelerate_configs/fsdp.yaml / fsdp2.yaml (their CPU copies), the
+accelerate state set as an FSDP launch on GPUs sets it (tests/fsdp_train_worker.py). Checked per version:
+no refusal and finite losses; a run SIGKILLed after its step-2 checkpoint and resumed ends bit-identical to
+the uninterrupted run; the final directory is adapter-only (a single process's files) and reloads onto a
+fresh base; 2 processes with per-device batch 2 match 1 process with batch 4 (the loss curve and the
+adapter); LoRA in fp32 on a bf16 base saves and reloads bit for bit; `CausalTrainer` saves the adapter only
+and resumes from its own checkpoint bit for bit. One launch + one resume launch per version for all of it
+(~40 s each here)."""
 from __future__ import annotations
 
 import json
@@ -30,12 +32,17 @@ import fsdp_train_worker as worker  # noqa: E402  (the runs' model, data and set
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def cpu_config(out: Path) -> Path:
-    """examples/accelerate_configs/fsdp2.yaml with what needs a GPU off and fp32 (mixed_precision: no)."""
-    text = (REPO / "examples/accelerate_configs/fsdp2.yaml").read_text()
-    text = text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
+CONFIGS = {1: "fsdp.yaml", 2: "fsdp2.yaml"}  # fsdp_version -> the shipped accelerate config
+
+
+def cpu_config(out: Path, version: int) -> Path:
+    """The shipped config of `version` with what needs a GPU off and fp32 (mixed_precision: no)."""
+    text = (REPO / "examples/accelerate_configs" / CONFIGS[version]).read_text()
+    assert f"fsdp_version: {version}" in text
+    for key in ("fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states"):
+        text = text.replace(f"{key}: true", f"{key}: false")
     text = text.replace("mixed_precision: bf16", 'mixed_precision: "no"')
-    path = out / "cpu_fsdp2.yaml"
+    path = out / f"cpu_{CONFIGS[version]}"
     path.write_text(text)
     return path
 
@@ -61,10 +68,10 @@ def launch(config: Path, out: Path, job: str, timeout: float = 240, worker: Path
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp2_train")
-    config = cpu_config(out)
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def runs(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"fsdp{request.param}_train")
+    config = cpu_config(out, request.param)
     first = launch(config, out, "first")
     # the killed run's processes died by SIGKILL after checkpoint-2: the launcher reports the signal
     assert first.returncode != 0 and "SIGKILL" in first.stderr, first.stderr[-3000:]
@@ -84,18 +91,18 @@ def adapter_files(adapter_dir: Path) -> dict[str, torch.Tensor]:
             **{f"peft.{k}": v for k, v in load_file(str(adapter_dir / "adapter_model.safetensors")).items()}}
 
 
-def test_fsdp2_train_runs_sharded_with_finite_losses_and_sharded_checkpoints(runs):
+def test_fsdp_train_runs_sharded_with_finite_losses_and_sharded_checkpoints(runs):
     final = json.loads((runs / "full" / "final_metrics.json").read_text())
     assert final["num_processes"] == 2 and final["global_step"] == worker.RUN_STEPS
     losses = [r["loss"] for r in records(runs / "full")]
     assert len(losses) == worker.RUN_STEPS and all(math.isfinite(v) for v in losses)
-    # accelerate's save_state under FSDP2 with SHARDED_STATE_DICT: one shard file per process, model and optimizer
+    # accelerate's save_state with SHARDED_STATE_DICT: one shard file per process, model and optimizer
     state = runs / "full" / "checkpoint-2" / "accelerate_state"
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert sorted(p.name for p in (state / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_fsdp2_resume_after_sigkill_ends_equal_to_the_uninterrupted_run(runs):
+def test_fsdp_resume_after_sigkill_ends_equal_to_the_uninterrupted_run(runs):
     assert sorted(p.name for p in (runs / "killed").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     a, b = adapter_files(runs / "full" / "adapter"), adapter_files(runs / "killed" / "adapter")
     assert set(a) == set(b)
@@ -108,7 +115,7 @@ def test_fsdp2_resume_after_sigkill_ends_equal_to_the_uninterrupted_run(runs):
 
 
 @pytest.fixture(scope="module")
-def one_process(runs, tmp_path_factory):
+def one_process(tmp_path_factory):
     """The same run in this process: 1 process, per-device batch 4 = 2 x 2 (the same rows each micro-batch)."""
     from causal_adapter.training.loop import train
 
@@ -133,7 +140,7 @@ def assert_adapters_close(a: dict, b: dict, scale_rtol: float | None = None) -> 
     torch.testing.assert_close(qa, qb, rtol=0, atol=(scale_rtol or RTOL) * float(qb.abs().max()))
 
 
-def test_fsdp2_final_directory_is_adapter_only_and_reloads_onto_a_fresh_base(runs, one_process):
+def test_fsdp_final_directory_is_adapter_only_and_reloads_onto_a_fresh_base(runs, one_process):
     from causal_adapter import CausalModel
 
     adapter = runs / "full" / "adapter"
@@ -146,7 +153,7 @@ def test_fsdp2_final_directory_is_adapter_only_and_reloads_onto_a_fresh_base(run
     assert loaded.causal_config.value_calibration is not None  # the calibration fitted at the end travels
 
 
-def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(runs, one_process):
+def test_fsdp_two_processes_match_one_process_with_twice_the_batch(runs, one_process):
     """Catches a head gradient summed over the processes instead of averaged (SGD-like AdamW, clipping on)."""
     two, one = records(runs / "full"), records(one_process)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
@@ -157,7 +164,7 @@ def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(runs, one_pr
     assert ev2["loss"] == pytest.approx(ev1["loss"], rel=RTOL)
 
 
-def test_fsdp2_lora_fp32_on_a_bf16_base_saves_and_reloads_bit_for_bit(runs):
+def test_fsdp_lora_fp32_on_a_bf16_base_saves_and_reloads_bit_for_bit(runs):
     from causal_adapter import CausalModel
 
     trained = load_file(str(runs / "bf16" / "trained.safetensors"))
@@ -166,3 +173,30 @@ def test_fsdp2_lora_fp32_on_a_bf16_base_saves_and_reloads_bit_for_bit(runs):
     loaded = CausalModel.from_pretrained(worker.base(torch.bfloat16), runs / "bf16" / "adapter").adapter_state_dict()
     assert set(loaded) == set(trained)
     assert [k for k in trained if not torch.equal(loaded[k], trained[k])] == []
+
+
+def test_causal_trainer_under_fsdp_saves_the_adapter_only_and_resumes_exactly(runs):
+    """`CausalTrainer` in the same launches: 4 steps (2 micro-batches, clipping) with Trainer's sharded checkpoints
+    beside the adapter files; the replicated heads equal on both processes; `save_model` writes the adapter
+    only, which reloads onto a fresh base; a trainer resumed from checkpoint-2 ends bit-identical to the
+    uninterrupted one (losses logged equal)."""
+    from causal_adapter import CausalModel
+
+    checkpoint = runs / "trainer" / "checkpoint-2"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # FSDP's own sharded state: the engine did run
+        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    adapter = runs / "trainer" / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == sorted(
+        [p.name for p in (runs / "full" / "adapter").iterdir()] + ["training_args.bin"])
+    heads = [load_file(str(runs / "trainer" / f"heads_rank{r}.safetensors")) for r in (0, 1)]
+    assert [k for k in heads[0] if not torch.equal(heads[0][k], heads[1][k])] == []  # replicas kept equal
+    saved = adapter_files(adapter)
+    assert all(t.numel() < 320 * 32 for t in saved.values())  # no vocabulary-sized matrix of the base
+    loaded = CausalModel.from_pretrained(worker.base(), adapter).adapter_state_dict()
+    ours = load_file(str(adapter / "causal_adapter_model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in ours.items()) and any(k.startswith("lora.") for k in loaded)
+    resumed = adapter_files(runs / "trainer_resumed" / "adapter")
+    assert set(saved) == set(resumed) and [k for k in saved if not torch.equal(saved[k], resumed[k])] == []
+    logs = [[(r["step"], r["loss"]) for r in json.loads((d / "checkpoint-4" / "trainer_state.json").read_text())
+             ["log_history"] if "loss" in r] for d in (runs / "trainer", runs / "trainer_resumed")]
+    assert logs[0] == logs[1] and len(logs[0]) == worker.RUN_STEPS

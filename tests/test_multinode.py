@@ -30,9 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S):
-    """One `accelerate launch` per node rank, started together; (return codes, logs). A node still running
-    after `timeout` seconds is killed (return code None)."""
+def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S, outs: dict | None = None, extra=()):
+    """One `accelerate launch` per node rank, started together; (return codes, logs, node 0's output dir). A node
+    still running after `timeout` seconds is killed (return code None). outs: a node rank's own output dir
+    (default: one shared dir); extra: more `train` flags."""
     port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "HF_HUB_OFFLINE": "1"}
@@ -42,7 +43,8 @@ def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S):
     for k in ranks:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
                "--num_processes", "2", "--machine_rank", str(k), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", str(port), "--mixed_precision", "no", *TRAIN, "--output-dir", str(out)]
+               "--main_process_port", str(port), "--mixed_precision", "no", *TRAIN, *extra,
+               "--output-dir", str((outs or {}).get(k, out))]
         log = open(tmp_path / f"node{k}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
                                        start_new_session=True), log))
@@ -82,6 +84,20 @@ def test_two_nodes_one_process_each_train_save_once_and_reload(tmp_path):
     init = get_causal_model(load_base()[0], model.causal_config).adapter_state_dict()
     assert set(init) == set(trained)
     assert not torch.equal(trained["action.b_cls"], init["action.b_cls"])  # it trained
+
+@pytest.mark.slow
+def test_resume_where_a_node_lacks_the_checkpoint_is_refused_on_every_node_not_a_hang(tmp_path):
+    """Node 1 resumes in an output dir without the checkpoint node 0 has (an unshared filesystem): before, node 0
+    resumed at step 3, node 1 started at 0, and both hung in their collectives. Now both stop with the reason."""
+    codes, logs, out = launch_nodes(tmp_path)
+    assert codes == [0, 0] and (out / "checkpoint-3").is_dir(), "\n\n".join(log[-3000:] for log in logs)
+    empty = tmp_path / "node1_out"
+    codes, logs, _ = launch_nodes(tmp_path, outs={1: empty}, extra=("--max-steps", "6", "--resume-from-checkpoint",
+                                                                    "latest"))
+    assert None not in codes and codes != [0, 0], "a node hung"
+    for log in logs:
+        assert "would resume from different checkpoints (rank 0: checkpoint-3, rank 1: no checkpoint)" in log, log[-3000:]
+
 
 @pytest.mark.slow
 def test_a_missing_node_fails(tmp_path):

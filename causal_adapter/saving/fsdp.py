@@ -7,9 +7,9 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
-from torch import nn
+from torch import Tensor, nn
 
 from .artifacts import atomic_write_dir, write_adapter_files
 from .peft_lora import LORA_PREFIX
@@ -85,6 +85,36 @@ def finish_fsdp_wrap(model) -> None:
     keep_input_dtypes(model)
 
 
+def set_lora_wrap_policy(accelerator, model) -> None:
+    """Before `accelerator.prepare` under FSDP1 with LoRA: peft's wrap policy on accelerate's plugin
+    (`peft.utils.other.fsdp_auto_wrap_policy`, as transformers' Trainer sets it for a PeftModel). Each LoRA
+    matrix gets a unit of its own, so an fp32 LoRA on a bf16 base never shares a flat parameter with the
+    base ("Must flatten tensors with uniform dtype"); the decoder layers stay units (the classes in
+    FSDP_TRANSFORMER_CLS_TO_WRAP, which `accelerate launch` sets from fsdp_transformer_layer_cls_to_wrap,
+    else the backbone's _no_split_modules). Nothing to do without LoRA or under FSDP2."""
+    from accelerate.utils import DistributedType
+
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
+    inner = unwrap_causal_model(model)
+    if plugin is None or plugin.fsdp_version != 1 or inner.causal_config.lora is None:
+        return
+    from peft.utils.other import fsdp_auto_wrap_policy
+
+    plugin.auto_wrap_policy = fsdp_auto_wrap_policy(inner.backbone)
+
+
+def init_fsdp1_optimizer_state(optimizer) -> None:
+    """Before accelerate's `load_fsdp_optimizer` under FSDP1 (`load_state`, Trainer's resume): give a fresh
+    optimizer its state tensors. accelerate loads FSDP1's sharded optimizer state into
+    `FSDP.optim_state_dict` of the optimizer as it is: fresh, that is empty, and nothing is loaded (measured:
+    Adam restarted from zero moments, and the resumed run left the uninterrupted one at its next step).
+    torch's own initialisation for this: one step at lr 0 on zero gradients, what `get_optimizer_state_dict`
+    does for FSDP2. `optimizer`: a torch optimizer or accelerate's wrapper of one."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(getattr(optimizer, "optimizer", optimizer))
+
+
 def fully_shard_causal_model(model, **fsdp_kwargs):
     """Shard a CausalModel with torch's FSDP2 `fully_shard` (works on CPU with gloo), as accelerate's
     `fsdp_version: 2` with `fsdp_ignored_modules` does: each decoder layer is its own unit, the root
@@ -101,31 +131,79 @@ def fully_shard_causal_model(model, **fsdp_kwargs):
     return model
 
 
-@contextlib.contextmanager
-def _whole_parameters(model) -> Iterator[Any]:
-    """Inside: the CausalModel in `model` with FSDP1's flat parameters summoned whole (a collective;
-    W_cls has its [V, H] shape again). FSDP2 and unwrapped models are yielded as they are."""
+def _fsdp1_root(model):
+    """The FSDP1 root unit in `model` (accelerate's prepared model or its `.module`), or None."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    fsdp1 = next((m for m in (model, getattr(model, "module", None)) if isinstance(m, FSDP)), None)
-    ctx = FSDP.summon_full_params(fsdp1, writeback=False) if fsdp1 is not None else contextlib.nullcontext()
-    with ctx:
-        yield unwrap_causal_model(model)
+    return next((m for m in (model, getattr(model, "module", None)) if isinstance(m, FSDP)), None)
+
+
+@contextlib.contextmanager
+def whole_root_parameters(model) -> Iterator[None]:
+    """Inside: the own parameters of an FSDP1 root unit (embeddings, lm_head = W_cls) whole, read-only (a
+    collective: every process enters it as often). FSDP1 turns them back into shards after each forward,
+    and the heads read W_cls outside the forward (the metrics' token scores, the value head's centring).
+    Anything else (FSDP2 keeps its root whole after the forward, DDP, one process): nothing is done."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    root = _fsdp1_root(model)
+    if root is None:
+        yield
+        return
+    with FSDP.summon_full_params(root, recurse=False, writeback=False):
+        yield
+
+
+def _fsdp1_lora_state(model) -> dict[str, Tensor] | None:
+    """The backbone's LoRA tensors whole from an FSDP1-wrapped model (its root unit, or the CausalModel
+    inside it; ``use_orig_params``), under the keys `get_peft_model_state_dict` gives an unwrapped backbone
+    (``model.layers.0.self_attn.q_proj.lora_A.weight``); None when no FSDP1 unit is in `model`. peft cannot
+    produce them itself here: it selects LoRA keys by module names, which FSDP1 prefixes with
+    ``_fsdp_wrapped_module.`` inside the backbone while the state-dict keys are cleaned, so it finds none
+    (the "bf16 LoRA cannot be saved under FSDP1" failure). Each unit that holds LoRA parameters is summoned
+    alone (``recurse=False``, a collective, in the same order on every process): at most one unit is whole
+    at a time (with peft's wrap policy, one LoRA matrix)."""
+    from peft.tuners.tuners_utils import _remove_adapter_name_from_state_dict_key
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDP)}
+    if not units:
+        return None
+    owned: dict[str, list[str]] = {}
+    for name, _ in nn.Module.named_parameters(model):  # the raw names, FSDP's wrapper prefixes kept
+        if "lora_" in name:
+            owners = [u for u in units if u == "" or name.startswith(u + ".")]
+            if not owners:  # sharded by a root unit this module is inside of
+                raise ValueError(f"{name} belongs to the FSDP1 root unit: pass the root (accelerate's prepared "
+                                 "model), or wrap the LoRA modules in units of their own (peft's fsdp_auto_wrap_policy)")
+            owned.setdefault(max(owners, key=len), []).append(name)
+    state = {}
+    for owner in sorted(owned):
+        with FSDP.summon_full_params(units[owner], recurse=False, writeback=False):
+            for name in owned[owner]:
+                key = clean_tensor_name(name).split("backbone.", 1)[1]
+                # "default": the adapter name get_causal_model injects the LoRA under (peft's default)
+                state[_remove_adapter_name_from_state_dict_key(key, "default")] = model.get_parameter(name).detach().clone()
+    return state
 
 
 def full_adapter_state_dict(model) -> dict:
     """`adapter_state_dict()` of a (possibly FSDP1- or FSDP2-wrapped) CausalModel with every tensor
-    whole: FSDP2 DTensors gathered, FSDP1 flat parameters summoned (a collective: call it on every
-    process). Tensors are copies."""
+    whole: FSDP2 DTensors gathered, FSDP1's LoRA summoned unit by unit (`_fsdp1_lora_state`); the heads
+    are replicated (ignored by FSDP). A collective: call it on every process. Tensors are copies."""
     from torch.distributed.tensor import DTensor
 
-    with _whole_parameters(model) as inner:
-        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                 for k, v in inner.adapter_state_dict().items()}
+    inner = unwrap_causal_model(model)
+    lora = _fsdp1_lora_state(model) if inner.causal_config.lora is not None else None
+    if lora is None:
+        state = inner.adapter_state_dict()
+    else:
+        state = {**inner.adapter_state_dict(lora=False), **{LORA_PREFIX + k: v for k, v in lora.items()}}
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
     if inner.causal_config.lora is not None and not any(k.startswith(LORA_PREFIX) for k in state):
-        # peft's get_peft_model_state_dict finds no LoRA layer through FSDP1's wrapped units (measured)
-        raise NotImplementedError("saving LoRA from an FSDP1-wrapped model is not supported (peft finds no LoRA "
-                                  "tensor through FSDP1's units): use FSDP2 (fsdp2.yaml) or DDP for LoRA")
+        raise RuntimeError("no LoRA tensor found in this FSDP1-wrapped model: FSDP1 keeps the LoRA parameters only "
+                           "with fsdp_use_orig_params: true (set it in the accelerate config)")
     return state
 
 
@@ -137,8 +215,7 @@ def save_fsdp_adapter(model, directory: str | os.PathLike) -> Path:
 
 
     tensors = full_adapter_state_dict(model)
-    with _whole_parameters(model) as inner:  # FSDP1: W_cls (hence vocab_size) is a flat shard outside
-        meta = inner.adapter_metadata()
+    meta = unwrap_causal_model(model).adapter_metadata()
     if dist.get_rank() == 0:
         atomic_write_dir(directory, lambda tmp: write_adapter_files(tmp, meta, tensors))
     dist.barrier()

@@ -250,8 +250,9 @@ class CausalModel(nn.Module):
 
     @property
     def vocab_size(self) -> int:
+        # lm_head's out_features: the row count also while FSDP1 holds W_cls as a flat shard (ZeRO-3: its ds_shape)
         W = self.W_cls
-        return getattr(W, "ds_shape", W.shape)[0]  # ZeRO-3 keeps a partition in W (empty here): its shape apart
+        return getattr(self.backbone.get_output_embeddings(), "out_features", None) or getattr(W, "ds_shape", W.shape)[0]
 
     @property
     def device(self) -> torch.device:
@@ -484,17 +485,18 @@ class CausalModel(nn.Module):
         return total_loss(loss_cls, loss_reg, self.causal_config.reg_weight), loss_cls, loss_reg
 
     # ------------------------------------------------------------------ parameters
-    def adapter_state_dict(self) -> dict[str, Tensor]:
-        """Only the adapter's tensors: heads, d, b_cls, the <NUM> row, fixed buffers, LoRA."""
+    def adapter_state_dict(self, lora: bool = True) -> dict[str, Tensor]:
+        """Only the adapter's tensors: heads, d, b_cls, the <NUM> row, fixed buffers, LoRA (`lora=False`:
+        without it, for a wrapper that gathers the LoRA itself: `saving.fsdp`)."""
         state = {}
         for name in ("numeric_embedding", "abduction", "action"):
             for k, v in getattr(self, name).state_dict().items():
                 state[f"{name}.{k}"] = v
-        if self.causal_config.lora is not None:
+        if lora and self.causal_config.lora is not None:
             from peft import get_peft_model_state_dict
 
-            lora = get_peft_model_state_dict(self.backbone, save_embedding_layers=False)
-            state.update({LORA_PREFIX + k: v for k, v in lora.items()})
+            tensors = get_peft_model_state_dict(self.backbone, save_embedding_layers=False)
+            state.update({LORA_PREFIX + k: v for k, v in tensors.items()})
         return state
 
     def load_adapter_state_dict(self, state: dict[str, Tensor]) -> None:

@@ -5,10 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def _is_causal_model(model: Any) -> bool:
+    # asked of the class: FSDP1's root forwards unknown attributes to the module it wraps, so the
+    # instance of the wrapper would answer for the CausalModel inside
+    return hasattr(type(model), "adapter_state_dict")
+
+
 def unwrap_model(model: Any):
-    """The CausalModel under DDP / accelerate wrappers (their ``.module``); `model` itself when it
+    """The CausalModel under DDP / FSDP1 / accelerate wrappers (their ``.module``); `model` itself when it
     is not wrapped."""
-    while not hasattr(model, "adapter_state_dict") and hasattr(model, "module"):
+    while not _is_causal_model(model) and hasattr(model, "module"):
         model = model.module
     return model
 
@@ -16,7 +22,7 @@ def unwrap_model(model: Any):
 def unwrap_causal_model(model: Any):
     """The CausalModel inside DDP / FSDP / compile / accelerate wrappers, or None."""
     seen = 0
-    while model is not None and not hasattr(model, "adapter_state_dict") and seen < 8:
+    while model is not None and not _is_causal_model(model) and seen < 8:
         model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         seen += 1
-    return model if hasattr(model, "adapter_state_dict") else None
+    return model if _is_causal_model(model) else None

@@ -104,6 +104,23 @@ def resolve_resume(config: TrainConfig) -> Path | None:
     return path
 
 
+def check_same_resume(resumed: Path | None, accelerator) -> None:
+    """Refuse, on every process, a resume where the processes did not find the same checkpoint: each resolves
+    ``resume_from_checkpoint`` in its own ``output_dir``, and a directory not shared between nodes (or a
+    checkpoint copied to some nodes only) used to start some ranks at step k and others at 0, which then
+    waited in their collectives forever (docs/multinode.md). The checkpoints' names are gathered (one
+    collective) and compared."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    seen = gather_object([resumed.name if resumed is not None else None])
+    if len(set(seen)) > 1:
+        where = ", ".join(f"rank {r}: {name or 'no checkpoint'}" for r, name in enumerate(seen))
+        raise RuntimeError(f"the processes would resume from different checkpoints ({where}): every node must see "
+                           "the same output_dir (a shared filesystem), or copy the checkpoint to every node first")
+
+
 def remove_old_checkpoints(out_dir: Path, keep: int) -> None:
     """Keep the newest `keep` checkpoints of `out_dir`. Each older one is renamed first (atomic), then
     deleted: a kill mid-delete leaves no half checkpoint behind (its ``.deleting-*`` goes next time)."""

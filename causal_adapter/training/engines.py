@@ -3,11 +3,11 @@ and, per engine, its setup and where it keeps its checkpointed weights (docs/dis
 
 * one process / DDP: `accelerator.prepare(model, optimizer)`; the checkpoint holds the adapter files and
   ``optimizer.pt`` written by the main process (every process holds the same state: `checkpoints`).
-* FSDP2 (``fsdp_version: 2``): `fsdp_engine` (sharded state through accelerate's ``save_state`` in
-  ``ENGINE_SUBDIR``).
+* FSDP1 (``fsdp_version: 1``, ``fsdp_use_orig_params: true``) and FSDP2 (``fsdp_version: 2``): `fsdp_engine`
+  (sharded state through accelerate's ``save_state`` in ``ENGINE_SUBDIR``).
 * DeepSpeed ZeRO-2 / ZeRO-3: `deepspeed_engine` (DeepSpeed's own sharded checkpoint through ``save_state`` in
   ``ENGINE_SUBDIR``; the heads and W_cls gathered under ZeRO-3).
-* refused at start, naming what runs: FSDP1, DeepSpeed ZeRO-0/1.
+* refused at start, naming what runs: FSDP1 without ``use_orig_params``, DeepSpeed ZeRO-0/1.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ ENGINE_SUBDIR = "accelerate_state"  # inside checkpoint-STEP: accelerate's save_
 
 SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), DDP (accelerate launch "
                        "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml), FSDP2 "
-                       "(examples/accelerate_configs/fsdp2.yaml) or DeepSpeed ZeRO-2 / ZeRO-3 "
-                       "(examples/accelerate_configs/deepspeed_zero2.yaml, deepspeed_zero3.yaml)")
+                       "(examples/accelerate_configs/fsdp2.yaml), FSDP1 (examples/accelerate_configs/fsdp.yaml) or "
+                       "DeepSpeed ZeRO-2 / ZeRO-3 (examples/accelerate_configs/deepspeed_zero2.yaml, deepspeed_zero3.yaml)")
 
 
 # ---------------------------------------------------------------------------- the accelerator and the launch
@@ -146,9 +146,11 @@ def check_engine(accelerator) -> None:
         raise ValueError(f"causal_adapter.training.loop runs DeepSpeed ZeRO-2 and ZeRO-3 only (zero_stage: 2 or 3 "
                          f"in the accelerate config; got {deepspeed_engine.zero_stage(accelerator)}); supported "
                          f"launchers: {SUPPORTED_LAUNCHERS}")
-    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
-        raise ValueError("causal_adapter.training.loop does not support FSDP1 (fsdp_version: 1): set fsdp_version: 2 "
-                         f"in the accelerate config; supported launchers: {SUPPORTED_LAUNCHERS}")
+    plugin = accelerator.state.fsdp_plugin if kind == DistributedType.FSDP else None
+    if plugin is not None and plugin.fsdp_version == 1 and not plugin.use_orig_params:
+        # the optimizer, the clipping and the LoRA gathering work on the original parameters
+        raise ValueError("causal_adapter.training.loop runs FSDP1 with fsdp_use_orig_params: true only: set it in "
+                         f"the accelerate config (or use fsdp_version: 2); supported launchers: {SUPPORTED_LAUNCHERS}")
 
 
 # ---------------------------------------------------------------------------- per engine
@@ -184,6 +186,19 @@ def whole_heads(accelerator, inner, modify: bool = False):
     if is_deepspeed(accelerator):
         return deepspeed_engine.whole_heads(accelerator, inner, modify)
     return contextlib.nullcontext()
+def eval_model(accelerator, model):
+    """What evaluations and value-head fits call: the module without DDP's wrapper (no collective in its
+    forward, so processes may run different numbers of batches), with accelerate's autocast forward. Under
+    FSDP1 the root unit itself: only its forward gathers the root's parameters (embeddings, lm_head)."""
+    return model if fsdp_engine.is_fsdp1(accelerator) else accelerator.unwrap_model(model)
+
+
+def clip_grad_norm_(accelerator, model, trainable: list, max_norm: float):
+    """Clip the gradients to a total norm of `max_norm`, counted once over the processes. Under FSDP1 the
+    root's own `clip_grad_norm_` (accelerate calls it when given every parameter of the root): it sums
+    the shards' norms over the processes and adds the replicated heads' once."""
+    return accelerator.clip_grad_norm_(list(model.parameters()) if fsdp_engine.is_fsdp1(accelerator) else trainable,
+                                       max_norm)
 
 
 def whole_adapter_tensors(accelerator, model) -> dict[str, torch.Tensor] | None:
@@ -214,11 +229,11 @@ def save_engine_state(accelerator, tmp_dir: Path) -> Path | None:
     return None
 
 
-def load_engine_state(accelerator, checkpoint: Path) -> bool:
+def load_engine_state(accelerator, checkpoint: Path, optimizer) -> bool:
     """Under a sharding engine: the weights and the optimizer state from the checkpoint's ``ENGINE_SUBDIR``
     (every process). Returns whether it loaded them (False: the engine keeps no state of its own)."""
     if is_fsdp(accelerator):
-        fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR)
+        fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR, optimizer)
     elif is_deepspeed(accelerator):
         deepspeed_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR)
     else:

@@ -33,10 +33,11 @@ What a run does
   ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1
   --mixed_precision no --dynamo_backend no -m causal_adapter train ...``
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
-  FSDP2 (``examples/accelerate_configs/fsdp2.yaml``): the setup, the evaluation's padded forwards and the
-  sharded checkpoint state are `engines`' (docs/distributed.md); DeepSpeed ZeRO-2 / ZeRO-3
-  (``examples/accelerate_configs/deepspeed_zero{2,3}.yaml``): `engines` too (the backward, the gathered heads
-  under ZeRO-3, DeepSpeed's own sharded checkpoint); FSDP1 and ZeRO-0/1 are refused at start.
+  FSDP2 and FSDP1 (``examples/accelerate_configs/fsdp2.yaml``, ``fsdp.yaml``): the setup, the evaluation's
+  model and padded forwards, the clipping and the sharded checkpoint state are `engines`'
+  (docs/distributed.md); DeepSpeed ZeRO-2 / ZeRO-3 (``examples/accelerate_configs/deepspeed_zero{2,3}.yaml``):
+  `engines` too (the backward, the gathered heads under ZeRO-3, DeepSpeed's own sharded checkpoint);
+  ZeRO-0/1 are refused at start.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ from . import engines
 from .checkpoints import (
     CHECKPOINT_PREFIX,
     TrainState,
+    check_same_resume,
     list_checkpoints,
     load_checkpoint,
     remove_old_checkpoints,
@@ -161,7 +163,7 @@ class Run:
     rank: int
     inner: Any = None  # the CausalModel (unwrapped)
     model: Any = None  # what accelerate prepared (DDP wrapper / autocast forward)
-    eval_model: Any = None  # the unwrapped model with accelerate's autocast forward
+    eval_model: Any = None  # what evaluations and value-head fits run (`engines.eval_model`)
     tokenizer: Any = None
     train_ds: Any = None
     eval_ds: Any = None
@@ -216,7 +218,7 @@ def train(
 
 
 def _start(config: TrainConfig) -> Run:
-    """The accelerator (refusing FSDP1 / ZeRO-0/1: `engines.check_engine`), launch warnings, the output directory, the seed."""
+    """The accelerator (refusing what `engines.check_engine` refuses), launch warnings, the output directory, the seed."""
     from accelerate.utils import set_seed
 
     accelerator = engines.make_accelerator(config)
@@ -257,6 +259,7 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     run.constant = train_median(train_targets) if train_targets else None
     run.collator = NumericCollator(pad_token_id(ntok, model), padding_side="right")
     run.resumed_from = resolve_resume(config)
+    check_same_resume(run.resumed_from, run.accelerator)  # a node without the checkpoint: refused, not a hang
     if ntok is not None:  # where the value head is fitted (the data's, so a resumed run gets the same)
         prefix, contexts = number_layout(run.train_ds, model.num_token_id, ntok.tokenizer)
         model.causal_config.number_prefix_id, model.causal_config.number_contexts = prefix, contexts
@@ -280,7 +283,7 @@ def _prepare_optimization(run: Run) -> None:
     run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=run.total_steps)
     run.model, run.optimizer = engines.prepare(run.accelerator, run.inner, optimizer, config)
-    run.eval_model = run.accelerator.unwrap_model(run.model)
+    run.eval_model = engines.eval_model(run.accelerator, run.model)
     run.inner = unwrap_model(run.eval_model)
     run.device = run.accelerator.device
     run.trainable = [p for _, p in run.inner.trainable_parameters()]
@@ -294,7 +297,7 @@ def _resume_and_open_log(run: Run) -> None:
     if config.resume_from_checkpoint == "latest" and run.resumed_from is None and run.is_main:
         print(f"no checkpoint in {run.out_dir}: starting from scratch", file=sys.stderr)
     if run.resumed_from is not None:
-        weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from)  # FSDP: sharded state
+        weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from, run.optimizer)  # FSDP: sharded state
         run.history = load_checkpoint(run.resumed_from, run.inner, run.optimizer, run.scheduler, run.state, config,
                                       run.world, run.rank, len(run.train_ds), weights_loaded=weights_loaded)
     run.log_path = run.out_dir / METRICS_LOG
@@ -358,7 +361,7 @@ def _eval_refitted(run: Run) -> dict:
         heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
                  for name in ("numeric_embedding", "abduction", "action")}
         refitted = run.config.value_refit == "eval" and refit_value_head(
-            inner, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
+            run.eval_model, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
         try:
             return _run_eval(run)
         finally:
@@ -451,7 +454,7 @@ def _optimizer_step(run: Run, it, window: _Window) -> None:
         window.running[3] += 1
         window.tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
     if config.max_grad_norm:
-        accelerator.clip_grad_norm_(run.trainable, config.max_grad_norm)
+        engines.clip_grad_norm_(accelerator, run.model, run.trainable, config.max_grad_norm)
     run.optimizer.step()
     if not accelerator.optimizer_step_was_skipped:
         run.scheduler.step()
@@ -512,7 +515,7 @@ def _finish(run: Run) -> TrainResult:
 def _fit_final_heads(run: Run) -> None:
     """The value head refitted on the final features, the last evaluation, the calibration of the width."""
     config, inner, state = run.config, run.inner, run.state
-    if refit_value_head(inner, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
+    if refit_value_head(run.eval_model, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
                          run.eval_ds) and run.refitted_eval_step != state.global_step:
         run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
     if run.eval_ds is not None and run.last_eval_step != state.global_step:

@@ -41,6 +41,7 @@ from ..modeling.cauchy import ovr_probability
 from ..modeling.heads import full_precision
 from ..modeling.intervals import interval
 from ..modeling.loss import total_loss
+from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_model
 
 INTERVAL_LEVELS = (0.5, 0.8, 0.9, 0.95)
@@ -258,7 +259,8 @@ def accumulate(model, batches: Iterable[Mapping[str, Any]], accumulator: MetricA
         for batch in batches:
             batch = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
             out = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
-            acc.update(inner, out, batch)
+            with whole_root_parameters(model):  # FSDP1: W_cls whole for the token scores
+                acc.update(inner, out, batch)
     finally:
         model.train(was_training)
     return acc

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from ..numbers import format_number
+from ..saving.fsdp import whole_root_parameters
+from ..saving.unwrap import unwrap_causal_model
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
@@ -72,7 +74,9 @@ def value_decimals(values: Iterable[float], max_decimals: int = 6) -> int:
 
 def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192
                        ) -> tuple[Tensor, Tensor]:
-    """(loc_U [n, C] float64, targets [n] float64) at the positions that predict a <NUM> label."""
+    """(loc_U [n, C] float64, targets [n] float64) at the positions that predict a <NUM> label. `model`:
+    the CausalModel or the module whose forward runs it (an FSDP1 root unit)."""
+    num_token_id = unwrap_causal_model(model).num_token_id
     feats, targets, n = [], [], 0
     was_training = model.training
     model.eval()
@@ -82,7 +86,7 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                 labels = batch["labels"].to(device)
                 out = model(batch["input_ids"].to(device), batch["numeric_values"].to(device),
                             batch["attention_mask"].to(device))
-                pos = labels[:, 1:] == model.num_token_id
+                pos = labels[:, 1:] == num_token_id
                 feats.append(out.loc_U[:, :-1][pos.to(out.loc_U.device)].double().cpu())  # heads may sit elsewhere
                 values = batch["label_values"] if "label_values" in batch else batch["numeric_values"]
                 targets.append(values.to(device)[:, 1:][pos].double().cpu())
@@ -318,17 +322,19 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
     `fit_log_scale` and the out-of-depth statistics (`fit_depth`). Penalties are chosen on `val_batches`
     when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none). Returns a summary,
-    or None with fewer than 2 targets."""
+    or None with fewer than 2 targets. `model`: as for `num_label_features`."""
     X, y = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
-    act = model.action
+    inner = unwrap_causal_model(model)  # the heads' attributes (`model` runs the forward)
+    act = inner.action
     t = (y - act.value_loc) / act.value_scale
     X_val = t_val = None
     if val_batches is not None:
         X_val, y_val = num_label_features(model, val_batches, device, max_rows)
         t_val = (y_val - act.value_loc) / act.value_scale
-    mean = center_abduction(model, X.mean(0))
+    with whole_root_parameters(model):  # FSDP1: W_cls whole
+        mean = center_abduction(inner, X.mean(0))
     X = X - mean
     X_val = None if X_val is None else X_val - mean
     fit = fit_linear_head(X, t, X_val, t_val, loss=loss, max_shift=max_shift)

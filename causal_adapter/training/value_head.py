@@ -11,6 +11,7 @@ import torch
 
 from ..config import DEFAULT_SCALE_FLOOR
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
+from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
 from .data import rows_at
 from .value_fit import BF16_MAX_SHIFT, fit_value_units, ridge_warm_start, value_decimals
@@ -22,11 +23,13 @@ def features_trained(inner) -> bool:
                if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
 
 
-def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
+def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
                    max_rows: int = 8192, eval_ds=None) -> dict:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets
     when the adapter has none, then, with ``regression_init='ridge'``, the ridge warm start of the
-    regression head (`value_fit`). Every process computes the same from the same rows."""
+    regression head (`value_fit`). Every process computes the same from the same rows. `model`: the
+    CausalModel, or the module whose forward runs it (an FSDP1 root unit)."""
+    inner = unwrap_causal_model(model)
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
@@ -40,14 +43,15 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
         inner.set_value_units(loc, scale, value_decimals(values))
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
     if config.regression_init == "ridge":
-        inner.to(device)
+        if model is inner:  # not yet prepared: on the accelerator's device for the features' forwards
+            inner.to(device)
         bs = config.per_device_eval_batch_size
 
         def batches(ds):
             return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        summary.update(ridge_warm_start(inner, batches(rows), device, max_rows, val_batches=val,
+        summary.update(ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val,
                                         loss=config.value_loss, max_shift=head_shift_bound(inner, config)) or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -55,17 +59,19 @@ def fit_value_head(inner, config: TrainConfig, train_ds, collator, device, verbo
     return summary
 
 
-def refit_value_head(inner, config: TrainConfig, train_ds, collator, device, accelerator, verbose: bool,
-                      eval_ds=None) -> bool:
+def refit_value_head(model, config: TrainConfig, train_ds, collator, device, accelerator, verbose: bool,
+                     eval_ds=None) -> bool:
     """When training moves the features the value head reads (LoRA, W_loc, d; `features_trained`) and
     ``regression_init='ridge'``: fit the head again on them (`fit_value_head`, under the training
     autocast) and drop the calibration map, which described the old head (the end of `train` fits a new
     one). Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots
-    validation MAE 21,963,900 mid-run with W_loc trained). Returns whether it refitted."""
+    validation MAE 21,963,900 mid-run with W_loc trained). `model`: as for `fit_value_head`. Returns
+    whether it refitted."""
+    inner = unwrap_causal_model(model)
     if config.regression_init != "ridge" or not features_trained(inner):
         return False
     with accelerator.autocast():
-        fit_value_head(inner, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
+        fit_value_head(model, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds)
     inner.causal_config.value_calibration = None
     return True
 
