@@ -81,12 +81,13 @@ def test_finish_fsdp_wrap_refuses_heads_managed_by_fsdp():
 
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP1"])
-def test_train_refuses_deepspeed_and_fsdp1_without_orig_params_at_start_naming_the_launchers(tmp_path, kind):
-    """A real Accelerator whose state says what a DeepSpeed / FSDP1 (use_orig_params off) launch sets
-    (accelerate selects neither on CPU). FSDP1 with use_orig_params and FSDP2 run (tests/test_fsdp_train.py)."""
+def test_train_refuses_deepspeed_zero1_and_fsdp1_without_orig_params_at_start_naming_the_launchers(tmp_path, kind):
+    """A real Accelerator whose state says what a DeepSpeed ZeRO-1 / FSDP1 (use_orig_params off) launch sets
+    (accelerate selects FSDP on an accelerator only; the plugin needs no deepspeed). FSDP1 with use_orig_params,
+    FSDP2 and ZeRO-2/3 run (tests/test_fsdp_train.py, tests/test_deepspeed_train.py)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
 
     from causal_adapter.training.engines import check_engine
 
@@ -100,11 +101,28 @@ def test_train_refuses_deepspeed_and_fsdp1_without_orig_params_at_start_naming_t
             check_engine_error = r"FSDP1 with fsdp_use_orig_params: true only.*fsdp_version: 2"
         else:
             accelerator.state.distributed_type = DistributedType.DEEPSPEED
-            check_engine_error = "does not support DeepSpeed"
-        with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml.*fsdp.yaml"):
+            accelerator.state.deepspeed_plugins = DeepSpeedPlugin(zero_stage=1)
+            check_engine_error = r"runs DeepSpeed ZeRO-2 and ZeRO-3 only.*got 1"
+        with pytest.raises(ValueError, match=check_engine_error + r".*multi_gpu_ddp.yaml.*cpu_ddp.yaml.*fsdp2.yaml"
+                                             r".*fsdp.yaml.*deepspeed_zero2.yaml, deepspeed_zero3.yaml"):
             check_engine(accelerator)
     finally:
         AcceleratorState._reset_state(True)
+
+
+def test_process_group_backend_is_a_launcher_setting_gloo_for_deepspeed_without_a_gpu(monkeypatch):
+    """Without a backend accelerate records ONE process for a DeepSpeed launch on CPUs (docs/distributed.md):
+    train() asks for gloo there, takes --ddp-backend when given, and leaves every other launch to accelerate."""
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.engines import process_group_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert process_group_backend(TrainConfig(), world=2) == "gloo"
+    assert process_group_backend(TrainConfig(ddp_backend="mpi"), world=2) == "mpi"
+    assert process_group_backend(TrainConfig(), world=1) is None
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert process_group_backend(TrainConfig(), world=2) is None  # DDP / FSDP: accelerate's choice
 
 
 # ============================================================================ 1-element scalars

@@ -254,8 +254,9 @@ class CausalModel(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        # lm_head's out_features: the row count also while FSDP1 holds W_cls as a flat shard
-        return getattr(self.backbone.get_output_embeddings(), "out_features", None) or self.W_cls.shape[0]
+        # lm_head's out_features: the row count also while FSDP1 holds W_cls as a flat shard (ZeRO-3: its ds_shape)
+        W = self.W_cls
+        return getattr(self.backbone.get_output_embeddings(), "out_features", None) or getattr(W, "ds_shape", W.shape)[0]
 
     @property
     def device(self) -> torch.device:

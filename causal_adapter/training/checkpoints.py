@@ -1,8 +1,8 @@
 """Checkpoints of a training run and the RNG state they hold.
 
 ``OUTPUT_DIR/checkpoint-STEP``: adapter-only (the adapter's two files, loadable with
-`CausalModel.from_pretrained`), plus ``optimizer.pt`` (under FSDP instead: ``accelerate_state/``,
-accelerate's save_state of the sharded weights and optimizer, `engines` / `fsdp_engine`), ``scheduler.pt``, ``rng_state_RANK.json``
+`CausalModel.from_pretrained`), plus ``optimizer.pt`` (under FSDP or DeepSpeed instead: ``accelerate_state/``,
+accelerate's save_state of the sharded weights and optimizer, `engines` / `fsdp_engine` / `deepspeed_engine`), ``scheduler.pt``, ``rng_state_RANK.json``
 (python, numpy, torch, cuda) and ``trainer_state.json`` (step, epoch, position in the epoch).
 Without FSDP never the base weights. Under FSDP ``accelerate_state/`` holds every process's shard of the
 whole model, the frozen base included (accelerate's save_state has no frozen-parameter filter): size

@@ -170,6 +170,8 @@ class TrainConfig:
     progress: bool = flag(True, "tqdm progress bar (main process)")
     # ---------------------------------------------------------------- distributed
     cpu: bool = flag(False, "force CPU (also: ACCELERATE_USE_CPU=1)")
+    ddp_backend: str | None = flag(None, "torch.distributed backend (nccl, gloo, ...; default: accelerate's, gloo for "
+                                         "DeepSpeed on CPUs)", type=str)
     ddp_find_unused_parameters: bool = flag(True, "DDP find_unused_parameters (safe when a head gets no gradient)")
     expected_num_processes: int | None = flag(None, "warn when the launch gives another number of processes",
                                               type=int)

@@ -5,7 +5,9 @@ and, per engine, its setup and where it keeps its checkpointed weights (docs/dis
   ``optimizer.pt`` written by the main process (every process holds the same state: `checkpoints`).
 * FSDP1 (``fsdp_version: 1``, ``fsdp_use_orig_params: true``) and FSDP2 (``fsdp_version: 2``): `fsdp_engine`
   (sharded state through accelerate's ``save_state`` in ``ENGINE_SUBDIR``).
-* refused at start, naming what runs: DeepSpeed, and FSDP1 without ``use_orig_params``.
+* DeepSpeed ZeRO-2 / ZeRO-3: `deepspeed_engine` (DeepSpeed's own sharded checkpoint through ``save_state`` in
+  ``ENGINE_SUBDIR``; the heads and W_cls gathered under ZeRO-3).
+* refused at start, naming what runs: FSDP1 without ``use_orig_params``, DeepSpeed ZeRO-0/1.
 """
 from __future__ import annotations
 
@@ -19,14 +21,15 @@ import torch
 
 from ..modeling.heads import full_precision
 from ..saving.unwrap import unwrap_causal_model
-from . import fsdp_engine
+from . import deepspeed_engine, fsdp_engine
 from .config import TrainConfig
 
 ENGINE_SUBDIR = "accelerate_state"  # inside checkpoint-STEP: accelerate's save_state (FSDP only)
 
 SUPPORTED_LAUNCHERS = ("one process (python -m causal_adapter train / causal-adapter train), DDP (accelerate launch "
                        "with examples/accelerate_configs/multi_gpu_ddp.yaml or cpu_ddp.yaml), FSDP2 "
-                       "(examples/accelerate_configs/fsdp2.yaml) or FSDP1 (examples/accelerate_configs/fsdp.yaml)")
+                       "(examples/accelerate_configs/fsdp2.yaml), FSDP1 (examples/accelerate_configs/fsdp.yaml) or "
+                       "DeepSpeed ZeRO-2 / ZeRO-3 (examples/accelerate_configs/deepspeed_zero2.yaml, deepspeed_zero3.yaml)")
 
 
 # ---------------------------------------------------------------------------- the accelerator and the launch
@@ -56,19 +59,39 @@ def launch_warnings(num_processes: int, expected: int | None = None, env: dict |
     return msgs
 
 
+def deepspeed_launch(env: dict | None = None) -> bool:
+    """Whether ``accelerate launch`` was given a DeepSpeed config (the variable it sets for one)."""
+    env = os.environ if env is None else env
+    return env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def process_group_backend(config: TrainConfig, world: int) -> str | None:
+    """The torch.distributed backend to ask accelerate for: ``config.ddp_backend`` when set; else gloo for a
+    multi-process DeepSpeed launch without a GPU (accelerate picks no backend there and records ONE
+    process: docs/distributed.md); else None (accelerate's choice)."""
+    if config.ddp_backend:
+        return config.ddp_backend
+    if world > 1 and deepspeed_launch() and not torch.cuda.is_available():
+        return "gloo"
+    return None
+
+
 def make_accelerator(config: TrainConfig):
-    """The run's `Accelerator`: CPU mode for a multi-process launch without a GPU, DDP's unused-parameter
-    search as configured, the trackers that are installed."""
+    """The run's `Accelerator`: CPU mode for a multi-process launch without a GPU (DeepSpeed: its own CPU
+    accelerator, ``DS_ACCELERATOR=cpu``), the process-group backend (`process_group_backend`), DDP's
+    unused-parameter search as configured, the trackers that are installed."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    cpu = config.cpu or (world > 1 and not torch.cuda.is_available())
+    cpu = config.cpu or (world > 1 and not torch.cuda.is_available() and not deepspeed_launch())
     log_with = _available_trackers(config.report_to)
-    kwargs = dict(cpu=cpu, mixed_precision=config.mixed_precision,
-                  kwargs_handlers=[DistributedDataParallelKwargs(
-                      find_unused_parameters=config.ddp_find_unused_parameters)])
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=config.ddp_find_unused_parameters)]
+    backend = process_group_backend(config, world)
+    if backend:
+        handlers.append(InitProcessGroupKwargs(backend=backend))
+    kwargs = dict(cpu=cpu, mixed_precision=config.mixed_precision, kwargs_handlers=handlers)
     if log_with:
         kwargs.update(log_with=log_with, project_dir=config.output_dir)
     try:
@@ -110,13 +133,20 @@ def is_fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
 def check_engine(accelerator) -> None:
     """Refuse the launchers this loop does not run, at start, naming the supported ones."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        raise ValueError(f"causal_adapter.training.loop does not support DeepSpeed yet (issue 26); supported "
+    if kind == DistributedType.DEEPSPEED and deepspeed_engine.zero_stage(accelerator) not in (2, 3):
+        raise ValueError(f"causal_adapter.training.loop runs DeepSpeed ZeRO-2 and ZeRO-3 only (zero_stage: 2 or 3 "
+                         f"in the accelerate config; got {deepspeed_engine.zero_stage(accelerator)}); supported "
                          f"launchers: {SUPPORTED_LAUNCHERS}")
     plugin = accelerator.state.fsdp_plugin if kind == DistributedType.FSDP else None
     if plugin is not None and plugin.fsdp_version == 1 and not plugin.use_orig_params:
@@ -126,10 +156,12 @@ def check_engine(accelerator) -> None:
 
 
 # ---------------------------------------------------------------------------- per engine
-def prepare(accelerator, model, optimizer):
+def prepare(accelerator, model, optimizer, config: TrainConfig):
     """(prepared model, prepared optimizer), as the engine needs them."""
     if is_fsdp(accelerator):
         return fsdp_engine.prepare(accelerator, model, optimizer)
+    if is_deepspeed(accelerator):
+        return deepspeed_engine.prepare(accelerator, model, optimizer, config)
     return accelerator.prepare(model, optimizer)
 
 
@@ -159,6 +191,29 @@ def inference_precision(model):
             inner.forward = patched
 
 
+def no_sync(accelerator, model, sync: bool):
+    """The context of a micro-batch's forward and backward: DDP / FSDP skip the gradient reduction before
+    the step's last micro-batch (`sync`); DeepSpeed is told in `backward`."""
+    if sync or is_deepspeed(accelerator):
+        return contextlib.nullcontext()
+    return accelerator.no_sync(model)
+
+
+def backward(accelerator, model, loss: torch.Tensor, sync: bool) -> None:
+    """One micro-batch's backward (`loss` already divided by the step's micro-batches); `sync`: the last
+    micro-batch of the step (DDP / FSDP reduce the gradients then; DeepSpeed also steps then)."""
+    if is_deepspeed(accelerator):
+        deepspeed_engine.backward(model, loss, sync)
+    else:
+        accelerator.backward(loss)
+
+
+def whole_heads(accelerator, inner, modify: bool = False):
+    """A context in which the heads' parameters, W_cls and LoRA are whole (ZeRO-3 gathers them; a
+    collective: every process enters it); `modify`: what is written into them inside is kept."""
+    if is_deepspeed(accelerator):
+        return deepspeed_engine.whole_heads(accelerator, inner, modify)
+    return contextlib.nullcontext()
 def eval_model(accelerator, model):
     """What evaluations and value-head fits call: the module without DDP's wrapper (no collective in its
     forward, so processes may run different numbers of batches), with accelerate's autocast forward. Under
@@ -177,26 +232,38 @@ def clip_grad_norm_(accelerator, model, trainable: list, max_norm: float):
 def whole_adapter_tensors(accelerator, model) -> dict[str, torch.Tensor] | None:
     """Under a sharding engine: the adapter's tensors gathered whole (a collective: call on every process);
     else None (the module's own tensors are whole)."""
-    return fsdp_engine.whole_adapter_tensors(model) if is_fsdp(accelerator) else None
+    if is_fsdp(accelerator):
+        return fsdp_engine.whole_adapter_tensors(model)
+    if is_deepspeed(accelerator):
+        return deepspeed_engine.whole_adapter_tensors(accelerator, accelerator.unwrap_model(model))
+    return None
 
 
 def pad_forwards(accelerator, model, batch: dict, count: int) -> None:
-    """Under an engine whose forward is a collective: `count` discarded forwards of `batch`, so a process
-    with fewer evaluation batches does not leave the others waiting. Else nothing."""
-    if is_fsdp(accelerator) and count > 0:
+    """Under an engine whose forward is a collective (FSDP, ZeRO-3): `count` discarded forwards of `batch`,
+    so a process with fewer evaluation batches does not leave the others waiting. Else nothing."""
+    collective = is_fsdp(accelerator) or (is_deepspeed(accelerator) and deepspeed_engine.zero_stage(accelerator) == 3)
+    if collective and count > 0:
         fsdp_engine.pad_forwards(model, batch, count)
 
 
 def save_engine_state(accelerator, tmp_dir: Path) -> Path | None:
     """Under a sharding engine: its sharded weights + optimizer state written into `tmp_dir` by every
     process (a collective); the main process moves it into the checkpoint as ``ENGINE_SUBDIR``. Else None."""
-    return fsdp_engine.save_state(accelerator, tmp_dir) if is_fsdp(accelerator) else None
+    if is_fsdp(accelerator):
+        return fsdp_engine.save_state(accelerator, tmp_dir)
+    if is_deepspeed(accelerator):
+        return deepspeed_engine.save_state(accelerator, tmp_dir)
+    return None
 
 
 def load_engine_state(accelerator, checkpoint: Path, optimizer) -> bool:
     """Under a sharding engine: the weights and the optimizer state from the checkpoint's ``ENGINE_SUBDIR``
     (every process). Returns whether it loaded them (False: the engine keeps no state of its own)."""
-    if not is_fsdp(accelerator):
+    if is_fsdp(accelerator):
+        fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR, optimizer)
+    elif is_deepspeed(accelerator):
+        deepspeed_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR)
+    else:
         return False
-    fsdp_engine.load_state(accelerator, checkpoint / ENGINE_SUBDIR, optimizer)
     return True

@@ -69,13 +69,14 @@ def pad_forwards(model, batch: dict, count: int) -> None:
         model.train(was_training)
 
 
-def save_state(accelerator, tmp_dir: Path) -> Path:
+def save_state(accelerator, tmp_dir: Path, **save_kwargs) -> Path:
     """accelerate's ``save_state`` (sharded weights + optimizer, RNG) into `tmp_dir`, written by every
-    process (a collective); the main process moves it into the checkpoint."""
+    process (a collective); the main process moves it into the checkpoint. `save_kwargs`: for the engine's
+    own save (DeepSpeed's ``save_checkpoint``)."""
     if accelerator.is_main_process and tmp_dir.exists():  # left by a run killed mid-save
         shutil.rmtree(tmp_dir)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp_dir))
+    accelerator.save_state(str(tmp_dir), **save_kwargs)
     accelerator.wait_for_everyone()
     return tmp_dir
 

@@ -35,11 +35,12 @@ What a run does
   (``accelerate launch --cpu --num_processes 2`` starts ONE process: detected and warned).
   FSDP2 and FSDP1 (``examples/accelerate_configs/fsdp2.yaml``, ``fsdp.yaml``): the setup, the evaluation's
   model and padded forwards, the clipping and the sharded checkpoint state are `engines`'
-  (docs/distributed.md); DeepSpeed is refused at start.
+  (docs/distributed.md); DeepSpeed ZeRO-2 / ZeRO-3 (``examples/accelerate_configs/deepspeed_zero{2,3}.yaml``):
+  `engines` too (the backward, the gathered heads under ZeRO-3, DeepSpeed's own sharded checkpoint);
+  ZeRO-0/1 are refused at start.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -281,7 +282,7 @@ def _prepare_optimization(run: Run) -> None:
     optimizer = make_optimizer(run.inner, config)
     run.scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=run.total_steps)
-    run.model, run.optimizer = engines.prepare(run.accelerator, run.inner, optimizer)
+    run.model, run.optimizer = engines.prepare(run.accelerator, run.inner, optimizer, config)
     run.eval_model = engines.eval_model(run.accelerator, run.model)
     run.inner = unwrap_model(run.eval_model)
     run.device = run.accelerator.device
@@ -356,20 +357,21 @@ def _eval_refitted(run: Run) -> dict:
     again on the features as they are now (`refit_value_head`), then the heads and config restored,
     so evaluations leave the training path (and checkpoints, which resume exactly) unchanged."""
     inner = run.inner
-    heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
-             for name in ("numeric_embedding", "abduction", "action")}
     saved_config = copy.deepcopy(inner.causal_config)
-    refitted = run.config.value_refit == "eval" and refit_value_head(
-        run.eval_model, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
-    try:
-        return _run_eval(run)
-    finally:
-        if refitted:
-            run.refitted_eval_step = run.state.global_step
-            with torch.no_grad():
-                for name, state_dict in heads.items():
-                    getattr(inner, name).load_state_dict(state_dict)
-            inner.causal_config = saved_config
+    with engines.whole_heads(run.accelerator, inner, modify=True):  # ZeRO-3: gathered for the fit and its undoing
+        heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
+                 for name in ("numeric_embedding", "abduction", "action")}
+        refitted = run.config.value_refit == "eval" and refit_value_head(
+            run.eval_model, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
+        try:
+            return _run_eval(run)
+        finally:
+            if refitted:
+                run.refitted_eval_step = run.state.global_step
+                with torch.no_grad():
+                    for name, state_dict in heads.items():
+                        getattr(inner, name).load_state_dict(state_dict)
+                inner.causal_config = saved_config
 
 
 def _save_checkpoint(run: Run) -> Path:
@@ -440,7 +442,7 @@ def _optimizer_step(run: Run, it, window: _Window) -> None:
         batch = next(it)
         inputs = {k: batch[k].to(run.device) for k in MODEL_INPUTS if k in batch}
         sync = j == group - 1
-        with contextlib.nullcontext() if sync else accelerator.no_sync(run.model):
+        with engines.no_sync(accelerator, run.model, sync):
             out = run.model(**inputs)
             # the micro-batch's one host sync: the three losses together
             losses = torch.stack([out.loss, out.loss_cls, out.loss_reg]).detach().to("cpu", torch.float64)
@@ -448,7 +450,7 @@ def _optimizer_step(run: Run, it, window: _Window) -> None:
                 loss, loss_cls, loss_reg = losses.tolist()
                 raise FloatingPointError(f"non-finite loss {loss} at step {state.global_step + 1} "
                                          f"(loss_cls={loss_cls}, loss_reg={loss_reg})")
-            accelerator.backward(out.loss / group)
+            engines.backward(accelerator, run.model, out.loss / group, sync)
         window.running[:3] += losses
         window.running[3] += 1
         window.tokens += (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # on the device, read when logging
@@ -495,18 +497,8 @@ def _finish(run: Run) -> TrainResult:
     """After the last step: the value head fitted on the final features, the last evaluation, the
     calibration of the width, the adapter, final_metrics.json, the plot; the TrainResult."""
     config, inner, state = run.config, run.inner, run.state
-    if refit_value_head(run.eval_model, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
-                         run.eval_ds) and run.refitted_eval_step != state.global_step:
-        run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
-    if run.eval_ds is not None and run.last_eval_step != state.global_step:
-        _run_eval(run)
-    if run.eval_ds is not None and config.calibrate_scale:
-        base = base_scale(inner, lambda: _evaluate(run).predictions())
-        calibrated = calibrate_regression_scale(inner, run.predictions, base)
-        if calibrated:
-            if run.is_main and calibrated is not True:
-                print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
-            _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
+    with engines.whole_heads(run.accelerator, inner, modify=True):  # ZeRO-3: the heads gathered, the fits kept
+        _fit_final_heads(run)
     adapter_dir = run.out_dir / ADAPTER_SUBDIR
     tensors = engines.whole_adapter_tensors(run.accelerator, run.model)  # FSDP: gathered on every process
     plot_path = _write_outputs(run, adapter_dir, tensors) if run.is_main else None
@@ -519,6 +511,23 @@ def _finish(run: Run) -> TrainResult:
         adapter_dir=adapter_dir, checkpoints=list_checkpoints(run.out_dir), log_path=run.log_path,
         plot_path=plot_path, num_processes=run.world, resumed_from=run.resumed_from,
     )
+
+
+def _fit_final_heads(run: Run) -> None:
+    """The value head refitted on the final features, the last evaluation, the calibration of the width."""
+    config, inner, state = run.config, run.inner, run.state
+    if refit_value_head(run.eval_model, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
+                         run.eval_ds) and run.refitted_eval_step != state.global_step:
+        run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
+    if run.eval_ds is not None and run.last_eval_step != state.global_step:
+        _run_eval(run)
+    if run.eval_ds is not None and config.calibrate_scale:
+        base = base_scale(inner, lambda: _evaluate(run).predictions())
+        calibrated = calibrate_regression_scale(inner, run.predictions, base)
+        if calibrated:
+            if run.is_main and calibrated is not True:
+                print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
+            _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
 
 
 def _write_outputs(run: Run, adapter_dir: Path, tensors: dict | None = None) -> Path | None:
