@@ -101,6 +101,9 @@ def main() -> None:
         train(model(), config(args.out / "full", args.batch), train_dataset=train_ds, eval_dataset=eval_ds)
         bf16_lora(args.out / "bf16", args.batch, train_ds, eval_ds)
         trainer_run(args.out / "trainer", args.batch, train_ds)
+        # a frozen backbone (no LoRA): the own loop and CausalTrainer
+        train(model(lora=False), config(args.out / "frozen", args.batch), train_dataset=train_ds, eval_dataset=eval_ds)
+        trainer_run(args.out / "trainer_frozen", args.batch, train_ds, lora=False)
 
         def kill(state, logs):
             if state.global_step == KILL_AT:  # checkpoint-2 is in place
@@ -113,7 +116,7 @@ def main() -> None:
         trainer_run(args.out / "trainer_resumed", args.batch, train_ds, args.out / "trainer" / "checkpoint-2")
 
 
-def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None) -> None:
+def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None, lora: bool = True) -> None:
     """`CausalTrainer` under the same launch: RUN_STEPS steps of 2 micro-batches, clipping, checkpoints every 2
     steps (Trainer's sharded model and optimizer beside the adapter files); the adapter-only `save_model`."""
     from safetensors.torch import save_file
@@ -129,7 +132,7 @@ def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None
                               disable_tqdm=True,
                               # the state `use_fsdp_on_cpu` set as an FSDP launch on GPUs does (else Trainer resets it)
                               accelerator_config={"use_configured_state": True})
-    trainer = CausalTrainer(model=model(), args=targs, train_dataset=train_ds, data_collator=NumericCollator(0))
+    trainer = CausalTrainer(model=model(lora), args=targs, train_dataset=train_ds, data_collator=NumericCollator(0))
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     trainer.save_model(str(out / "adapter"))
     save_file({k: v.contiguous() for k, v in trainer.model.adapter_state_dict(lora=False).items()},  # replicated

@@ -141,3 +141,21 @@ def test_deepspeed_two_processes_match_one_process_with_twice_the_batch(runs, on
     ev2, ev1 = records(out / "full", "eval_calibrated")[-1], records(one_process, "eval_calibrated")[-1]
     assert ev2["num_targets"] == ev1["num_targets"] == 5  # every validation row once, gathered from both ranks
     assert ev2["loss"] == pytest.approx(ev1["loss"], rel=LOSS_RTOL)
+
+
+def test_causal_trainer_refuses_deepspeed_naming_what_runs(monkeypatch):
+    """CausalTrainer under DeepSpeed is not supported (train() is): it stops at construction, not mid-run."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from causal_adapter import CausalAdapterConfig, get_causal_model
+    from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
+    from causal_adapter.saving.hf_trainer import CausalTrainer
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    args = TrainingArguments(output_dir="unused", max_steps=1, report_to=[], use_cpu=False,
+                             deepspeed={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                        "train_batch_size": "auto", "gradient_accumulation_steps": "auto"})
+    model = get_causal_model(build_tiny_qwen("qwen2"), CausalAdapterConfig(), tokenizer=load_qwen_tokenizer())
+    with pytest.raises(ValueError, match="does not run under DeepSpeed yet: train with causal_adapter.training.loop"):
+        CausalTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": [[1, 2]]}))

@@ -200,3 +200,25 @@ def test_causal_trainer_under_fsdp_saves_the_adapter_only_and_resumes_exactly(ru
     logs = [[(r["step"], r["loss"]) for r in json.loads((d / "checkpoint-4" / "trainer_state.json").read_text())
              ["log_history"] if "loss" in r] for d in (runs / "trainer", runs / "trainer_resumed")]
     assert logs[0] == logs[1] and len(logs[0]) == worker.RUN_STEPS
+
+
+def test_frozen_backbone_under_fsdp_own_loop_and_causal_trainer(runs):
+    """No LoRA (a frozen backbone, the heads trained), in the same launches: `train()` and `CausalTrainer` each
+    leave an adapter-only directory (no LoRA, no base matrix) that reloads onto a fresh base; the trainer's
+    replicated heads are equal on both processes and moved from their start."""
+    from causal_adapter import CausalModel
+
+    for run in ("frozen", "trainer_frozen"):
+        adapter = runs / run / "adapter"
+        assert not (adapter / "adapter_model.safetensors").exists(), run  # no LoRA: no peft file
+        saved = load_file(str(adapter / "causal_adapter_model.safetensors"))
+        assert saved and not any(k.startswith("lora.") for k in saved), run
+        assert all(t.numel() < 320 * 32 for t in saved.values())
+        loaded = CausalModel.from_pretrained(worker.base(), adapter).adapter_state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    heads = [load_file(str(runs / "trainer_frozen" / f"heads_rank{r}.safetensors")) for r in (0, 1)]
+    assert [k for k in heads[0] if not torch.equal(heads[0][k], heads[1][k])] == []
+    start = worker.model(lora=False).adapter_state_dict(lora=False)
+    assert any(not torch.equal(heads[0][k], start[k]) for k in heads[0] if k in start)
+    records = [json.loads(line) for line in (runs / "frozen" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)

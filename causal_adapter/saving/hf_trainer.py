@@ -35,6 +35,10 @@ class CausalTrainer(Trainer):
             raise TypeError(f"CausalTrainer trains a causal_adapter CausalModel, got {type(model).__name__}; "
                             "use transformers.Trainer for other models")
         super().__init__(model, *args, **kwargs)
+        if self.is_deepspeed_enabled:  # ZeRO-3 partitions W_cls, which the heads read outside lm_head's forward
+            raise ValueError("CausalTrainer does not run under DeepSpeed yet: train with causal_adapter.training.loop."
+                             "train / `causal-adapter train` (ZeRO-2 and ZeRO-3, docs/distributed.md), or use FSDP "
+                             "with CausalTrainer")
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.is_fsdp_enabled:
