@@ -49,7 +49,7 @@ def features(corpus: str, qk_scale: float, direction_norm: float | None):
             ds = tokenize_dataset(dd[split], ntok, add_eos_token=config.add_eos_token)
             batches = (collate([ds[j] for j in range(i, min(i + 16, len(ds)))]) for i in range(0, len(ds), 16))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                X[precision][split], y = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
+                X[precision][split], y, _ = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
             t[split] = (y - acfg.value_loc) / acfg.value_scale
     mu = X["fp32"]["train"].mean(0)
     return {p: {s: x - mu for s, x in X[p].items()} for p in X}, t, acfg.value_scale

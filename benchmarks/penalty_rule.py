@@ -87,7 +87,7 @@ def features(model, dataset, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
         dataset = tokenize_dataset(dataset, ntok, add_eos_token=True)
     collate = NumericCollator(tokenizer.pad_token_id or 0)
     rows = [dataset[i] for i in range(len(dataset))]
-    X, t = num_label_features(model, [collate(rows[i:i + 16]) for i in range(0, len(rows), 16)], "cpu")
+    X, t, _ = num_label_features(model, [collate(rows[i:i + 16]) for i in range(0, len(rows), 16)], "cpu")
     return X, (t - model.causal_config.value_loc) / model.causal_config.value_scale
 
 

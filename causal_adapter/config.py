@@ -16,6 +16,8 @@ FORBIDDEN_LORA_TARGETS = ("embed_tokens", "lm_head")
 # Bounds of the initial values held by the float32 heads (see CausalAdapterConfig.validate).
 SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
+#: most recent numbers of the text the value head may read (`CausalAdapterConfig.recent_values`)
+MAX_RECENT_VALUES = 256
 
 #: what each metric key measures (metric tables, the adapter card)
 METRIC_LABELS = {
@@ -127,6 +129,10 @@ class CausalAdapterConfig:
         appends it to such a prompt: the value is always read where training fitted it (docs/predict.md).
     number_contexts: the token ids that precede a ``<NUM>`` of the training completions (the prefix first);
         None with `number_prefix_id`.
+    recent_values: K, the most recent numbers of the text that the value head reads directly beside loc_U
+        (loc_Y' = w_reg . loc_U + w_recent . r + b_reg, r their standardised values; `modeling.heads`); w_recent
+        is set by the closed-form fits of `train()` (0 before). 0 = the SPEC's head on loc_U alone. Adapters
+        written before this field load as 0.
     """
 
     causal_size: int | None = None
@@ -156,6 +162,7 @@ class CausalAdapterConfig:
     autocast_adapter_dtype: bool = True
     number_prefix_id: int | None = None
     number_contexts: list[int] | None = None
+    recent_values: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -220,6 +227,9 @@ class CausalAdapterConfig:
                                  f"got {self.number_prefix_id!r} and {str(ctx)[:80]}")
         elif self.number_contexts is not None:
             raise ValueError("number_contexts needs number_prefix_id")
+        if (isinstance(self.recent_values, bool) or not isinstance(self.recent_values, int)
+                or not 0 <= self.recent_values <= MAX_RECENT_VALUES):
+            raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):
@@ -234,6 +244,8 @@ class CausalAdapterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CausalAdapterConfig":
+        if "recent_values" not in data:  # written before the field existed: the head without it
+            data = {**data, "recent_values": 0}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -143,7 +143,15 @@ def test_deepspeed_two_processes_match_one_process_with_twice_the_batch(runs, on
     assert ev2["loss"] == pytest.approx(ev1["loss"], rel=LOSS_RTOL)
 
 
-def test_causal_trainer_refuses_deepspeed_naming_what_runs(monkeypatch):
+def _forget_deepspeed_state() -> None:
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_causal_trainer_refuses_deepspeed_naming_what_runs(monkeypatch, request):
     """CausalTrainer under DeepSpeed is not supported (train() is): it stops at construction, not mid-run."""
     import datasets
     from transformers import TrainingArguments
@@ -153,6 +161,10 @@ def test_causal_trainer_refuses_deepspeed_naming_what_runs(monkeypatch):
     from causal_adapter.saving.hf_trainer import CausalTrainer
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED and transformers' global ZeRO config in this
+    # process: both are undone afterwards, or every later train() in the session would start as a DeepSpeed run
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    request.addfinalizer(_forget_deepspeed_state)
     args = TrainingArguments(output_dir="unused", max_steps=1, report_to=[], use_cpu=False,
                              deepspeed={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
                                         "train_batch_size": "auto", "gradient_accumulation_steps": "auto"})

@@ -30,6 +30,10 @@ import fsdp_train_worker as worker  # noqa: E402  (the runs' model, data and set
 # order (per-process means, then the mean of them), fp32. Measured: the adapters differ by <= 1e-6
 # relative; a head gradient summed instead of averaged over the processes moves them by ~1e-2.
 RTOL, ATOL = 1e-4, 1e-6
+# adapters after the runs: 2 ranks vs 1 sum in another order, and 8 SGD-like steps at lr 0.5 carry that
+# float32 noise to up to 1.3e-4 of a tensor's largest entry (measured: lora_B, w_reg, abduction.loc.bias);
+# a doubled head gradient moves them by the order of the tensor itself
+ADAPTER_SCALE_RTOL = 1e-3
 
 
 CONFIGS = {1: "fsdp.yaml", 2: "fsdp2.yaml"}  # fsdp_version -> the shipped accelerate config
@@ -158,7 +162,8 @@ def test_fsdp_two_processes_match_one_process_with_twice_the_batch(runs, one_pro
     two, one = records(runs / "full"), records(one_process)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
                                rtol=RTOL, atol=ATOL)
-    assert_adapters_close(adapter_files(runs / "full" / "adapter"), adapter_files(one_process / "adapter"))
+    assert_adapters_close(adapter_files(runs / "full" / "adapter"), adapter_files(one_process / "adapter"),
+                          scale_rtol=ADAPTER_SCALE_RTOL)
     ev2, ev1 = records(runs / "full", "eval_calibrated")[-1], records(one_process, "eval_calibrated")[-1]
     assert ev2["num_targets"] == ev1["num_targets"] == 5  # every validation row once, gathered from both ranks
     assert ev2["loss"] == pytest.approx(ev1["loss"], rel=RTOL)

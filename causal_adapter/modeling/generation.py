@@ -49,7 +49,7 @@ from .._compat import cache_kwargs, output_cache
 from ..numbers import NumberTokenizer, format_number
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
-from .heads import full_precision
+from .heads import full_precision, recent_values
 from .intervals import interval
 from .scoring import OvRScorer
 
@@ -563,13 +563,24 @@ def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tens
     whose number was announced by its prefix at the previous step)."""
     loc_U, scale_U = model.abduction(z)
     scale_Up = model.action.noisy_scale(scale_U)
-    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up)
+    recent = _recent(model, run, trace, t)
+    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up, recent)
     if run.opts.mode == "causal":
-        tok, val, prob = _choose_causal(model, run, trace, t, loc_U, scale_Up, shared_eps)
+        tok, val, prob = _choose_causal(model, run, trace, t, loc_U, scale_Up, shared_eps, recent)
     else:
         tok, val, prob = _choose_by_scores(run, trace, t, loc_U, scale_Up, loc_Y)
     tok, prob, pending = _place_number(run, tok, prob, loc_U, scale_Up, prev, pending)
     return tok, val, prob, loc_Y, scale_Y, pending
+
+
+def _recent(model, run: _Run, trace: _Trace, t: int) -> Tensor | None:
+    """[B, K] the K most recent numbers of the prompt and the text generated so far (the value head reads them
+    when the adapter's `recent_values` K > 0), else None."""
+    k = model.action.recent_values
+    if not k:
+        return None
+    n = run.S + t  # the prompt and the t tokens written before this step
+    return recent_values(trace.sequences[:, :n].to(run.hdev), trace.values[:, :n].to(run.hdev), run.num_id, k)[:, -1]
 
 
 def _place_number(run: _Run, tok: Tensor, prob: Tensor, loc_U: Tensor, scale_Up: Tensor, prev: Tensor,
@@ -593,12 +604,12 @@ def _place_number(run: _Run, tok: Tensor, prob: Tensor, loc_U: Tensor, scale_Up:
 
 
 def _choose_causal(model, run: _Run, trace: _Trace, t: int, loc_U: Tensor, scale_Up: Tensor,
-                   shared_eps: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                   shared_eps: Tensor | None, recent: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """causal mode: an individual u [B, C] drawn from eps, then the noiseless action on u."""
     scorer = run.scorer
     eps = shared_eps if run.opts.shared_individual else _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
     u = cauchy_icdf(eps, loc_U, scale_Up).to(run.hdtype)
-    decision, y = model.action.decision_scores(u, scorer.W_cls)
+    decision, y = model.action.decision_scores(u, scorer.W_cls, recent)
     if t < run.opts.min_new_tokens and run.eos:
         decision[:, run.eos_t.to(run.hdev)] = -math.inf
     tok = decision.argmax(-1)

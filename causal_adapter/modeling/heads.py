@@ -36,6 +36,28 @@ def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+def recent_values(input_ids: Tensor, numeric_values: Tensor | None, num_token_id: int, k: int,
+                  before: Tensor | None = None) -> Tensor:
+    """The values of the k most recent <NUM> tokens at or before each position: [B, S] -> [B, S, k], index 0
+    the most recent; NaN where the text so far holds fewer than k numbers. `before` [B, k] (same order, NaN =
+    none): the numbers of a prefix that is not among `input_ids` (a cached prompt during generation)."""
+    B, S = input_ids.shape
+    dev = input_ids.device
+    dt = numeric_values.dtype if numeric_values is not None and numeric_values.is_floating_point() else torch.float32
+    if before is None:
+        before = torch.full((B, k), math.nan, dtype=dt, device=dev)
+    is_num = input_ids == num_token_id
+    # every row's numbers in order, oldest first: the prefix's k, then those of input_ids
+    values = torch.full((B, k + S), math.nan, dtype=dt, device=dev)
+    values[:, :k] = before.to(device=dev, dtype=dt).flip(-1)
+    count = k + is_num.long().cumsum(-1)  # numbers at or before each position, the prefix's included
+    if numeric_values is not None:
+        slot = torch.where(is_num, count - 1, torch.zeros_like(count))
+        values.scatter_(1, slot, torch.where(is_num, numeric_values.to(dt), values.gather(1, slot)))
+    idx = count.unsqueeze(-1) - 1 - torch.arange(k, device=dev)  # [B, S, k]
+    return values.gather(1, idx.reshape(B, -1)).reshape(B, S, k)
+
+
 def symlog(values: Tensor) -> Tensor:
     """sign(v) ln(1 + |v|): the value's magnitude on a log scale; symlog(0) = 0."""
     return torch.sign(values) * torch.log1p(values.abs())
@@ -103,12 +125,18 @@ class ActionHead(nn.Module):
 
     scale_U' = scale_U + |b_noise|
     loc_S = W_cls loc_U + b_cls, scale_S = max(|W_cls| scale_U', scale_floor)   (all V rows)
-    loc_Y' = w_reg . loc_U + b_reg, scale_Y' = |b_noise_Y| ("independent") or |w_reg| . scale_U' ("shared")
+    loc_Y' = w_reg . loc_U + w_recent . r + b_reg, scale_Y' = |b_noise_Y| ("independent") or |w_reg| . scale_U' ("shared")
         or |b_noise_Y| exp(w_scale_Y . loc_U) depth(loc_U) ("per_row", `per_row_scale`)
     loc_Y = value_loc + value_scale * loc_Y', scale_Y = max(value_scale * scale_Y', scale_floor)
 
     Y' is the value in standardised units; (value_loc, value_scale) are plain floats from the
     config (`set_value_units`), (0, 1) = raw units.
+
+    r [..., K]: the K most recent numbers of the text (`recent_values`), standardised the same way,
+    clamped to `recent_range` (their range in training widened by its width on each side) and 0 where the
+    text has fewer numbers. The value itself reaches the head there, exactly, beside the features that
+    carry it through the backbone (in bf16 residuals, after a log-compressing phi); w_recent is a fitted
+    buffer (the closed-form fits set it), zero from the start. K = 0: the SPEC's head alone.
 
     W_cls is the backbone's lm_head weight, passed in at call time (shared, not a submodule:
     it must not be saved or counted twice). Its <NUM> row is replaced by `num_row`, a
@@ -119,7 +147,7 @@ class ActionHead(nn.Module):
                  b_noise_init: float, threshold_init: float, threshold_mode: str, learnable_threshold: bool,
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
-                 b_noise_Y_init: float = 1.0):
+                 b_noise_Y_init: float = 1.0, recent_values: int = 0):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
@@ -156,6 +184,11 @@ class ActionHead(nn.Module):
             # w_scale_Y . loc_U is clamped to its range on the training rows: a linear log-scale must not
             # extrapolate (to a 1e-13 width) where the head never trained; the depth factor widens there
             self.register_buffer("log_scale_range", torch.tensor([-30.0, 30.0], **kw))
+
+        self.recent_values = recent_values
+        if recent_values:
+            self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
+            self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
 
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
@@ -244,9 +277,27 @@ class ActionHead(nn.Module):
         log_s = torch.minimum(torch.maximum(loc_U @ self.w_scale_Y, lo), hi)
         return self.b_noise_Y.abs().reshape(()) * log_s.exp() * self.depth_factor(loc_U)
 
-    def regression(self, loc_U: Tensor, scale_Up: Tensor) -> tuple[Tensor, Tensor]:
-        """[..., C] -> loc_Y [...], scale_Y [...] in value units."""
-        loc_Y = self.to_value(loc_U @ self.w_reg + self.b_reg.reshape(()))
+    def standardized_recent(self, recent: Tensor) -> Tensor:
+        """Raw recent values [..., K] (NaN = none) -> r [..., K]: standardised, 0 where none. Unclamped (the fits
+        read it so)."""
+        r = (recent.to(self.b_reg.dtype) - self.value_loc) / self.value_scale
+        return torch.nan_to_num(r, nan=0.0)
+
+    def recent_term(self, recent: Tensor | None, like: Tensor) -> Tensor:
+        """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0)."""
+        if not self.recent_values:
+            return like.new_zeros(())
+        if recent is None:
+            raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
+                             "text: pass their values (`heads.recent_values`)")
+        lo, hi = self.recent_range
+        r = torch.minimum(torch.maximum(self.standardized_recent(recent), lo), hi)
+        return r @ self.w_recent
+
+    def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],
+        scale_Y [...] in value units."""
+        loc_Y = self.to_value(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
             scale_Y = self.per_row_scale(loc_U)
         elif self.b_noise_Y is not None:
@@ -262,10 +313,12 @@ class ActionHead(nn.Module):
         scale_S = self.override_num_column(linear_in_dtype(scale_Up, W_cls.abs()), scale_Up, scale=True)
         return loc_S, scale_S.clamp_min(self.scale_floor)
 
-    def decision_scores(self, u: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
-        """Noise-free action for a sampled individual u [..., C]: (s - C_k) [..., V] and y [...]."""
+    def decision_scores(self, u: Tensor, W_cls: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Noise-free action for a sampled individual u [..., C] (recent [..., K] as in `regression`):
+        (s - C_k) [..., V] and y [...]."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
-        return s - self.threshold_scores(), self.to_value(u @ self.w_reg + self.b_reg.reshape(()))
+        y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
+        return s - self.threshold_scores(), self.to_value(y)
 
 
 def _idx(k: int, like: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from ..modeling.families import (
     text_config,
 )
 from ..modeling.generation import generate
-from ..modeling.heads import AbductionHead, ActionHead, NumericEmbedding, full_precision
+from ..modeling.heads import AbductionHead, ActionHead, NumericEmbedding, full_precision, recent_values
 from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.prediction import predict_values
@@ -54,6 +54,8 @@ class CausalOutput(ModelOutput):
     loss, loss_cls, loss_reg: scalars (None without labels). loc_U, scale_U: [B, S, C]
     (scale_U without the exogenous noise; scale_U' = scale_U + |b_noise|). loc_Y, scale_Y: [B, S].
     loc_S, scale_S: [B, S, V], only with `return_scores=True`. hidden_states: z [B, S, H].
+    recent: [B, S, K] the raw values of the K most recent numbers the value head read (NaN = none), with
+    `recent_values` K > 0.
     """
 
     loss: Tensor | None = None
@@ -66,6 +68,7 @@ class CausalOutput(ModelOutput):
     loc_S: Tensor | None = None
     scale_S: Tensor | None = None
     hidden_states: Tensor | None = None
+    recent: Tensor | None = None
     cache: Any = None
 
     @property
@@ -188,7 +191,7 @@ class CausalModel(nn.Module):
                 threshold_mode=config.threshold_mode, learnable_threshold=config.learnable_threshold,
                 train_num_row=config.train_num_row, scale_floor=config.scale_floor,
                 generator=gen, dtype=dtype, device=device, regression_scale=config.regression_scale,
-                b_noise_Y_init=config.b_noise_Y_init,
+                b_noise_Y_init=config.b_noise_Y_init, recent_values=config.recent_values,
             )
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)
@@ -418,12 +421,15 @@ class CausalModel(nn.Module):
         use_cache: bool = False,
         past_key_values: Any = None,
         return_scores: bool = False,
+        recent_before: Tensor | None = None,
     ) -> CausalOutput:
         """input_ids, numeric_values, attention_mask, labels, label_values: [B, S].
 
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         cache: the backbone's cache (`past_key_values` is its name before transformers 5.24, still taken).
+        recent_before: [B, K] the K most recent numbers before input_ids (`heads.recent_values`; a cached
+            prefix's), for an adapter whose value head reads them (`recent_values` K > 0); None = none.
         """
         if past_key_values is not None:
             if cache is not None:
@@ -446,9 +452,14 @@ class CausalModel(nn.Module):
         with full_precision(z.device):
             loc_U, scale_U = self.abduction(z)
             scale_Up = self.action.noisy_scale(scale_U)
-            loc_Y, scale_Y = self.action.regression(loc_U, scale_Up)
+            recent = None
+            if self.action.recent_values:
+                recent = recent_values(input_ids.to(loc_U.device), None if numeric_values is None
+                                       else numeric_values.to(loc_U.device), self.num_token_id,
+                                       self.action.recent_values, recent_before)
+            loc_Y, scale_Y = self.action.regression(loc_U, scale_Up, recent)
             result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
-                                  cache=output_cache(out) if use_cache else None)
+                                  recent=recent, cache=output_cache(out) if use_cache else None)
             if return_scores:
                 result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
             if labels is not None:

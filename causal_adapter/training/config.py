@@ -107,6 +107,10 @@ class TrainConfig:
                                        "residuals in the adapter (value_calibration: intervals calibrated at "
                                        "every level); needs a validation split and a per-row or independent scale")
     reg_weight: float = flag(1.0, "lambda in L = L_cls + lambda L_reg")
+    recent_values: int = flag(16, "K: the value head also reads the values of the K most recent numbers of the "
+                              "text, exactly, beside loc_U (fitted by the closed-form fits with the rest of the "
+                              "head); 0 = loc_U alone, the SPEC's head. docs/values.md has the validation figures "
+                              "behind the default")
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given (also: --corpus)",
                         choices=list(CORPORA), aliases=["--corpus"])
@@ -223,5 +227,5 @@ class TrainConfig:
             lora=lora, learnable_direction=self.learnable_direction, learnable_threshold=self.learnable_threshold,
             threshold_mode=self.threshold_mode, train_num_row=self.train_num_row, gamma0=self.gamma0,
             threshold_init=self.threshold_init,
-            alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed,
+            alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed, recent_values=self.recent_values,
         )

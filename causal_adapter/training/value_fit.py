@@ -82,11 +82,12 @@ def value_decimals(values: Iterable[float], max_decimals: int = 6) -> int:
 
 
 def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192
-                       ) -> tuple[Tensor, Tensor]:
-    """(loc_U [n, C] float64, targets [n] float64) at the positions that predict a <NUM> label. `model`:
-    the CausalModel or the module whose forward runs it (an FSDP1 root unit)."""
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loc_U [n, C] float64, targets [n] float64, the recent values the head reads there [n, K] float64, raw,
+    NaN = none; K = 0 without) at the positions that predict a <NUM> label. `model`: the CausalModel or the
+    module whose forward runs it (an FSDP1 root unit)."""
     num_token_id = unwrap_causal_model(model).num_token_id
-    feats, targets, n = [], [], 0
+    feats, targets, recents, n = [], [], [], 0
     was_training = model.training
     model.eval()
     try:
@@ -96,7 +97,10 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                 out = model(batch["input_ids"].to(device), batch["numeric_values"].to(device),
                             batch["attention_mask"].to(device))
                 pos = labels[:, 1:] == num_token_id
-                feats.append(out.loc_U[:, :-1][pos.to(out.loc_U.device)].double().cpu())  # heads may sit elsewhere
+                at = pos.to(out.loc_U.device)  # heads may sit elsewhere
+                feats.append(out.loc_U[:, :-1][at].double().cpu())
+                if out.recent is not None:
+                    recents.append(out.recent[:, :-1][at].double().cpu())
                 values = batch["label_values"] if "label_values" in batch else batch["numeric_values"]
                 targets.append(values.to(device)[:, 1:][pos].double().cpu())
                 n += int(pos.sum())
@@ -105,8 +109,11 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
     finally:
         model.train(was_training)
     if not feats:
-        return torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
-    return torch.cat(feats)[:max_rows], torch.cat(targets)[:max_rows]
+        empty = torch.zeros(0, 0, dtype=torch.float64)
+        return empty, torch.zeros(0, dtype=torch.float64), empty
+    X = torch.cat(feats)[:max_rows]
+    R = torch.cat(recents)[:max_rows] if recents else torch.zeros(X.shape[0], 0, dtype=torch.float64)
+    return X, torch.cat(targets)[:max_rows], R
 
 
 def standardize(X: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -120,12 +127,16 @@ def standardize(X: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tenso
     return mean, sd.clamp_min(floor)
 
 
-def bf16_shift(X: Tensor, w: Tensor) -> float:
+def bf16_shift(X: Tensor, w: Tensor, exact_columns: int = 0) -> float:
     """Largest |change of X @ w| over the rows of X [n, C] when X is rounded to bfloat16 (the
-    head's conditioning: loc_U of a bf16 model carries that rounding)."""
+    head's conditioning: loc_U of a bf16 model carries that rounding), the last `exact_columns` (the
+    recent values, which reach the head in full precision) kept as they are."""
     if X.numel() == 0:
         return 0.0
-    return float(((X.to(torch.bfloat16).to(X.dtype) - X) @ w).abs().max())
+    rounded = X.to(torch.bfloat16).to(X.dtype)
+    if exact_columns:
+        rounded[:, -exact_columns:] = X[:, -exact_columns:]
+    return float(((rounded - X) @ w).abs().max())
 
 
 def _ridge_path(Xs: Tensor, t: Tensor, weights: Tensor, lams: Sequence[float]):
@@ -161,7 +172,7 @@ def robust_weights(resid: Tensor, loss: str) -> Tensor:
     raise ValueError(f"unknown robust loss {loss!r}; use 'cauchy', 'huber', 'tukey' or 'squared'")
 
 
-def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tensor | None):
+def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tensor | None, exact_columns: int = 0):
     """The (score, lam, w_s, b, loo) of `path` with the smallest score_fn(w_raw, b, loo) among the
     penalties whose raw weights move X @ w by at most `max_shift` under bf16 rounding (on the training
     and validation rows); the most penalised entry when none qualifies."""
@@ -171,7 +182,7 @@ def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tens
         item = (score_fn(w_raw, b, loo), lam, w, b, loo)
         first = first or item
         rows = X if X_val is None else torch.cat([X, X_val])
-        if bf16_shift(rows, w_raw) > max_shift:
+        if bf16_shift(rows, w_raw, exact_columns) > max_shift:
             continue
         if best is None or item[0] < best[0]:
             best = item
@@ -188,12 +199,14 @@ def _standardized(X: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
 
 def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Tensor | None = None, *,
                     loss: str = "cauchy", grid: Sequence[float] = RIDGE_GRID, max_shift: float = BF16_MAX_SHIFT,
-                    iters: int = IRLS_ITERS, losses: Sequence[str] = LOSSES) -> dict:
+                    iters: int = IRLS_ITERS, losses: Sequence[str] = LOSSES, exact_columns: int = 0,
+                    exact_gain: float = 1.0) -> dict:
     """Robust ridge regression t [n] ~ X [n, C] on per-feature standardised features, folded back to
     raw units (a plain linear head). The penalty (relative to the largest squared singular value of
     the standardised features) is the grid entry with the smallest mean of the validation MAE (X_val, t_val)
     and the mean |LOO residual| (`penalty_score`), else of the latter alone, among those whose weights keep
-    the bf16-rounding shift <= `max_shift`.
+    the bf16-rounding shift <= `max_shift` (the last `exact_columns` of X are not rounded; `exact_gain` divides
+    their penalty by its square).
     loss != 'squared' ('huber', 'cauchy', 'tukey'): IRLS M-estimate started from the ridge solution, then the penalty is chosen again
     under the final weights and IRLS runs once more. loss 'auto': each of `losses` is fitted so; least
     squares is kept unless a robust fit's validation MAE (else mean |LOO residual|) is smaller by more
@@ -203,12 +216,16 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     "shift": bf16 shift, "chosen_on": str, "loss": the loss used, "score": its selection score,
     "scores": {loss: score} (the candidates'), "abs_errors": [n_val] (or [n]) held-out absolute errors}."""
     if loss == "auto":
-        fits = [fit_linear_head(X, t, X_val, t_val, loss=name, grid=grid, max_shift=max_shift, iters=iters)
-                for name in losses]
+        fits = [fit_linear_head(X, t, X_val, t_val, loss=name, grid=grid, max_shift=max_shift, iters=iters,
+                                exact_columns=exact_columns, exact_gain=exact_gain) for name in losses]
         best = _one_standard_error_choice(fits)
         return {**best, "scores": {f["loss"]: f["score"] for f in fits}}
     robust_weights(t[:1], loss)  # an unknown loss fails here, before any work
     mean, sd, Xs, unit = _standardized(X)
+    if exact_columns and exact_gain != 1.0:  # the last columns scaled up: their penalty is lam / gain^2
+        sd = sd.clone()
+        sd[-exact_columns:] /= exact_gain
+        Xs = (X - mean) / sd
     has_val = X_val is not None and t_val is not None and len(t_val) > 0
 
     def score(w_raw, b, loo):
@@ -219,7 +236,7 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     rounds = 1 if loss == "squared" else 2
     for _ in range(rounds):
         _, lam, w, b, loo = _choose(_ridge_path(Xs, t, weights, [r * unit for r in grid]), score, X, sd,
-                                    max_shift, X_val if has_val else None)
+                                    max_shift, X_val if has_val else None, exact_columns)
         if loss == "squared":
             break
         for _ in range(iters):  # IRLS at this penalty
@@ -229,7 +246,7 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     w_raw = w / sd
     abs_errors = (X_val @ w_raw + b - mean @ w_raw - t_val).abs() if has_val else loo.abs()
     return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "loo": loo, "weights": weights,
-            "shift": bf16_shift(X, w_raw), "chosen_on": "validation+leave-one-out" if has_val else "leave-one-out",
+            "shift": bf16_shift(X, w_raw, exact_columns), "chosen_on": "validation+leave-one-out" if has_val else "leave-one-out",
             "loss": loss, "score": float(abs_errors.mean()), "scores": {loss: float(abs_errors.mean())},
             "abs_errors": abs_errors}
 
@@ -328,6 +345,77 @@ def center_abduction(model, mean: Tensor) -> Tensor:
     return mean
 
 
+#: the value head's input sets `choose_head_inputs` picks from: (name, reads loc_U, reads the recent values,
+#: penalty gain of the recent values), the reference first. A least-squares head on a random base's loc_U
+#: (thousands of near-collinear columns) fits the training months and extrapolates badly; on the recent values
+#: alone it is an autoregression (co2, validation / test MAE 0.34 / 0.40 vs 0.59 / 2.12 for both under one
+#: penalty), or a linear regression on the prompt's numbers
+HEAD_INPUTS = (("recent", False, True, 1.0), ("loc_U", True, False, 1.0), ("loc_U+recent/100", True, True, 10.0),
+               ("loc_U+recent", True, True, 1.0))
+
+
+def _score_gap(ref: dict, other: dict) -> tuple[float, float]:
+    """(how much smaller `other`'s `penalty_score` is than `ref`'s, its standard error): the paired differences of
+    absolute errors, validation and leave-one-out each averaged, as `penalty_score` weighs them."""
+    parts = [ref["loo"].abs() - other["loo"].abs()]
+    if ref["val_errors"] is not None:
+        parts.append(ref["val_errors"] - other["val_errors"])
+    means = [float(d.mean()) for d in parts]
+    ses = [float(d.std() / math.sqrt(len(d))) if len(d) > 1 else math.inf for d in parts]
+    return sum(means) / len(parts), math.sqrt(sum(se * se for se in ses)) / len(parts)
+
+
+def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor | None, C: int,
+                       max_shift: float) -> tuple[str, Tensor, float]:
+    """Which inputs the value head reads, chosen per fit on held-out error: F [n, C + K] = loc_U, then the K
+    recent values. Each set of `HEAD_INPUTS` is fitted by least squares (its own penalty). The reference (the
+    recent values alone: K weights) is kept unless another set's `penalty_score` (validation and leave-one-out
+    MAE) is smaller by more than one standard error (the one-standard-error rule, as for the loss: on a few
+    dozen validation rows a smaller MAE alone is mostly noise, and the C-column sets are the ones that then
+    extrapolate badly); among those, the smallest score. Returns (name, the kept columns [C + K] as a mask, the
+    recent values' penalty gain). Without recent values (K = 0): loc_U."""
+    k = F.shape[1] - C
+    if not k:
+        return "loc_U", torch.ones(C, dtype=torch.bool), 1.0
+    has_val = F_val is not None and t_val is not None and len(t_val) > 0
+    fits = []
+    for name, use_u, use_recent, gain in HEAD_INPUTS:
+        keep = torch.cat([torch.full((C,), use_u), torch.full((k,), use_recent)])
+        fit = fit_linear_head(F[:, keep], t, F_val[:, keep] if has_val else None, t_val if has_val else None,
+                              loss="squared", max_shift=max_shift, exact_columns=k if use_recent else 0,
+                              exact_gain=gain)
+        val_errors = fit["abs_errors"] if has_val else None
+        score = penalty_score(float(fit["loo"].abs().mean()), None if val_errors is None else float(val_errors.mean()))
+        fits.append({"name": name, "keep": keep, "gain": gain, "score": score, "loo": fit["loo"],
+                     "val_errors": val_errors})
+    reference = fits[0]
+    better = []
+    for f in fits[1:]:
+        drop, se = _score_gap(reference, f)
+        if drop > se:
+            better.append(f)
+    best = min(better, key=lambda f: f["score"]) if better else reference
+    return best["name"], best["keep"], best["gain"]
+
+
+def _standardized_recent(R: Tensor, act) -> Tensor:
+    """Raw recent values [n, K] (NaN = none) -> the head's r [n, K] in float64 (`ActionHead.standardized_recent`)."""
+    return torch.nan_to_num((R - act.value_loc) / act.value_scale, nan=0.0)
+
+
+def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
+    """[2, K] the range the head clamps r to: per column, the training rows' range of r (NaN rows of R, no
+    number there, left out) widened by its width on each side. A linear head may extrapolate a trend a
+    little (co2's last months lie above every training month), not without bound."""
+    seen = ~torch.isnan(R)
+    lo = torch.where(seen, Rs, torch.full_like(Rs, math.inf)).amin(0)
+    hi = torch.where(seen, Rs, torch.full_like(Rs, -math.inf)).amax(0)
+    none = ~seen.any(0)
+    lo, hi = torch.where(none, 0.0, lo), torch.where(none, 0.0, hi)
+    width = hi - lo
+    return torch.stack([lo - width, hi + width])
+
+
 def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: Tensor | None = None,
               t_val: Tensor | None = None) -> tuple[Tensor, float, Tensor]:
     """Least-squares `fit_linear_head`: (w [C + 1], the intercept last; the relative penalty; LOO
@@ -345,32 +433,46 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     `fit_log_scale` and the out-of-depth statistics (`fit_depth`). Penalties are chosen on `val_batches`
     when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
     of loss 'auto'. Returns a summary, or None with fewer than 2 targets. `model`: as for `num_label_features`."""
-    X, y = num_label_features(model, batches, device, max_rows)
+    X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
     inner = unwrap_causal_model(model)  # the heads' attributes (`model` runs the forward)
     act = inner.action
     t = (y - act.value_loc) / act.value_scale
-    X_val = t_val = None
+    X_val = t_val = R_val = None
     if val_batches is not None:
-        X_val, y_val = num_label_features(model, val_batches, device, max_rows)
+        X_val, y_val, R_val = num_label_features(model, val_batches, device, max_rows)
         t_val = (y_val - act.value_loc) / act.value_scale
     with whole_root_parameters(model):  # FSDP1: W_cls whole
         mean = center_abduction(inner, X.mean(0))
     X = X - mean
     X_val = None if X_val is None else X_val - mean
-    fit = fit_linear_head(X, t, X_val, t_val, loss=loss, max_shift=max_shift, losses=losses)
-    summary = {"rows": int(X.shape[0]), "loss": fit["loss"], "ridge_lambda": fit["lam"],
+    # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
+    C, k = X.shape[1], R.shape[1]
+    F = torch.cat([X, _standardized_recent(R, act)], 1)
+    F_val = None if X_val is None else torch.cat([X_val, _standardized_recent(R_val, act)], 1)
+    inputs, keep, gain = choose_head_inputs(F, t, F_val, t_val, C, max_shift)
+    fit = fit_linear_head(F[:, keep], t, None if F_val is None else F_val[:, keep], t_val, loss=loss,
+                          max_shift=max_shift, losses=losses, exact_columns=int(keep[C:].sum()), exact_gain=gain)
+    w = torch.zeros(C + k, dtype=fit["w"].dtype)
+    w[keep] = fit["w"]
+    fit["w"] = w
+    summary = {"rows": int(X.shape[0]), "inputs": inputs, "loss": fit["loss"], "ridge_lambda": fit["lam"],
                "chosen_on": fit["chosen_on"],
                "w_norm": float(fit["w"].norm()), "bf16_shift": fit["shift"] * act.value_scale,
                "loo_mae": float(fit["loo"].abs().mean()) * act.value_scale,
                "finite": bool(math.isfinite(float(fit["w"].abs().sum())))}
     scale = max(float(fit["loo"].abs().median()), 1e-3)
+    if k:
+        summary["w_recent_norm"] = float(fit["w"][C:].norm())
     with torch.no_grad():
-        act.w_reg.copy_(fit["w"].to(act.w_reg.dtype))
+        act.w_reg.copy_(fit["w"][:C].to(act.w_reg.dtype))
         act.b_reg.fill_(fit["b"])
+        if k:
+            act.w_recent.copy_(fit["w"][C:].to(act.w_recent.dtype))
+            act.recent_range.copy_(recent_range(F[:, C:], R).to(act.recent_range))
         if act.w_scale_Y is not None:
-            resid_val = None if t_val is None else t_val - (X_val @ fit["w"] + fit["b"])
+            resid_val = None if t_val is None else t_val - (F_val @ fit["w"] + fit["b"])
             sfit = fit_log_scale(X, fit["loo"], X_val, resid_val)
             act.w_scale_Y.copy_(sfit["w"].to(act.w_scale_Y.dtype))
             seen = X @ sfit["w"]
