@@ -9,7 +9,7 @@ The same run from the command line: ``causal-adapter train --output-dir runs/sun
 """
 import argparse
 
-from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
+from causal_adapter import CausalModel, get_causal_model
 from causal_adapter.data.corpora import build_corpus
 from causal_adapter.training.metrics import format_metrics_table
 from causal_adapter.training.config import TrainConfig
@@ -35,26 +35,28 @@ def main():
     ap.add_argument("--epochs", type=float, default=2.0)
     args = ap.parse_args()
 
-    # 1. wrap the base model (frozen backbone, or LoRA through peft)
+    # 1. the run's settings: TrainConfig's defaults are the recipe `causal-adapter train` uses
+    config = TrainConfig(output_dir=args.output_dir, num_train_epochs=args.epochs, learning_rate=2e-2,
+                         lora=args.lora, lora_r=8, lora_alpha=16, lora_learning_rate=2e-4,
+                         per_device_train_batch_size=8, eval_steps=20, save_steps=20, warmup_ratio=0.05)
+
+    # 2. wrap the base model (frozen backbone, or LoRA through peft) with that recipe's adapter config
+    #    (gamma0, threshold, recent values); CausalAdapterConfig() alone is the SPEC's initial design
     base, tokenizer = load_base(args.base)
-    adapter_config = CausalAdapterConfig(lora=LoraSettings(r=8, alpha=16) if args.lora else None)
-    model = get_causal_model(base, adapter_config, tokenizer=tokenizer)
+    model = get_causal_model(base, config.adapter_config(), tokenizer=tokenizer)
     model.print_trainable_parameters()
 
-    # 2. data: any datasets.Dataset with a "text" column or "prompt" + "completion" columns
+    # 3. data: any datasets.Dataset with a "text" column or "prompt" + "completion" columns
     #    (here the built-in sunspots corpus, split by time; data.load_text_dataset reads files)
     splits = build_corpus("sunspots")
 
-    # 3. train (accelerate underneath: the same call runs single-process or under DDP)
-    config = TrainConfig(output_dir=args.output_dir, num_train_epochs=args.epochs, learning_rate=2e-2,
-                         lora_learning_rate=2e-4, per_device_train_batch_size=8, eval_steps=20, save_steps=20,
-                         warmup_ratio=0.05)
+    # 4. train (accelerate underneath: the same call runs single-process or under DDP)
     result = train(model, config, train_dataset=splits["train"], eval_dataset=splits["validation"],
                    tokenizer=tokenizer)
     print(format_metrics_table(result.eval_metrics))
     print("adapter saved in", result.adapter_dir)
 
-    # 4. reload the adapter (a few hundred KB) on a fresh copy of the base and predict the next value
+    # 5. reload the adapter (a few hundred KB) on a fresh copy of the base and predict the next value
     fresh_base, _ = load_base(args.base)
     reloaded = CausalModel.from_pretrained(fresh_base, result.adapter_dir, tokenizer=tokenizer)
     row = splits["test"][0]
