@@ -13,6 +13,7 @@ phi, bf16 residuals, random-base mixing). Claims, each failing when its mechanis
 * the head's inputs are chosen by the one-standard-error rule: the recent values alone unless a set with loc_U's
   C columns is better by more than a standard error (pure-noise loc_U columns win a plain smallest-score choice
   in a third of draws), and loc_U when it carries the value;
+* a head on the recent values alone has no out-of-depth widening from loc_U's distance;
 * adapters written before the field load as K = 0.
 """
 import math
@@ -126,6 +127,22 @@ def test_generate_reads_the_numbers_forward_reads(linear_law, qwen_tokenizer):
     pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
     for nums, p in zip(gen.numbers, pred):
         assert nums and nums[0]["exact"] == pytest.approx(p["value"], abs=0.05 * (p["upper_90"] - p["lower_90"]))
+
+
+def test_width_ignores_loc_U_distance_when_the_head_reads_no_loc_U():
+    """The out-of-depth factor widens the interval with loc_U's distance from the training features: right for a
+    head on loc_U, noise for a head on the recent values alone (co2: intervals 1.3x a constant width's Winkler)."""
+    from causal_adapter.training.value_fit import ridge_warm_start
+    from test_values import batches, regime_rows, wrap
+
+    train_ds, _ = regime_rows(120, 0)
+    val_ds, _ = regime_rows(40, 1)
+    for k, inputs, widens in ((2, "recent", False), (0, "loc_U", True)):  # target = the prompt's number + noise
+        model = wrap(value_loc=50.0, value_scale=25.0, recent_values=k)
+        summary = ridge_warm_start(model, batches(train_ds), "cpu", val_batches=batches(val_ds))
+        act = model.action
+        far = act.depth_mean + 50 * act.depth_basis[0]  # far out along the features' main direction
+        assert summary["inputs"] == inputs and (float(act.depth_factor(far)) > 2) == widens, summary
 
 
 def test_adapters_written_before_the_field_load_without_it():

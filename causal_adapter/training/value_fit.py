@@ -430,8 +430,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
     its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
-    `fit_log_scale` and the out-of-depth statistics (`fit_depth`). Penalties are chosen on `val_batches`
-    when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
+    `fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor of 1, when the head reads no
+    loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
     of loss 'auto'. Returns a summary, or None with fewer than 2 targets. `model`: as for `num_label_features`."""
     X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
@@ -478,8 +478,12 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
             seen = X @ sfit["w"]
             act.log_scale_range.copy_(torch.stack([seen.min(), seen.max()]).to(act.log_scale_range))
             scale = math.exp(sfit["b"])
-            act.set_depth(fit_depth(X, act.depth_basis.shape[0]))
-            summary.update(scale_lambda=sfit["lam"], scale_w_norm=float(sfit["w"].norm()))
+            depth = fit_depth(X, act.depth_basis.shape[0])
+            if not bool(keep[:C].any()):  # the head reads no loc_U: loc_U's distance says nothing of its error
+                depth = {**depth, "weight": torch.zeros_like(depth["weight"]), "resid": torch.zeros_like(depth["resid"])}
+            act.set_depth(depth)
+            summary.update(scale_lambda=sfit["lam"], scale_w_norm=float(sfit["w"].norm()),
+                           depth="loc_U" if bool(keep[:C].any()) else "off")
         if act.b_noise_Y is not None:
             act.b_noise_Y.fill_(scale)
     return summary
