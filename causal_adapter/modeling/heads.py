@@ -278,10 +278,9 @@ class ActionHead(nn.Module):
         return self.b_noise_Y.abs().reshape(()) * log_s.exp() * self.depth_factor(loc_U)
 
     def standardized_recent(self, recent: Tensor) -> Tensor:
-        """Raw recent values [..., K] (NaN = none) -> r [..., K]: standardised, 0 where none. Unclamped (the fits
-        read it so)."""
-        r = (recent.to(self.b_reg.dtype) - self.value_loc) / self.value_scale
-        return torch.nan_to_num(r, nan=0.0)
+        """Raw recent values [..., K] (NaN = none) -> r [..., K] in recent's dtype: standardised, 0 where none.
+        Unclamped (the fits read it so, in float64)."""
+        return torch.nan_to_num((recent - self.value_loc) / self.value_scale, nan=0.0)
 
     def recent_term(self, recent: Tensor | None, like: Tensor) -> Tensor:
         """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0)."""
@@ -291,7 +290,7 @@ class ActionHead(nn.Module):
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
         lo, hi = self.recent_range
-        r = torch.minimum(torch.maximum(self.standardized_recent(recent), lo), hi)
+        r = torch.minimum(torch.maximum(self.standardized_recent(recent.to(self.b_reg.dtype)), lo), hi)
         return r @ self.w_recent
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -398,11 +398,6 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
     return best["name"], best["keep"], best["gain"]
 
 
-def _standardized_recent(R: Tensor, act) -> Tensor:
-    """Raw recent values [n, K] (NaN = none) -> the head's r [n, K] in float64 (`ActionHead.standardized_recent`)."""
-    return torch.nan_to_num((R - act.value_loc) / act.value_scale, nan=0.0)
-
-
 def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
     """[2, K] the range the head clamps r to: per column, the training rows' range of r (NaN rows of R, no
     number there, left out) widened by its width on each side. A linear head may extrapolate a trend a
@@ -449,8 +444,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     X_val = None if X_val is None else X_val - mean
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], R.shape[1]
-    F = torch.cat([X, _standardized_recent(R, act)], 1)
-    F_val = None if X_val is None else torch.cat([X_val, _standardized_recent(R_val, act)], 1)
+    F = torch.cat([X, act.standardized_recent(R)], 1)
+    F_val = None if X_val is None else torch.cat([X_val, act.standardized_recent(R_val)], 1)
     inputs, keep, gain = choose_head_inputs(F, t, F_val, t_val, C, max_shift)
     fit = fit_linear_head(F[:, keep], t, None if F_val is None else F_val[:, keep], t_val, loss=loss,
                           max_shift=max_shift, losses=losses, exact_columns=int(keep[C:].sum()), exact_gain=gain)
