@@ -65,13 +65,16 @@ def grad_check(heads_in_autocast: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- sunspots
-def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "sunspots") -> dict:
-    """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir."""
+def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "sunspots", device: str = "cpu",
+              **overrides) -> dict:
+    """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir.
+    device "cpu" forces CPU (CPU autocast); "cuda": accelerate's own device choice (a GPU's autocast).
+    overrides: other TrainConfig fields (e.g. recent_values=0)."""
     from causal_adapter.training.config import TrainConfig
     from causal_adapter.training.loop import train
 
     config = TrainConfig(dataset=corpus, max_steps=steps, mixed_precision=mixed_precision, output_dir=str(out_dir),
-                         cpu=True, plot=False, progress=False, eval_steps=0)
+                         cpu=device == "cpu", plot=False, progress=False, eval_steps=0, **overrides)
     err = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stderr(err):
@@ -80,12 +83,14 @@ def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "su
     summary = dict(re.findall(r"(\w+)=([^,\s]+)", next((line for line in err.getvalue().splitlines()
                                                          if line.startswith("value head:")), "")))
     return {"adapter": result.adapter_dir, "seconds": seconds, "val_mae": (result.eval_metrics or {}).get("value_mae"),
-            "ridge": {k: summary.get(k) for k in ("ridge_lambda", "w_norm", "loo_mae")}}
+            "ridge": {k: summary.get(k) for k in ("ridge_lambda", "w_norm", "loo_mae", "inputs")}}
 
 
-def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots") -> float:
+def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots", device: str = "cpu",
+             base_dtype: str = "float32") -> float:
     """Test-split value MAE of a saved adapter, as `causal-adapter eval` computes it (fresh float32
-    model), optionally under CPU bf16 autocast."""
+    model), optionally under bf16 autocast; on `device` ("cpu" as `eval` runs, or "cuda"); `base_dtype`:
+    the base's weights (as `eval --dtype`)."""
     from causal_adapter.saving.assets import load_base
     from causal_adapter.data.corpora import build_corpus
     from causal_adapter.data.pipeline import tokenize_dataset
@@ -93,11 +98,11 @@ def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots") -> flo
     from causal_adapter.saving.model import CausalModel
     from causal_adapter.numbers import NumberTokenizer
 
-    base, tokenizer = load_base(None, "qwen2", "float32", 64, 2)
-    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer)
+    base, tokenizer = load_base(None, "qwen2", base_dtype, 64, 2)
+    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer).to(device)
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     ds = tokenize_dataset(build_corpus(corpus)["test"], ntok)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
         return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
 
 

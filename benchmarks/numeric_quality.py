@@ -1,6 +1,6 @@
 """Numeric quality on the held-out TEST splits of the offline real data sets (issue 12).
 
-    python benchmarks/numeric_quality.py                        # 5 corpora, 150 steps per trained variant
+    python benchmarks/numeric_quality.py                        # every corpus of CORPORA, 150 steps per trained variant
     python benchmarks/numeric_quality.py --corpora sunspots --steps 240
     python benchmarks/numeric_quality.py --quick                # toy size (CI smoke test)
 
@@ -67,12 +67,12 @@ from pathlib import Path
 
 import torch
 
-CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "heteroscedastic")
-TABULAR = ("diabetes", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
+CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "heteroscedastic")
+TABULAR = ("diabetes", "engel", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
 LEVELS = (0.5, 0.8, 0.9, 0.95)
 PINBALL_LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 20))
 TRAINED = ("causal_frozen", "causal_lora", "digit_lora")
-SEASON = {"co2": 12}
+SEASON = {"co2": 12, "elnino": 12}
 VARIANTS = ("constant", "persistence", "seasonal_naive", "linear", "linear_huber", "probe_raw_unit_d", "probe_std_unit_d",
             "ridge_probe", "causal_frozen", "causal_lora", "digit_lora")
 LABELS = {
@@ -724,7 +724,7 @@ def format_interval_table(corpus: str, results: dict) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--corpora", nargs="+", default=None, choices=CORPORA, help="default: all five (quick: 2)")
+    ap.add_argument("--corpora", nargs="+", default=None, choices=CORPORA, help="default: all of CORPORA (quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of every trained variant (default 150)")
     ap.add_argument("--batch-size", type=int, default=None, help="examples per step (default 16, quick: 4)")
     ap.add_argument("--lr", type=float, default=1e-2, help="peak learning rate of the heads and of the digit LoRA")

@@ -1,6 +1,6 @@
 """Intervals on ordered data (issue 27, item 3): the CLI's default recipe, then `predict --targets-column`.
 
-    python benchmarks/ordered_intervals.py --corpora co2 sunspots macro --max-steps 300
+    python benchmarks/ordered_intervals.py --corpora co2 sunspots macro elnino --max-steps 300
 
 Per corpus, through the commands a user runs (`causal-adapter data`, `train --train-file --validation-file
 --max-steps N`, `predict`): the adapter's split-conformal intervals (no targets), the adaptive conformal ones
@@ -58,14 +58,15 @@ def validation_table(val: dict, gammas) -> dict:
 
 
 def choose_gamma(tables: dict) -> tuple[float, dict]:
-    """One gamma for all corpora from their validation tables: among the gammas whose coverage is within 0.1
-    of nominal at both levels on every corpus (all gammas when none is), the smallest mean over corpora of
-    (Winkler 50 + 90) / the same at the smallest gamma of the grid. Returns (gamma, {gamma: that mean})."""
+    """One gamma for all corpora from their validation tables: the smallest mean over corpora of
+    (Winkler 50 + Winkler 90) / the same at the smallest gamma of the grid. The interval score is proper (its
+    expectation is smallest at the true quantiles), so it already charges a gamma for missing coverage; a
+    coverage filter on these halves (10 to 54 rows: a 50% coverage has a binomial sd of 0.07 to 0.16) would
+    choose on noise. Returns (gamma, {gamma: that mean})."""
     gammas = sorted(next(iter(tables.values())))
     wsum = lambda t, g: sum(t[g][q]["winkler"] for q in LEVELS)  # noqa: E731
     crit = {g: sum(wsum(t, g) / wsum(t, gammas[0]) for t in tables.values()) / len(tables) for g in gammas}
-    ok = [g for g in gammas if all(abs(t[g][q]["cov"] - q) <= 0.1 for t in tables.values() for q in LEVELS)]
-    return min(ok or gammas, key=crit.get), crit
+    return min(gammas, key=crit.get), crit
 
 
 def run_corpus(corpus: str, args, work: Path) -> dict:
@@ -101,7 +102,7 @@ def test_scores(p: dict, gamma: float) -> dict:
 
 def main_(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpora", nargs="+", default=["co2", "sunspots", "macro"])
+    ap.add_argument("--corpora", nargs="+", default=["co2", "sunspots", "macro", "elnino"])
     ap.add_argument("--max-steps", type=int, default=300)
     ap.add_argument("--gammas", nargs="+", type=float, default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5])
     ap.add_argument("--gamma", type=float, default=None, help="test gamma (default: the one chosen on validation)")

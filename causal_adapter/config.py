@@ -18,6 +18,9 @@ SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
 #: most recent numbers of the text the value head may read (`CausalAdapterConfig.recent_values`)
 MAX_RECENT_VALUES = 256
+#: largest move of loc_Y' (value_scale units) that rounding loc_U to bf16 may cause in a value head run on 16-bit
+#: features (the fit's bound under `bf16_safe_head`; above it, a head fitted on float32 features warns under bf16)
+BF16_MAX_SHIFT = 0.005
 
 #: what each metric key measures (metric tables, the adapter card)
 METRIC_LABELS = {
@@ -133,6 +136,11 @@ class CausalAdapterConfig:
         (loc_Y' = w_reg . loc_U + w_recent . r + b_reg, r their standardised values; `modeling.heads`); w_recent
         is set by the closed-form fits of `train()` (0 before). 0 = the SPEC's head on loc_U alone. Adapters
         written before this field load as 0.
+    value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
+        backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
+        units, on the training rows) if loc_U were rounded to bf16. A head fitted on float32 features whose shift
+        exceeds `BF16_MAX_SHIFT` value_scale units warns when it runs on 16-bit features (a bf16 base, or bf16 /
+        fp16 autocast): its values then move by about that much (docs/mixed_precision.md). None: not recorded.
     """
 
     causal_size: int | None = None
@@ -163,6 +171,8 @@ class CausalAdapterConfig:
     number_prefix_id: int | None = None
     number_contexts: list[int] | None = None
     recent_values: int = 0
+    value_fit_dtype: str | None = None
+    value_bf16_shift: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -230,6 +240,10 @@ class CausalAdapterConfig:
         if (isinstance(self.recent_values, bool) or not isinstance(self.recent_values, int)
                 or not 0 <= self.recent_values <= MAX_RECENT_VALUES):
             raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
+        if self.value_fit_dtype not in (None, "float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"value_fit_dtype must be a float dtype name or None, got {self.value_fit_dtype!r}")
+        if self.value_bf16_shift is not None and not finite("value_bf16_shift") >= 0:
+            raise ValueError(f"value_bf16_shift must be >= 0 or None, got {self.value_bf16_shift!r}")
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):

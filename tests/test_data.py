@@ -231,7 +231,7 @@ def test_corpora_splits_time_ordered_and_consistent(corpora):
                     assert find_numbers(history)[-1].value == row["previous"], (name, row)
                 else:
                     assert find_numbers(row["prompt"])[-1].value == row["previous"], (name, row)
-        if name in ("arithmetic", "units", "diabetes", "heteroscedastic"):
+        if name in ("arithmetic", "units", "diabetes", "engel", "heteroscedastic"):
             keys = [set(dd[s]["prompt"]) for s in dd]
             assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2]), name
             continue
@@ -242,6 +242,23 @@ def test_corpora_splits_time_ordered_and_consistent(corpora):
         assert max(idx[0]) < min(idx[1]) and max(idx[1]) < min(idx[2]), name
         times = [set(dd[s]["time"]) for s in dd]
         assert not (times[0] & times[1]) and not (times[1] & times[2]) and not (times[0] & times[2])
+
+
+def test_elnino_and_engel_exact_content(corpora):
+    """statsmodels elnino (monthly, 1950-2010; split 70/15/15 by time) and engel (235 households, 231 distinct
+    incomes, shuffled)."""
+    el = corpora["elnino"]
+    first = el["train"][0]
+    assert first["prompt"].startswith("Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C). 1950-01: 23.11; "
+                                      "1950-02: 24.2; ")
+    assert first["prompt"].endswith("; 1950-12: 21.8; 1951-01:") and first["completion"] == " 24.19"
+    assert (first["previous"], first["time"]) == (21.8, "1951-01")
+    assert [len(el[s]) for s in el] == [504, 108, 108] and el["test"][len(el["test"]) - 1]["time"] == "2010-12"
+    en = corpora["engel"]
+    rows = {r["prompt"]: r for s in en for r in en[s]}
+    assert len(rows) == 231 and [len(en[s]) for s in en] == [161, 35, 35]
+    row = rows["Household income 420.16; food expenditure:"]  # statsmodels' first household, 420.157651 -> 255.839425
+    assert (row["completion"], row["target"], row["previous"]) == (" 255.84", 255.84, 420.16)
 
 
 def test_sunspots_exact_content(corpora):

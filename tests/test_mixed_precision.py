@@ -2,6 +2,7 @@
 weights in float32 on a bf16/fp16 base, the fused loss's GEMM precision option, host syncs and the
 compiled kernel's fallback."""
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,3 +326,53 @@ def test_bf16_autocast_recipe_within_15_percent_of_fp32(tmp_path, qwen_tokenizer
             AcceleratorState._reset_state(reset_partial_state=True)
         mae[mp] = _test_value_mae(result.adapter_dir, "sunspots", qwen_tokenizer, tiny)
     assert mae["bf16"] <= 1.15 * mae["no"], mae
+
+
+def test_value_head_fitted_on_float32_features_warns_under_bf16(tmp_path, qwen_tokenizer):
+    """A value head fitted on float32 features (train on a float32 base) records them (value_fit_dtype,
+    value_bf16_shift); run on 16-bit features (bf16 autocast, or the base in bf16) it warns once, naming the
+    shift, since its values then move (an H100 under bf16 autocast: test MAE 40x with the head on loc_U alone,
+    docs/mixed_precision.md). float32 inference, or a head whose bf16 shift is small, does not warn."""
+    import warnings
+
+    from accelerate.state import AcceleratorState
+
+    from causal_adapter.config import BF16_MAX_SHIFT
+    from causal_adapter.saving.assets import load_base
+    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.training.loop import train
+
+    tiny = (32, 1)
+    config = TrainConfig(dataset="sunspots", max_steps=2, recent_values=0, cpu=True, plot=False, progress=False,
+                         tiny_hidden_size=tiny[0], tiny_layers=tiny[1], output_dir=str(tmp_path / "run"))
+    try:
+        result = train(config=config)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    prompt = ["Yearly sunspot numbers. 1975: 15.5; 1976: 12.6; 1977: 27.5; 1978: 92.5; 1979:"]
+
+    def predict(dtype=torch.float32, autocast=False):
+        base, _ = load_base(None, "qwen2", "float32", *tiny)
+        model = CausalModel.from_pretrained(base.to(dtype), result.adapter_dir, tokenizer=qwen_tokenizer)
+        with warnings.catch_warnings(record=True) as caught, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            warnings.simplefilter("always")
+            model.predict_values(prompt * 2, tokenizer=qwen_tokenizer, batch_size=1)  # two forwards, one warning
+        cfg = model.causal_config
+        return cfg, [str(w.message) for w in caught if "fitted on float32 features" in str(w.message)]
+
+    cfg, quiet = predict()
+    assert cfg.value_fit_dtype == "float32" and cfg.value_bf16_shift > BF16_MAX_SHIFT * cfg.value_scale, cfg
+    assert quiet == []
+    _, under_autocast = predict(autocast=True)
+    assert len(under_autocast) == 1 and "autocast to torch.bfloat16" in under_autocast[0], under_autocast
+    _, bf16_base = predict(dtype=torch.bfloat16)
+    assert len(bf16_base) == 1 and "torch.bfloat16 base" in bf16_base[0], bf16_base
+    # a head whose bf16 rounding moves nothing (the recent values alone, or a bounded penalty) stays quiet
+    import json
+    from causal_adapter.saving.artifacts import CONFIG_NAME
+    path = Path(result.adapter_dir) / CONFIG_NAME
+    meta = json.loads(path.read_text())
+    meta["adapter_config"]["value_bf16_shift"] = 0.0
+    path.write_text(json.dumps(meta))
+    assert predict(autocast=True)[1] == []

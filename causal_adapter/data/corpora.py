@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from ..numbers import format_number
 
 # --------------------------------------------------------------------------- corpora
-CORPORA = ("sunspots", "nile", "co2", "macro", "diabetes", "arithmetic", "units", "heteroscedastic")
+CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "arithmetic", "units", "heteroscedastic")
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 SPLITS = ("train", "validation", "test")
 
@@ -128,6 +128,20 @@ def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     return _to_dataset_dict(rows, split_fractions, "co2")
 
 
+def elnino_corpus(window: int = 12, seed: int = 0, split_fractions=(0.7, 0.15, 0.15)):
+    """Monthly mean sea surface temperature (deg C) of the Pacific at 0-10 S, 90-80 W, 1950-01 .. 2010-12
+    (statsmodels elnino, NOAA), split by time; by default the last 15% of months are the test split (the
+    ordered-data case of issue 27). Time labels ``YYYY-MM``."""
+    mod = _require("statsmodels.datasets.elnino", "statsmodels", "elnino")
+    df = mod.load_pandas().data
+    months = [c for c in df.columns if c != "YEAR"]
+    times = [f"{int(y)}-{m:02d}" for y in df["YEAR"] for m in range(1, len(months) + 1)]
+    values = [float(v) for _, row in df.iterrows() for v in row[months]]
+    rows = _series_rows("elnino", "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", times, values,
+                        window)
+    return _to_dataset_dict(rows, split_fractions, "elnino")
+
+
 _MACRO_TITLES = {
     "unemp": "US quarterly unemployment rate (%).",
     "infl": "US quarterly inflation rate (%).",
@@ -183,6 +197,28 @@ def diabetes_corpus(window: int | None = None, seed: int = 0, split_fractions=DE
             "series": "diabetes",
         })
     return _to_dataset_dict(rows, split_fractions, "diabetes")
+
+
+def engel_corpus(window: int | None = None, seed: int = 0, split_fractions=(0.7, 0.15, 0.15)):
+    """Household income -> food expenditure of 235 Belgian working-class households, 1857 (statsmodels engel;
+    Belgian francs, rounded to 0.01): ``"Household income 1897.57; food expenditure:"`` -> ``" 1033.57"``. A
+    cross-section whose straight line through the training rows is a strong baseline. The data repeat four
+    incomes (rows 51, 160, 161, 171; three of them whole duplicates): only the first row of each income is
+    kept (231), so no prompt is in two splits. Rows split by a permutation seeded with ``seed``; ``previous``
+    is the income, ``t_index`` the original row."""
+    mod = _require("statsmodels.datasets.engel", "statsmodels", "engel")
+    df = mod.load_pandas().data
+    first = {}
+    for i, v in enumerate(df["income"]):
+        first.setdefault(round(float(v), 2), i)
+    order = sorted(first.values())
+    random.Random(seed).shuffle(order)
+    rows = []
+    for i in order:
+        income, food = _canonical(round(float(df["income"][i]), 2)), _canonical(round(float(df["foodexp"][i]), 2))
+        rows.append({"prompt": f"Household income {income[0]}; food expenditure:", "completion": " " + food[0],
+                     "target": food[1], "previous": income[1], "time": "", "t_index": i, "series": "engel"})
+    return _to_dataset_dict(rows, split_fractions, "engel")
 
 
 def _rand_operand(rng: random.Random) -> float:
@@ -313,8 +349,10 @@ _BUILDERS = {
     "sunspots": sunspots_corpus,
     "nile": nile_corpus,
     "co2": co2_corpus,
+    "elnino": elnino_corpus,
     "macro": macro_corpus,
     "diabetes": diabetes_corpus,
+    "engel": engel_corpus,
     "arithmetic": arithmetic_corpus,
     "units": units_corpus,
     "heteroscedastic": heteroscedastic_corpus,

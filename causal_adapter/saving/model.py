@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from .._compat import (
     output_cache,
 )
 from .._version import __version__
-from ..config import IGNORE_INDEX, CausalAdapterConfig
+from ..config import BF16_MAX_SHIFT, IGNORE_INDEX, CausalAdapterConfig
 from ..modeling.families import (
     SUPPORTED_MODEL_TYPES,
     check_text_only,
@@ -408,6 +409,29 @@ class CausalModel(nn.Module):
         if len(set(dtypes.values())) > 1:
             raise ValueError(f"the adapter heads have mixed dtypes {dtypes}: cast the whole CausalModel, or none")
 
+    def check_feature_precision(self, z: Tensor) -> None:
+        """Warn (once per model) when a value head fitted on float32 features runs on 16-bit ones: `z` [B, S, H]
+        16-bit (a bf16 / fp16 base) or computed under 16-bit autocast, while the fit recorded float32 features and
+        a bf16 shift above `BF16_MAX_SHIFT` value units (config.value_fit_dtype / value_bf16_shift). Such a head
+        reads loc_U differences below bf16's resolution, so its values move by about that shift (an H100 under
+        bf16 autocast: test MAE 40x, docs/mixed_precision.md)."""
+        cfg = self.causal_config
+        if (getattr(self, "_precision_warned", False) or cfg.value_fit_dtype != "float32"
+                or not (cfg.value_bf16_shift or 0.0) > BF16_MAX_SHIFT * (cfg.value_scale or 1.0)):
+            return
+        dev = z.device.type
+        half = (torch.bfloat16, torch.float16)
+        autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half
+        if z.dtype not in half and not autocast:
+            return
+        self._precision_warned = True
+        where = f"autocast to {torch.get_autocast_dtype(dev)}" if autocast else f"a {z.dtype} base"
+        warnings.warn(f"this adapter's value head was fitted on float32 features, and it now runs under {where}: "
+                      f"rounding loc_U to 16 bits moves its values by up to {cfg.value_bf16_shift:.4g} "
+                      f"(value_scale {cfg.value_scale:.4g}). For values, run the base in float32 without autocast, "
+                      "or train with the base in bf16 (the fit then sees the features it will run on; "
+                      "docs/mixed_precision.md)", UserWarning, stacklevel=3)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -448,6 +472,8 @@ class CausalModel(nn.Module):
                 **cache_kwargs(self.decoder, cache),
             )
         z = out.last_hidden_state
+        if not self.training:
+            self.check_feature_precision(z)
         # heads and losses in their own dtype whatever autocast the caller runs (bf16 loc_Y near 400 moves in steps of 2)
         with full_precision(z.device):
             loc_U, scale_U = self.abduction(z)

@@ -25,14 +25,13 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..config import BF16_MAX_SHIFT  # noqa: F401  (re-exported: the fits' default bound)
 from ..numbers import format_number
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_causal_model
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
-#: largest move of loc_Y' (value_scale units) a penalty may allow when loc_U is rounded to bf16 (goal: < 0.01)
-BF16_MAX_SHIFT = 0.005
 #: IRLS iterations of a robust fit (per round; two rounds)
 IRLS_ITERS = 30
 #: losses a value head's fit can use (the order breaks ties of loss='auto')

@@ -55,13 +55,23 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
             return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        summary.update(ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val,
-                                        loss=config.value_loss, max_shift=head_shift_bound(inner, config),
-                                        losses=LOSSES if final else WARM_START_LOSSES) or {})
+        fit = ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val, loss=config.value_loss,
+                               max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES)
+        if fit:
+            record_fit_precision(inner, fit["bf16_shift"])
+        summary.update(fit or {})
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def record_fit_precision(inner, bf16_shift: float) -> None:
+    """Save with the adapter what the value head was fitted on: the features' dtype (the fit runs without
+    autocast, `engines.inference_precision`, so the base's) and the bf16 shift of loc_Y (value units). A
+    float32-fitted head with a large shift warns when it runs on 16-bit features (`CausalModel.forward`)."""
+    inner.causal_config.value_fit_dtype = str(inner.backbone.get_input_embeddings().weight.dtype).replace("torch.", "")
+    inner.causal_config.value_bf16_shift = float(bf16_shift)
 
 
 def refit_value_head(model, config: TrainConfig, train_ds, collator, device, accelerator, verbose: bool,
