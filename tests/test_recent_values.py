@@ -25,11 +25,13 @@ import torch
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.commands.main import main
 from causal_adapter.modeling.heads import recent_values
+from causal_adapter.training.config import TrainConfig
 
 from test_default_recipe import _jsonl
 from test_train import small_model
 
 TINY32 = ["--tiny-hidden-size", "32", "--tiny-layers", "1"]
+DEFAULT_K = TrainConfig().recent_values  # train's recipe
 NAN = math.nan
 
 
@@ -86,7 +88,7 @@ def _linear_rows(n, seed):
 
 @pytest.fixture(scope="module")
 def linear_law(tmp_path_factory):
-    """{K: the reloaded adapter} after `causal-adapter train` (40 steps) with K = 16 (the default) and K = 0."""
+    """{K: the reloaded adapter} after `causal-adapter train` (40 steps) with train's default K and K = 0."""
     from causal_adapter.saving.assets import load_base
     from causal_adapter.saving.model import CausalModel
 
@@ -94,7 +96,7 @@ def linear_law(tmp_path_factory):
     files = ["--train-file", _jsonl(tmp / "train.jsonl", _linear_rows(120, 0)),
              "--validation-file", _jsonl(tmp / "val.jsonl", _linear_rows(40, 1))]
     models = {}
-    for k, extra in ((16, []), (0, ["--recent-values", "0"])):
+    for k, extra in ((DEFAULT_K, []), (0, ["--recent-values", "0"])):
         out = tmp / f"k{k}"
         assert main(["train", *files, "--max-steps", "40", "--output-dir", str(out), "--no-plot", "--no-progress",
                      *TINY32, *extra]) == 0
@@ -116,12 +118,12 @@ def test_the_head_reads_the_prompts_number_exactly(linear_law, qwen_tokenizer):
         assert model.causal_config.recent_values == k  # saved and reloaded with the adapter
         pred = model.predict_values([r["prompt"] for r in test], tokenizer=qwen_tokenizer)
         mae[k] = sum(abs(p["value"] - t) for p, t in zip(pred, truth)) / len(test)
-    assert mae[16] <= 1.1 * float(line_mae), (mae, float(line_mae))
-    assert mae[0] > 2 * mae[16], mae  # loc_U alone: the value through a random base's features
+    assert mae[DEFAULT_K] <= 1.1 * float(line_mae), (mae, float(line_mae))
+    assert mae[0] > 2 * mae[DEFAULT_K], mae  # loc_U alone: the value through a random base's features
 
 
 def test_generate_reads_the_numbers_forward_reads(linear_law, qwen_tokenizer):
-    model = linear_law[16]
+    model = linear_law[DEFAULT_K]
     prompts = [r["prompt"] for r in _linear_rows(6, 3)]
     gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=3)
     pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
@@ -137,7 +139,7 @@ def test_width_ignores_loc_U_distance_when_the_head_reads_no_loc_U():
 
     train_ds, _ = regime_rows(120, 0)
     val_ds, _ = regime_rows(40, 1)
-    for k, inputs, widens in ((2, "recent", False), (0, "loc_U", True)):  # target = the prompt's number + noise
+    for k, inputs, widens in ((2, "recent[:1]", False), (0, "loc_U", True)):  # target = the one number + noise
         model = wrap(value_loc=50.0, value_scale=25.0, recent_values=k)
         summary = ridge_warm_start(model, batches(train_ds), "cpu", val_batches=batches(val_ds))
         act = model.action
@@ -155,15 +157,17 @@ def test_adapters_written_before_the_field_load_without_it():
     assert model.action.w_recent.shape == (2,) and "action.w_recent" in model.adapter_state_dict()
 
 
-def _inputs_case(seed: int, signal_in_loc_U: bool, n: int = 60, n_val: int = 20, C: int = 24, k: int = 4):
-    """F [n, C + k] = (loc_U, recent values), targets from the recent values (or from loc_U), plus validation rows."""
+def _inputs_case(seed: int, signal_in_loc_U: bool, n: int = 60, n_val: int = 20, C: int = 24, k: int = 4,
+                 columns: tuple[int, int] = (0, 1)):
+    """F [n, C + k] = (loc_U, recent values), targets from two `columns` of the recent values (or of loc_U), plus
+    validation rows."""
     g = torch.Generator().manual_seed(seed)
 
     def rows(m):
         U, R = torch.randn(m, C, generator=g, dtype=torch.float64), torch.randn(m, k, generator=g, dtype=torch.float64)
         src = U if signal_in_loc_U else R
         noise = torch.randn(m, generator=g, dtype=torch.float64)
-        return torch.cat([U, R], 1), 0.8 * src[:, 0] + 0.3 * src[:, 1] + 0.3 * noise
+        return torch.cat([U, R], 1), 0.8 * src[:, columns[0]] + 0.3 * src[:, columns[1]] + 0.3 * noise
 
     return (*rows(n), *rows(n_val), C)
 
@@ -172,7 +176,12 @@ def test_head_inputs_one_standard_error_rule():
     from causal_adapter.training.value_fit import choose_head_inputs
 
     noise_picks = [choose_head_inputs(*_inputs_case(seed, False), max_shift=math.inf)[0] for seed in range(12)]
-    assert sum(name != "recent" for name in noise_picks) <= 1, noise_picks  # smallest score alone: 4 of 12
+    # the target reads the 2 most recent values: those alone (K // 2 of 4), and loc_U (noise) almost never
+    assert sum(name.startswith("loc_U") for name in noise_picks) <= 1, noise_picks  # smallest score alone: 4 of 12
+    assert sum(name == "recent[:2]" for name in noise_picks) >= 10, noise_picks
     for seed in range(3):
         name, keep, _ = choose_head_inputs(*_inputs_case(seed, True), max_shift=math.inf)
         assert name.startswith("loc_U") and bool(keep[:24].all()), name
+        # an older value carries the signal: all K recent values are kept
+        name, keep, _ = choose_head_inputs(*_inputs_case(seed, False, columns=(3, 0)), max_shift=math.inf)
+        assert "recent[" not in name and bool(keep[24:].all()), name

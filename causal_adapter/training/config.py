@@ -107,7 +107,7 @@ class TrainConfig:
                                        "residuals in the adapter (value_calibration: intervals calibrated at "
                                        "every level); needs a validation split and a per-row or independent scale")
     reg_weight: float = flag(1.0, "lambda in L = L_cls + lambda L_reg")
-    recent_values: int = flag(16, "K: the value head also reads the values of the K most recent numbers of the "
+    recent_values: int = flag(32, "K: the value head also reads the values of the K most recent numbers of the "
                               "text, exactly, beside loc_U (fitted by the closed-form fits with the rest of the "
                               "head); 0 = loc_U alone, the SPEC's head. docs/values.md has the validation figures "
                               "behind the default")

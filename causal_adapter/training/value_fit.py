@@ -364,36 +364,58 @@ def _score_gap(ref: dict, other: dict) -> tuple[float, float]:
     return sum(means) / len(parts), math.sqrt(sum(se * se for se in ses)) / len(parts)
 
 
+def _one_standard_error_set(fits: list[dict]) -> dict:
+    """Of candidate head-input sets: fits[0] (the reference) unless another fit's `penalty_score` is smaller by more than one standard error
+    of the paired difference; among those, the smallest score."""
+    better = []
+    for f in fits[1:]:
+        drop, se = _score_gap(fits[0], f)
+        if drop > se:
+            better.append(f)
+    return min(better, key=lambda f: f["score"]) if better else fits[0]
+
+
 def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor | None, C: int,
                        max_shift: float) -> tuple[str, Tensor, float]:
     """Which inputs the value head reads, chosen per fit on held-out error: F [n, C + K] = loc_U, then the K
-    recent values. Each set of `HEAD_INPUTS` is fitted by least squares (its own penalty). The reference (the
-    recent values alone: K weights) is kept unless another set's `penalty_score` (validation and leave-one-out
-    MAE) is smaller by more than one standard error (the one-standard-error rule, as for the loss: on a few
-    dozen validation rows a smaller MAE alone is mostly noise, and the C-column sets are the ones that then
-    extrapolate badly); among those, the smallest score. Returns (name, the kept columns [C + K] as a mask, the
-    recent values' penalty gain). Without recent values (K = 0): loc_U."""
+    recent values. Each candidate set is fitted by least squares (its own penalty) and scored by `penalty_score`
+    (validation and leave-one-out MAE); a reference is kept unless another set is better by more than one
+    standard error (the one-standard-error rule, as for the loss: on a few dozen validation rows a smaller MAE
+    alone is mostly noise, and the C-column sets are the ones that then extrapolate badly). Two steps:
+
+    1. How many recent values: the K // 4 most recent, then K // 2, then all K, each step taken only when it
+       beats the current choice by more than one standard error. K is one default for every corpus: a series
+       whose prompts label each value with a number (a year, or year and month) fills half or more of the
+       slots with labels, and on a short series the older values may be noise.
+    2. Which set of `HEAD_INPUTS` with those recent values: the recent values alone (the reference), loc_U
+       alone (the SPEC's head), loc_U + the recent values with their penalty divided by 100, or both.
+
+    Returns (name, e.g. ``loc_U+recent[:16]``, the kept columns [C + K] as a mask, the recent values' penalty
+    gain). Without recent values (K = 0): loc_U."""
     k = F.shape[1] - C
     if not k:
         return "loc_U", torch.ones(C, dtype=torch.bool), 1.0
     has_val = F_val is not None and t_val is not None and len(t_val) > 0
-    fits = []
-    for name, use_u, use_recent, gain in HEAD_INPUTS:
-        keep = torch.cat([torch.full((C,), use_u), torch.full((k,), use_recent)])
+
+    def fit_set(name: str, use_u: bool, width: int, gain: float) -> dict:
+        keep = torch.cat([torch.full((C,), use_u), torch.arange(k) < width])
         fit = fit_linear_head(F[:, keep], t, F_val[:, keep] if has_val else None, t_val if has_val else None,
-                              loss="squared", max_shift=max_shift, exact_columns=k if use_recent else 0,
-                              exact_gain=gain)
+                              loss="squared", max_shift=max_shift, exact_columns=width, exact_gain=gain)
         val_errors = fit["abs_errors"] if has_val else None
         score = penalty_score(float(fit["loo"].abs().mean()), None if val_errors is None else float(val_errors.mean()))
-        fits.append({"name": name, "keep": keep, "gain": gain, "score": score, "loo": fit["loo"],
-                     "val_errors": val_errors})
-    reference = fits[0]
-    better = []
-    for f in fits[1:]:
-        drop, se = _score_gap(reference, f)
+        return {"name": name, "keep": keep, "gain": gain, "score": score, "loo": fit["loo"], "val_errors": val_errors,
+                "width": width}
+
+    chosen = None
+    for w in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
+        f = fit_set("recent", False, w, 1.0)
+        drop, se = _score_gap(chosen, f) if chosen is not None else (math.inf, 0.0)
         if drop > se:
-            better.append(f)
-    best = min(better, key=lambda f: f["score"]) if better else reference
+            chosen = f
+    width = chosen["width"]
+    label = "recent" if width == k else f"recent[:{width}]"
+    best = _one_standard_error_set([fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
+                                       for name, use_u, use_recent, gain in HEAD_INPUTS])
     return best["name"], best["keep"], best["gain"]
 
 
