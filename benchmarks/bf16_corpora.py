@@ -10,7 +10,8 @@ corpus. ``--device cuda``: training on the GPU accelerate picks (CUDA autocast),
 computes it (CPU, float32) and again on the GPU under bf16 autocast (``gpu_autocast_ratio``).
 ``--variants``: more runs against the same fp32 one: ``fp16`` (fp16 mixed precision: on a GPU accelerate's
 GradScaler; on CPU accelerate runs plain fp32) and ``bf16-base`` (the base held in bf16, bf16 mixed precision,
-scored on a bf16 base: the fit sees the features it runs on). One ``RESULT variant=...`` line each. docs/mixed_precision.md ("The value under bf16 autocast") has the figures.
+scored on a bf16 base: the fit sees the features it runs on). One ``RESULT variant=...`` line each.
+docs/mixed_precision.md ("The value under bf16 autocast", "On a GPU") has the figures.
 """
 import argparse
 import os
@@ -33,11 +34,11 @@ def main() -> None:
                         help="TrainConfig.recent_values (default: train's; 0: the head reads loc_U alone)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    overrides = {} if args.recent_values is None else {"recent_values": args.recent_values}
     for corpus in args.corpora.split(","):
         val, test, amp = {}, {}, {}
         with tempfile.TemporaryDirectory() as tmp:
             for mp in ("no", "bf16"):
-                overrides = {} if args.recent_values is None else {"recent_values": args.recent_values}
                 run = train_run(mp, args.steps, Path(tmp) / mp, corpus, args.device, **overrides)
                 val[mp], test[mp] = run["val_mae"], test_mae(run["adapter"], False, corpus)
                 if args.device != "cpu":

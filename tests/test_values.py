@@ -365,7 +365,7 @@ def test_independent_scale_adapters_still_load_and_behave(tmp_path):
 
 def test_bf16_bound_is_on_for_16_bit_heads_only():
     from causal_adapter.training.value_head import head_shift_bound
-    from causal_adapter.training.value_fit import BF16_MAX_SHIFT
+    from causal_adapter.config import BF16_MAX_SHIFT
 
     fp32 = wrap()
     base16 = small_vocab_qwen(num_layers=1, dtype=torch.bfloat16)

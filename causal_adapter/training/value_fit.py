@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..config import BF16_MAX_SHIFT  # noqa: F401  (re-exported: the fits' default bound)
+from ..config import BF16_MAX_SHIFT
 from ..numbers import format_number
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_causal_model
@@ -259,18 +259,23 @@ def penalty_score(loo_mae: float, val_mae: float | None) -> float:
     return loo_mae if val_mae is None else 0.5 * (loo_mae + val_mae)
 
 
-def _one_standard_error_choice(fits: Sequence[dict]) -> dict:
-    """The first fit (least squares) unless a later one (a robust loss) has a smaller held-out MAE by more
-    than one standard error of the paired difference of absolute errors [n] (the one-standard-error rule:
-    on a few dozen validation rows a smaller MAE alone is mostly noise); among those, the smallest MAE."""
-    reference = fits[0]
+def _abs_error_gap(ref: dict, other: dict) -> tuple[float, float]:
+    """(how much smaller `other`'s held-out absolute errors [n] are than `ref`'s on average, its standard error)."""
+    diff = ref["abs_errors"] - other["abs_errors"]
+    return float(diff.mean()), float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
+
+
+def _one_standard_error_choice(fits: Sequence[dict], gap=_abs_error_gap) -> dict:
+    """The first fit (the reference: least squares among the losses, the recent values alone among the head's
+    inputs) unless a later one is better by more than one standard error of the paired difference (`gap`: of
+    the held-out absolute errors, or `_score_gap`); among those, the smallest score (the one-standard-error
+    rule: on a few dozen validation rows a smaller MAE alone is mostly noise)."""
     better = []
     for f in fits[1:]:
-        diff = reference["abs_errors"] - f["abs_errors"]
-        se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
-        if float(diff.mean()) > se:
+        drop, se = gap(fits[0], f)
+        if drop > se:
             better.append(f)
-    return min(better, key=lambda f: f["score"]) if better else reference
+    return min(better, key=lambda f: f["score"]) if better else fits[0]
 
 
 def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_val: Tensor | None = None, *,
@@ -364,17 +369,6 @@ def _score_gap(ref: dict, other: dict) -> tuple[float, float]:
     return sum(means) / len(parts), math.sqrt(sum(se * se for se in ses)) / len(parts)
 
 
-def _one_standard_error_set(fits: list[dict]) -> dict:
-    """Of candidate head-input sets: fits[0] (the reference) unless another fit's `penalty_score` is smaller by more than one standard error
-    of the paired difference; among those, the smallest score."""
-    better = []
-    for f in fits[1:]:
-        drop, se = _score_gap(fits[0], f)
-        if drop > se:
-            better.append(f)
-    return min(better, key=lambda f: f["score"]) if better else fits[0]
-
-
 def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor | None, C: int,
                        max_shift: float) -> tuple[str, Tensor, float]:
     """Which inputs the value head reads, chosen per fit on held-out error: F [n, C + K] = loc_U, then the K
@@ -414,8 +408,8 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
             chosen = f
     width = chosen["width"]
     label = "recent" if width == k else f"recent[:{width}]"
-    best = _one_standard_error_set([fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
-                                       for name, use_u, use_recent, gain in HEAD_INPUTS])
+    best = _one_standard_error_choice([fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
+                                      for name, use_u, use_recent, gain in HEAD_INPUTS], gap=_score_gap)
     return best["name"], best["keep"], best["gain"]
 
 

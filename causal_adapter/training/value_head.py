@@ -9,13 +9,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import DEFAULT_SCALE_FLOOR
+from ..config import BF16_MAX_SHIFT, DEFAULT_SCALE_FLOOR
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
 from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
 from .data import rows_at
 from .engines import inference_precision
-from .value_fit import BF16_MAX_SHIFT, LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
+from .value_fit import LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
 
 
 def features_trained(inner) -> bool:
