@@ -9,6 +9,8 @@ The same run from the command line: ``causal-adapter train --output-dir runs/sun
 """
 import argparse
 
+from accelerate import PartialState
+
 from causal_adapter import CausalModel, get_causal_model
 from causal_adapter.data.corpora import build_corpus
 from causal_adapter.training.metrics import format_metrics_table
@@ -69,6 +71,10 @@ def main():
               f"true{row['completion']}")
     else:
         print("no number generated:", repr(out.texts[0]))
+
+    # under `accelerate launch`: close the process group before exit (accelerate's `end_training` does the same;
+    # a gloo group left to the interpreter's exit can abort the process)
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

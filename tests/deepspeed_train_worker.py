@@ -22,6 +22,8 @@ from fsdp_train_worker import KILL_AT, config, datasets_, model  # noqa: E402
 
 
 def main() -> None:
+    from accelerate import PartialState
+
     from causal_adapter.training.loop import train
 
     ap = argparse.ArgumentParser()
@@ -41,6 +43,8 @@ def main() -> None:
     else:
         train(model(), config(args.out / "killed", args.batch, resume_from_checkpoint="latest"),
               train_dataset=train_ds, eval_dataset=eval_ds)
+
+    PartialState().destroy_process_group()  # before exit: a gloo group left to the exit's destructors can abort
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ def config(out: Path, batch: int, **kw):
 
 
 def main() -> None:
+    from accelerate import PartialState
+
     from causal_adapter.training.loop import train
 
     ap = argparse.ArgumentParser()
@@ -114,6 +116,8 @@ def main() -> None:
         train(model(), config(args.out / "killed", args.batch, resume_from_checkpoint="latest"),
               train_dataset=train_ds, eval_dataset=eval_ds)
         trainer_run(args.out / "trainer_resumed", args.batch, train_ds, args.out / "trainer" / "checkpoint-2")
+
+    PartialState().destroy_process_group()  # before exit: a gloo group left to the exit's destructors can abort
 
 
 def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None, lora: bool = True) -> None:

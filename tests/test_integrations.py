@@ -507,3 +507,27 @@ def test_saving_into_a_shared_directory_replaces_only_our_files(tmp_path):
     assert not (d / "adapter_config.json").exists() and not (d / "adapter_model.safetensors").exists()
     assert (d / "checkpoint-1").is_dir() and (d / "notes.txt").read_text() == "mine"
     assert_same_tensors(adapter_tensors(CausalModel.from_pretrained(tiny_base(), d)), adapter_tensors(frozen))
+
+
+def test_saving_into_a_checkpoint_other_processes_write_keeps_their_files(tmp_path):
+    """CausalTrainer under FSDP: the main process saves the adapter into checkpoint-N while every process writes
+    its model shard there (Trainer's save_fsdp_model). The directory is never replaced as a whole, empty or not:
+    a swap lost another process's shard directory (seen: FileNotFoundError on rank 1, 1 run in 30)."""
+    from causal_adapter.saving.adapter_io import save_adapter_into
+
+    model, checkpoint = trained(tiny_model(lora=LORA)), tmp_path / "checkpoint-4"
+    checkpoint.mkdir()  # Trainer's makedirs: empty when the main process starts saving
+    save_pretrained = model.save_pretrained
+
+    def save_while_another_process_writes(directory, **kwargs):
+        shard = checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp"
+        shard.parent.mkdir(exist_ok=True)
+        shard.write_bytes(b"rank 1")
+        return save_pretrained(directory, **kwargs)
+
+    model.save_pretrained = save_while_another_process_writes
+    inode = checkpoint.stat().st_ino
+    save_adapter_into(model, checkpoint)
+    assert (checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp").read_bytes() == b"rank 1"
+    assert checkpoint.stat().st_ino == inode
+    assert_same_tensors(adapter_tensors(CausalModel.from_pretrained(tiny_base(), checkpoint)), adapter_tensors(model))

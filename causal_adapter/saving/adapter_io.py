@@ -31,10 +31,11 @@ def save_adapter_into(model, directory: str | os.PathLike, **save_kwargs) -> Pat
     """`model.save_pretrained` into `directory` without replacing what else it holds (a Trainer
     output directory with its checkpoints, an accelerate state directory): the files are written in
     a temporary directory, then each is moved in place (atomic per file; the config, which records
-    the weights' sha256, last, so a crash in between is detected on load, never loaded silently)."""
+    the weights' sha256, last, so a crash in between is detected on load, never loaded silently).
+    The directory itself is never replaced, even when empty: other processes may be writing into it
+    at the same time (Trainer's FSDP shards in checkpoint-N)."""
     directory = Path(directory)
-    if not directory.is_dir() or not any(directory.iterdir()):
-        return model.save_pretrained(directory, **save_kwargs)
+    directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".causal_adapter.tmp-", dir=directory))
     try:
         model.save_pretrained(tmp / "a", **save_kwargs)
