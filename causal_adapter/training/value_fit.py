@@ -408,8 +408,10 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
             chosen = f
     width = chosen["width"]
     label = "recent" if width == k else f"recent[:{width}]"
-    best = _one_standard_error_choice([fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
-                                      for name, use_u, use_recent, gain in HEAD_INPUTS], gap=_score_gap)
+    # HEAD_INPUTS[0], the recent values alone, is the fit step 1 chose: reused as the reference
+    fits = [{**chosen, "name": label}] + [fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
+                                         for name, use_u, use_recent, gain in HEAD_INPUTS[1:]]
+    best = _one_standard_error_choice(fits, gap=_score_gap)
     return best["name"], best["keep"], best["gain"]
 
 
