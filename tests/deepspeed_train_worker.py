@@ -44,7 +44,7 @@ def main() -> None:
         train(model(), config(args.out / "killed", args.batch, resume_from_checkpoint="latest"),
               train_dataset=train_ds, eval_dataset=eval_ds)
 
-    PartialState().destroy_process_group()  # before exit: a gloo group left to the exit's destructors can abort
+    PartialState().destroy_process_group()  # as accelerate's end_training(); the gloo group itself lives to the end (saving/process_groups.py)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main() -> None:
               train_dataset=train_ds, eval_dataset=eval_ds)
         trainer_run(args.out / "trainer_resumed", args.batch, train_ds, args.out / "trainer" / "checkpoint-2")
 
-    PartialState().destroy_process_group()  # before exit: a gloo group left to the exit's destructors can abort
+    PartialState().destroy_process_group()  # as accelerate's end_training(); the gloo group itself lives to the end (saving/process_groups.py)
 
 
 def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None, lora: bool = True) -> None:

@@ -1,6 +1,7 @@
 """FSDP through accelerate (2 gloo processes on CPU) for your own loop, the launchers causal_adapter.training.loop refuses,
 1-element scalars (and adapters saved with 0-d ones), placement on several devices."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,44 @@ def test_split_over_two_gpus_forward_loss_generate_save_load(tmp_path):
     loaded = CausalModel.from_pretrained(base, tmp_path)
     assert loaded.device == torch.device("cuda:1")
     assert_same_tensors(adapter_tensors(loaded), adapter_tensors(two))
+
+
+GLOO_EXIT_SCRIPT = r'''
+import atexit, os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from causal_adapter.saving.process_groups import keep_gloo_groups_to_process_end
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+group = dist.group.WORLD
+atexit.register(lambda: print("references at exit:", sys.getrefcount(group), flush=True))
+if sys.argv[1] == "keep":
+    keep_gloo_groups_to_process_end()  # its own atexit hook runs before the one above (last in, first out)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+fully_shard(model[0]); fully_shard(model)
+model(torch.randn(3, 4)).sum().backward()
+del model
+dist.destroy_process_group()
+threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print("gloo threads after destroy_process_group:", [t for t in threads if "gloo" in t], flush=True)
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_gloo_groups_torch_still_holds_are_never_destroyed_during_interpreter_exit(tmp_path):
+    """Issue 36: under FSDP2 torch keeps the gloo group referenced after destroy_process_group (its threads run
+    on), so its C++ destructor ran during interpreter exit, where a worker now and then aborted ("terminate
+    called without an active exception"). `keep_gloo_groups_to_process_end` (train() and CausalTrainer call it)
+    takes, at exit, a reference that is never given back: no destructor, no teardown to race."""
+    script = tmp_path / "gloo_exit.py"
+    script.write_text(GLOO_EXIT_SCRIPT)
+    outs = {}
+    for mode in ("keep", "plain"):
+        proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=240,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[mode] = proc.stdout
+    # what makes the fix necessary: destroy_process_group leaves the group's threads running under FSDP2
+    assert "pt_gloo_runloop" in outs["plain"] and "gloo_tcp_loop" in outs["plain"], outs["plain"]
+    refs = {mode: int(re.search(r"references at exit: (\d+)", out).group(1)) for mode, out in outs.items()}
+    # two references more: the run's record (dropped when the interpreter clears its modules) and the one taken
+    # at exit and never given back
+    assert refs["keep"] == refs["plain"] + 2, outs

@@ -129,6 +129,20 @@ def test_forward_closed_forms_at_init():
     torch.testing.assert_close(ovr_probability(out.loc_S, out.scale_S, model.action.thresholds), P)
 
 
+def test_outputs_that_carry_gradients_are_not_views():
+    """FSDP2 registers its pre-backward hook on the root's outputs and warns when one is a view (an in-place op
+    on it would drop the hook: no all-gather, wrong gradients). loc_U came from nn.Linear's 3-D path, a view of
+    a flattened addmm; every tensor output must be a tensor of its own, with and without LoRA."""
+    for lora in (None, LoraSettings(r=2, target_modules=["q_proj"])):
+        model = wrap(small_vocab_qwen(), lora=lora)
+        model.train()
+        ids = rand_ids(290, (2, 6))
+        out = model(ids, labels=ids, return_scores=True)
+        grad_outputs = {k: v for k, v in out.items() if torch.is_tensor(v) and v.requires_grad}
+        assert {"loc_U", "scale_U", "loc_Y", "scale_Y", "loss"} <= set(grad_outputs)
+        assert [k for k, v in grad_outputs.items() if v._base is not None] == []
+
+
 def test_zero_row_never_gives_nan():
     base = small_vocab_qwen()
     with torch.no_grad():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..data.corpora import CORPORA, write_corpus_jsonl
+from ..data.corpora import ALL_CORPORA, write_corpus_jsonl
 from .parser import CliParser, add_debug_argument
 
 
@@ -14,9 +14,10 @@ def add_parser(sub, **fmt) -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = "causal-adapter data") -> int:
     p = CliParser(prog=prog, description="write an offline numeric corpus as jsonl files")
-    p.add_argument("name", choices=CORPORA)
+    p.add_argument("name", choices=ALL_CORPORA)
     p.add_argument("out_dir")
-    p.add_argument("--window", type=int, default=None, help="history length (time-series corpora)")
+    p.add_argument("--window", type=int, default=None,
+                   help="history length (time-series corpora; chat: the longest window, default 48)")
     p.add_argument("--n", type=int, default=None, help="number of examples (arithmetic, units)")
     p.add_argument("--seed", type=int, default=0)
     add_debug_argument(p)

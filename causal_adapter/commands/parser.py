@@ -11,6 +11,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from ..data.conversations import read_chat_template
 from ..saving.assets import DTYPES, load_base
 
 CLI_DTYPES = sorted(DTYPES)  # --dtype of every command (train: TrainConfig.dtype, the same names)
@@ -81,6 +82,28 @@ def add_column_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", default="text", help="column of full texts (loss on every token)")
     p.add_argument("--prompt-column", default="prompt", help="prompt column (no loss)")
     p.add_argument("--completion-column", default="completion", help="completion column (loss)")
+
+
+def add_chat_arguments(p: argparse.ArgumentParser, messages_column: bool = True) -> None:
+    """The conversation flags (the same names as `causal-adapter train`'s): how a ``messages`` row is rendered."""
+    if messages_column:
+        p.add_argument("--messages-column", default="messages",
+                       help="column of conversations (lists of {role, content} messages), rendered with the chat template")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="render conversations with thinking on (Qwen3's switch; default off: the template's empty "
+                        "think block, the reply after it)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat-template file, for a base whose tokenizer has none (default: the tokenizer's)")
+
+
+def chat_template_from_args(args: argparse.Namespace) -> str | None:
+    """The text of --chat-template FILE (None without the flag); a missing or empty file is a CLIError."""
+    if args.chat_template is None:
+        return None
+    try:
+        return read_chat_template(args.chat_template)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- checks before any work

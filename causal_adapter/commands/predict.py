@@ -4,9 +4,12 @@ after every row's prompt, with its intervals, to a file (docs/predict.md).
 Rows are read as `causal-adapter eval` reads them (jsonl / json / csv / tsv / parquet, the
 ``--prompt-column`` or, without one, the ``--text-column``). A row with a completion is predicted
 where the evaluation scores it: the prompt followed by the completion's text before its first
-number (the corpora write ``"1979:"`` + ``" 155.4"``: the value is read after ``"1979: "``). A bad
-row (no string, an empty prompt, longer than the model's context) gets one line on stderr and is
-skipped; the ``row`` column (the row's index in the input, from 0) keeps the output joinable.
+number (the corpora write ``"1979:"`` + ``" 155.4"``: the value is read after ``"1979: "``). A row of
+``--messages-column`` (a conversation) is rendered with the chat template: after its generation prompt,
+or, when it ends with the assistant's reply, where that reply's first number stands
+(`data.conversations.inference_prompt`). A bad row (no string, an empty prompt, bad messages, longer than
+the model's context) gets one line on stderr and is skipped; the ``row`` column (the row's index in the
+input, from 0) keeps the output joinable.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..data.conversations import check_chat_template, inference_prompt
 from ..data.pipeline import load_text_dataset
 from ..modeling.adaptive import DEFAULT_GAMMA, adaptive_interval
 from ..modeling.families import text_config
@@ -30,7 +34,9 @@ from .parser import (
     adapter_argument,
     add_adapter_arguments,
     add_base_arguments,
+    add_chat_arguments,
     add_column_arguments,
+    chat_template_from_args,
     load_base_from_args,
     tiny_base_hint,
 )
@@ -57,22 +63,51 @@ def _lead(completion: Any) -> str:
 
 
 def row_prompts(dataset, prompt_column: str = "prompt", text_column: str = "text",
-                completion_column: str = "completion", max_tokens: int | None = None, ntok=None
+                completion_column: str | None = "completion", max_tokens: int | None = None, ntok=None, *,
+                messages_column: str = "messages", tokenizer=None, chat_template: str | None = None,
+                enable_thinking: bool = False, to_first_number: bool = True
                 ) -> tuple[list[int], list[str], list[str]]:
-    """(row indices, prompts, one message per bad row) of a loaded dataset."""
+    """(row indices, prompts, one message per bad row) of a loaded dataset.
+
+    A row whose `messages_column` holds a conversation is rendered with the chat template
+    (`conversations.inference_prompt`: the generation prompt; after a final assistant reply, with
+    `to_first_number` its text before its first number, else the whole reply to continue); any other row uses
+    the prompt column (with `completion_column`, the completion's text before its first number) or the text
+    column. `tokenizer` (default: `ntok`'s) renders; a missing chat template is an error before any row."""
     cols = list(dataset.column_names)
     column = prompt_column if prompt_column in cols else text_column if text_column in cols else None
-    if column is None:
-        raise ValueError(f"the data has neither a {prompt_column!r} nor a {text_column!r} column; columns present: "
-                         f"{cols} (name yours with --prompt-column / --text-column)")
-    completions = dataset[completion_column] if column == prompt_column and completion_column in cols else None
+    chats = dataset[messages_column] if messages_column in cols else None
+    if column is None and chats is None:
+        names = " or ".join(repr(c) for c in dict.fromkeys((messages_column, prompt_column, text_column)))
+        raise ValueError(f"the data has no {names} column; columns present: {cols} (name yours with "
+                         "--messages-column / --prompt-column" + (" / --text-column)" if text_column != prompt_column
+                                                                  else ")"))
+    if chats is not None and any(m is not None for m in chats):
+        tokenizer = tokenizer if tokenizer is not None else getattr(ntok, "tokenizer", None)
+        check_chat_template(tokenizer, chat_template, enable_thinking)
+    texts = dataset[column] if column is not None else [None] * len(dataset)
+    completions = (dataset[completion_column] if column == prompt_column and completion_column is not None
+                   and completion_column in cols else None)
+    tools = dataset["tools"] if chats is not None and "tools" in cols else None
     rows, prompts, bad = [], [], []
-    for i, text in enumerate(dataset[column]):
-        if not isinstance(text, str) or not text:
+    for i, text in enumerate(texts):
+        if chats is not None and chats[i] is not None:
+            try:
+                prompt = inference_prompt(tokenizer, chats[i], to_first_number=to_first_number,
+                                          enable_thinking=enable_thinking, chat_template=chat_template,
+                                          tools=None if tools is None else tools[i], row=i, column=messages_column)
+            except ValueError as e:
+                bad.append(f"{e}: skipped")
+                continue
+        elif column is None:
+            bad.append(f"row {i}: column {messages_column!r} is null: skipped")
+            continue
+        elif not isinstance(text, str) or not text:
             what = "is null" if text is None else "is empty" if text == "" else f"is not a string ({text!r:.40})"
             bad.append(f"row {i}: column {column!r} {what}: skipped")
             continue
-        prompt = text + (_lead(completions[i]) if completions is not None else "")
+        else:
+            prompt = text + (_lead(completions[i]) if completions is not None else "")
         if max_tokens is not None and ntok is not None:
             n = len(ntok.encode_batch([prompt], return_offsets=False)[0].input_ids)
             if n > max_tokens:
@@ -138,11 +173,13 @@ def adapt_intervals(model, records: list[dict], targets: Sequence[float], levels
 def predict_files(model, tokenizer, data_files: Sequence[str], output: str | None = None,
                   levels: Sequence[float] = (0.5, 0.9), batch_size: int = 16, prompt_column: str = "prompt",
                   text_column: str = "text", completion_column: str = "completion", progress: bool = True,
-                  targets_column: str | None = None, gamma: float = DEFAULT_GAMMA) -> dict:
+                  targets_column: str | None = None, gamma: float = DEFAULT_GAMMA, messages_column: str = "messages",
+                  chat_template: str | None = None, enable_thinking: bool = False) -> dict:
     """Predict every row of `data_files` with `model` and write the rows; returns counts
     {"rows", "written", "skipped"}. Bad rows are reported on stderr, one line each. With `targets_column`
     the rows are taken as ordered (file order) and the intervals adapt online to the targets seen so far
-    (`adapt_intervals`, step size `gamma`)."""
+    (`adapt_intervals`, step size `gamma`). Rows with a conversation in `messages_column` are rendered with
+    the chat template (`chat_template`: its text; default the tokenizer's) as `row_prompts` says."""
     from tqdm.auto import tqdm
 
 
@@ -151,7 +188,9 @@ def predict_files(model, tokenizer, data_files: Sequence[str], output: str | Non
     dataset = load_text_dataset(list(data_files), string_columns=(text_column, prompt_column, completion_column))
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     max_tokens = getattr(text_config(model.backbone), "max_position_embeddings", None)
-    rows, prompts, bad = row_prompts(dataset, prompt_column, text_column, completion_column, max_tokens, ntok)
+    rows, prompts, bad = row_prompts(dataset, prompt_column, text_column, completion_column, max_tokens, ntok,
+                                     messages_column=messages_column, tokenizer=tokenizer, chat_template=chat_template,
+                                     enable_thinking=enable_thinking)
     targets = row_targets(dataset, targets_column, rows) if targets_column else None
     for line in bad:
         print(line, file=sys.stderr)
@@ -174,8 +213,9 @@ def add_parser(sub, **fmt) -> None:
     add_adapter_arguments(p)
     add_base_arguments(p)
     p.add_argument("--data-file", nargs="+", required=True,
-                   help="jsonl/csv/parquet files with a prompt (+ optional completion) or a text column")
+                   help="jsonl/csv/parquet files with a prompt (+ optional completion), a text or a messages column")
     add_column_arguments(p)
+    add_chat_arguments(p)
     p.add_argument("--output", default=None, help="P.jsonl or P.csv (written atomically); default: jsonl on stdout")
     p.add_argument("--levels", nargs="+", type=float, default=[0.5, 0.9],
                    help="interval levels: columns lower_<100*level> / upper_<100*level>")
@@ -193,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     adapter = adapter_argument(args, "predict")
     output_format(args.output)
     check_levels(args.levels)
+    chat_template = chat_template_from_args(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
     base, tokenizer = load_base_from_args(args)
@@ -203,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
     counts = predict_files(model, tokenizer, args.data_file, output=args.output, levels=args.levels,
                            batch_size=args.batch_size, prompt_column=args.prompt_column,
                            text_column=args.text_column, completion_column=args.completion_column,
-                           targets_column=args.targets_column, gamma=args.aci_gamma)
+                           targets_column=args.targets_column, gamma=args.aci_gamma,
+                           messages_column=args.messages_column, chat_template=chat_template,
+                           enable_thinking=args.enable_thinking)
     where = args.output or "stdout"
     print(f"predict: {counts['written']} of {counts['rows']} rows written to {where}"
           + (f" ({counts['skipped']} skipped, see above)" if counts["skipped"] else ""), file=sys.stderr)

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None, prog: str = "causal-adapter train") -> i
             print(format_metrics_table(result.eval_metrics))
         print(f"steps: {result.global_step}  processes: {result.num_processes}  adapter: {result.adapter_dir}")
         print(f"log: {result.log_path}" + (f"  plot: {result.plot_path}" if result.plot_path else ""))
-    # under `accelerate launch`: close the process group before the interpreter exits (a gloo group left to
-    # the exit's destructors aborts a process now and then: "terminate called without an active exception")
+    # under `accelerate launch`: close the process group, as accelerate's end_training() does (a gloo group that
+    # torch still holds lives on to the end of the process: saving/process_groups.py)
     PartialState().destroy_process_group()
     return 0

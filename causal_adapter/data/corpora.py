@@ -4,7 +4,9 @@ Built from real data that packages bundle (statsmodels: sunspots, nile, co2, mac
 scikit-learn: diabetes; optional ``demo`` extras, imported lazily) and from seeded templates
 (arithmetic, unit conversions). Every builder returns a ``datasets.DatasetDict`` with
 train/validation/test split by time (time series: the test targets are the latest), columns
-prompt, completion, target, previous, time, t_index, series.
+prompt, completion, target, previous, time, t_index, series. The ``chat`` corpus (`CHAT_CORPORA`)
+has a ``messages`` column (multi-turn chats asking for values of the real series, TRL's
+conversational format) instead of prompt / completion.
 
 CLI: ``python -m causal_adapter data NAME OUT_DIR [--window W] [--n N] [--seed S]`` (or
 ``causal-adapter data``) writes ``OUT_DIR/NAME_{train,validation,test}.jsonl``.
@@ -22,7 +24,12 @@ from typing import Any, Callable, Sequence
 from ..numbers import format_number
 
 # --------------------------------------------------------------------------- corpora
+#: the prompt / completion corpora (what `train --dataset` and `eval --dataset` offer)
 CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "arithmetic", "units", "heteroscedastic")
+#: the conversational corpora: a ``messages`` column (TRL's conversational format) instead of prompt / completion
+CHAT_CORPORA = ("chat",)
+#: every corpus `build_corpus` and `causal-adapter data` know
+ALL_CORPORA = CORPORA + CHAT_CORPORA
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 SPLITS = ("train", "validation", "test")
 
@@ -49,20 +56,21 @@ def _split_sizes(n: int, split_fractions, name: str) -> tuple[int, int, int]:
     return n_train, n_val, n_test
 
 
+def _baseline_features() -> dict:
+    """The columns every corpus row carries beside its text: the target and what the baselines read."""
+    import datasets
+
+    return {"target": datasets.Value("float64"), "previous": datasets.Value("float64"),
+            "time": datasets.Value("string"), "t_index": datasets.Value("int64"), "series": datasets.Value("string")}
+
+
 def _to_dataset_dict(rows: list[dict], split_fractions, name: str):
     import datasets
 
     n_train, n_val, _ = _split_sizes(len(rows), split_fractions, name)
     parts = {"train": rows[:n_train], "validation": rows[n_train:n_train + n_val], "test": rows[n_train + n_val:]}
-    features = datasets.Features({
-        "prompt": datasets.Value("string"),
-        "completion": datasets.Value("string"),
-        "target": datasets.Value("float64"),
-        "previous": datasets.Value("float64"),
-        "time": datasets.Value("string"),
-        "t_index": datasets.Value("int64"),
-        "series": datasets.Value("string"),
-    })
+    features = datasets.Features({"prompt": datasets.Value("string"), "completion": datasets.Value("string"),
+                                  **_baseline_features()})
     return datasets.DatasetDict({
         k: datasets.Dataset.from_list(v, features=features) for k, v in parts.items()
     })
@@ -94,24 +102,57 @@ def _series_rows(series: str, title: str, times: list[str], values: list[float],
     return rows
 
 
+# --------------------------------------------------------------------------- real series: (time labels, values)
+def _sunspots_data(corpus: str = "sunspots") -> tuple[list[str], list[float]]:
+    mod = _require("statsmodels.datasets.sunspots", "statsmodels", corpus)
+    df = mod.load_pandas().data
+    return [str(int(y)) for y in df["YEAR"]], [float(v) for v in df["SUNACTIVITY"]]
+
+
+def _nile_data(corpus: str = "nile") -> tuple[list[str], list[float]]:
+    mod = _require("statsmodels.datasets.nile", "statsmodels", corpus)
+    df = mod.load_pandas().data
+    return [str(int(y)) for y in df["year"]], [float(v) for v in df["volume"]]
+
+
+def _co2_data(corpus: str = "co2") -> tuple[list[str], list[float]]:
+    mod = _require("statsmodels.datasets.co2", "statsmodels", corpus)
+    df = mod.load_pandas().data
+    monthly = df["co2"].resample("MS").mean().dropna()
+    return [f"{ts.year}-{ts.month:02d}" for ts in monthly.index], [round(float(v), 2) for v in monthly.values]
+
+
+def _elnino_data(corpus: str = "elnino") -> tuple[list[str], list[float]]:
+    mod = _require("statsmodels.datasets.elnino", "statsmodels", corpus)
+    df = mod.load_pandas().data
+    months = [c for c in df.columns if c != "YEAR"]
+    times = [f"{int(y)}-{m:02d}" for y in df["YEAR"] for m in range(1, len(months) + 1)]
+    return times, [float(v) for _, row in df.iterrows() for v in row[months]]
+
+
+def _macro_data(column: str, corpus: str = "macro") -> tuple[list[str], list[float]]:
+    mod = _require("statsmodels.datasets.macrodata", "statsmodels", corpus)
+    df = mod.load_pandas().data
+    if column not in df.columns or column in ("year", "quarter"):
+        raise ValueError(f"macro column {column!r} unknown; choose one of "
+                         f"{[c for c in df.columns if c not in ('year', 'quarter')]}")
+    times = [f"{int(y)} Q{int(q)}" for y, q in zip(df["year"], df["quarter"])]
+    return times, [float(v) for v in df[column]]
+
+
 def sunspots_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     """Yearly sunspot numbers 1700-2008 (statsmodels). Prompt: the ``window`` previous years,
     completion: the next value. Split by time (test = latest target years). ``seed`` is unused
     (deterministic), kept for a uniform builder signature."""
-    mod = _require("statsmodels.datasets.sunspots", "statsmodels", "sunspots")
-    df = mod.load_pandas().data
-    times = [str(int(y)) for y in df["YEAR"]]
-    rows = _series_rows("sunspots", "Yearly sunspot numbers.", times, [float(v) for v in df["SUNACTIVITY"]], window)
+    times, values = _sunspots_data()
+    rows = _series_rows("sunspots", "Yearly sunspot numbers.", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "sunspots")
 
 
 def nile_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     """Annual Nile flow at Aswan 1871-1970 (10^8 m^3, statsmodels), split by time."""
-    mod = _require("statsmodels.datasets.nile", "statsmodels", "nile")
-    df = mod.load_pandas().data
-    times = [str(int(y)) for y in df["year"]]
-    rows = _series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times,
-                        [float(v) for v in df["volume"]], window)
+    times, values = _nile_data()
+    rows = _series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "nile")
 
 
@@ -119,11 +160,7 @@ def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     """Monthly mean atmospheric CO2 at Mauna Loa (ppm), 1958-03 .. 2001-12 (statsmodels weekly
     data averaged per month, rounded to 0.01; the 5 months without data are skipped), split by
     time. Time labels ``YYYY-MM`` (read as two numbers by the grammar)."""
-    mod = _require("statsmodels.datasets.co2", "statsmodels", "co2")
-    df = mod.load_pandas().data
-    monthly = df["co2"].resample("MS").mean().dropna()
-    times = [f"{ts.year}-{ts.month:02d}" for ts in monthly.index]
-    values = [round(float(v), 2) for v in monthly.values]
+    times, values = _co2_data()
     rows = _series_rows("co2", "Monthly mean CO2 at Mauna Loa (ppm).", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "co2")
 
@@ -132,11 +169,7 @@ def elnino_corpus(window: int = 12, seed: int = 0, split_fractions=(0.7, 0.15, 0
     """Monthly mean sea surface temperature (deg C) of the Pacific at 0-10 S, 90-80 W, 1950-01 .. 2010-12
     (statsmodels elnino, NOAA), split by time; by default the last 15% of months are the test split (the
     ordered-data case of issue 27). Time labels ``YYYY-MM``."""
-    mod = _require("statsmodels.datasets.elnino", "statsmodels", "elnino")
-    df = mod.load_pandas().data
-    months = [c for c in df.columns if c != "YEAR"]
-    times = [f"{int(y)}-{m:02d}" for y in df["YEAR"] for m in range(1, len(months) + 1)]
-    values = [float(v) for _, row in df.iterrows() for v in row[months]]
+    times, values = _elnino_data()
     rows = _series_rows("elnino", "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", times, values,
                         window)
     return _to_dataset_dict(rows, split_fractions, "elnino")
@@ -156,14 +189,9 @@ def macro_corpus(window: int = 8, seed: int = 0, split_fractions=DEFAULT_SPLIT, 
     """US quarterly macro data 1959 Q1 .. 2009 Q3 (statsmodels macrodata), one ``column``
     (default the unemployment rate; ``infl``/``realint`` have negative values), split by time.
     Time labels ``YYYY Qn`` (the year is a number, ``Qn`` is text)."""
-    mod = _require("statsmodels.datasets.macrodata", "statsmodels", "macro")
-    df = mod.load_pandas().data
-    if column not in df.columns or column in ("year", "quarter"):
-        raise ValueError(f"macro column {column!r} unknown; choose one of "
-                         f"{[c for c in df.columns if c not in ('year', 'quarter')]}")
-    times = [f"{int(y)} Q{int(q)}" for y, q in zip(df["year"], df["quarter"])]
+    times, values = _macro_data(column)
     title = _MACRO_TITLES.get(column, f"US quarterly {column}.")
-    rows = _series_rows(f"macro/{column}", title, times, [float(v) for v in df[column]], window)
+    rows = _series_rows(f"macro/{column}", title, times, values, window)
     return _to_dataset_dict(rows, split_fractions, "macro")
 
 
@@ -345,6 +373,114 @@ def noise_sd(prompt: str) -> float:
     return NOISE_REGIMES[prompt.split()[1].rstrip(",")]
 
 
+# --------------------------------------------------------------------------- chat (TRL conversational rows)
+#: the chat corpus's series: name -> (loader of (time labels, values), title, what a value is called)
+_CHAT_SERIES = {
+    "sunspots": (_sunspots_data, "Yearly sunspot numbers", "sunspot number"),
+    "nile": (_nile_data, "Annual flow of the Nile at Aswan (10^8 m^3)", "flow"),
+    "co2": (_co2_data, "Monthly mean CO2 at Mauna Loa (ppm)", "CO2 level"),
+    "elnino": (_elnino_data, "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C)", "temperature"),
+    "macro/unemp": (lambda corpus: _macro_data("unemp", corpus), "US quarterly unemployment rate (%)",
+                    "unemployment rate"),
+    "macro/infl": (lambda corpus: _macro_data("infl", corpus), "US quarterly inflation rate (%)", "inflation rate"),
+    "macro/realgdp": (lambda corpus: _macro_data("realgdp", corpus),
+                      "US quarterly real GDP (billions of 2005 dollars)", "real GDP"),
+}
+#: no digit in any of these: the first number of an assistant reply is the value, the prompt's numbers are the data
+_CHAT_SYSTEMS = (
+    "You answer with the value asked for.",
+    "You are a careful data assistant. Give the value first, then stop.",
+    "Answer each question with the number from the series.",
+)
+# the time labels are the series' own (co2 skips 5 months without data): no question says "the next month"
+_CHAT_FIRST_QUESTIONS = ("What was the {noun} in {t}?", "What was it in {t}?", "Give the {noun} for {t}.",
+                         "What is the value for {t}?", "Which value follows, for {t}?")
+_CHAT_NEXT_QUESTIONS = ("And in {t}?", "What about {t}?", "And {t}?", "And the {noun} in {t}?",
+                        "Then what was the {noun} in {t}?")
+_CHAT_ANSWERS = ("{v}.", "It was {v}.", "{v} in {t}.", "The {noun} was {v}.", "It was {v} in {t}.", "{v} ({t}).")
+CHAT_MIN_WINDOW = 3
+
+
+def _chat_conversation(rng: random.Random, series: str, texts: list[tuple[str, float]], times: list[str],
+                       i: int, end: int, max_window: int) -> dict:
+    """One conversation whose first answer is the value at ``i`` and whose answers all lie before ``end``."""
+    _, title, noun = _CHAT_SERIES[series]
+    hi = min(max_window, i)
+    # log-uniform window length in [CHAT_MIN_WINDOW, hi]: short and long prompts alike
+    w = min(hi, max(CHAT_MIN_WINDOW, int(round(math.exp(rng.uniform(math.log(CHAT_MIN_WINDOW),
+                                                                          math.log(hi + 0.5)))))))
+    k = min(rng.randint(1, 3), end - i)
+    history = [f"{times[j]}: {texts[j][0]}" for j in range(i - w, i)]
+    if rng.random() < 0.5:
+        data = f"{title}: " + "; ".join(history) + "."
+    else:
+        data = f"{title}:\n" + "\n".join(history)
+    messages = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": rng.choice(_CHAT_SYSTEMS)})
+    for e in range(k):
+        t, v = times[i + e], texts[i + e][0]
+        fmt = {"t": t, "noun": noun}
+        if e == 0:
+            question = data + ("\n" if "\n" in data else " ") + rng.choice(_CHAT_FIRST_QUESTIONS).format(**fmt)
+        else:
+            question = rng.choice(_CHAT_NEXT_QUESTIONS).format(**fmt)
+        messages.append({"role": "user", "content": question})
+        messages.append({"role": "assistant", "content": rng.choice(_CHAT_ANSWERS).format(v=v, **fmt)})
+    last = i + k - 1  # the value `predict` reads: the first number of the LAST reply (a conversation's question)
+    return {"messages": messages, "target": texts[last][1], "previous": texts[last - 1][1], "time": times[last],
+            "t_index": last, "series": series}
+
+
+def chat_corpus(window: int = 48, seed: int = 0, split_fractions=DEFAULT_SPLIT, series: Sequence[str] | None = None):
+    """Multi-turn chats that ask for values of real series, in TRL's conversational language-modelling format:
+    a ``messages`` column of ``{"role", "content"}`` dicts (an optional system message, then 1 to 3 user /
+    assistant exchanges). The first user turn gives a window of a series (sunspots, nile, co2, elnino and three
+    macrodata columns, `_CHAT_SERIES`; ``series`` picks some) and asks for the next time step; each later user
+    turn asks for the step after. Every assistant reply's FIRST number is the true value, in canonical format.
+
+    ``window`` is the LONGEST window: each conversation draws its own length log-uniformly in [3, window], and
+    its number of exchanges in 1..3, with ``random.Random(seed)``, so rows range from ~100 to ~1,500 characters.
+    One conversation per (series, first answered step). Split by time per series as the series corpora are: the
+    answerable steps of each series are cut 80/10/10 (``split_fractions``) and a conversation's answers all lie
+    inside its split's steps (the exchanges stop at the split's end), so no answered value is in two splits;
+    within a split the series are interleaved, each in time order.
+
+    Columns besides ``messages``: target (the LAST answer's value: what `predict` reads on the conversation),
+    previous (the value of the step before it, in the conversation: the persistence baseline), time (the last
+    answer's time label), t_index (its position in the series), series."""
+    import datasets
+
+    if isinstance(window, bool) or not isinstance(window, int) or window < CHAT_MIN_WINDOW:
+        raise ValueError(f"window must be an int >= {CHAT_MIN_WINDOW} (the longest window of the chat corpus), "
+                         f"got {window!r}")
+    names = list(_CHAT_SERIES) if series is None else list(series)
+    unknown = [n for n in names if n not in _CHAT_SERIES]
+    if unknown or not names:
+        raise ValueError(f"chat series {unknown or names!r} unknown; choose from {list(_CHAT_SERIES)}")
+    rng = random.Random(seed)
+    parts: dict[str, list[tuple[float, int, dict]]] = {k: [] for k in SPLITS}
+    for order, name in enumerate(names):
+        times, values = _CHAT_SERIES[name][0]("chat")
+        texts = [_canonical(v) for v in values]
+        n_steps = len(values) - CHAT_MIN_WINDOW
+        sizes = _split_sizes(n_steps, split_fractions, f"chat/{name}")
+        start = CHAT_MIN_WINDOW
+        for split, size in zip(SPLITS, sizes):
+            end = start + size
+            for i in range(start, end):
+                row = _chat_conversation(rng, name, texts, times, i, end, window)
+                parts[split].append(((i - start) / size, order, row))
+            start = end
+    features = datasets.Features({
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        **_baseline_features()})
+    return datasets.DatasetDict({
+        k: datasets.Dataset.from_list([r for _, _, r in sorted(v, key=lambda x: x[:2])], features=features)
+        for k, v in parts.items()
+    })
+
+
 _BUILDERS = {
     "sunspots": sunspots_corpus,
     "nile": nile_corpus,
@@ -356,6 +492,7 @@ _BUILDERS = {
     "arithmetic": arithmetic_corpus,
     "units": units_corpus,
     "heteroscedastic": heteroscedastic_corpus,
+    "chat": chat_corpus,
 }
 
 
@@ -366,9 +503,10 @@ def build_corpus(name: str, **kwargs):
     value), previous (the naive baseline: for time series the last value of the window, i.e.
     persistence; for the other corpora the last number of the prompt), time (the target's time
     label, "" for non time series), t_index (position of the target in the series / row id),
-    series (corpus name). Every number is written in canonical format (`format_number`)."""
+    series (corpus name). Every number is written in canonical format (`format_number`).
+    ``"chat"`` (`chat_corpus`) has ``messages`` instead of prompt / completion."""
     if name not in _BUILDERS:
-        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(CORPORA)}")
+        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(ALL_CORPORA)}")
     return _BUILDERS[name](**kwargs)
 
 

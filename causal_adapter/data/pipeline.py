@@ -3,8 +3,10 @@
 * `load_text_dataset`: local jsonl / json / csv / tsv / parquet / txt files through
   `datasets.load_dataset` (map-style or streaming), with errors that name the file and line.
 * `tokenize_dataset`: rows -> features ``input_ids``, ``numeric_values``, ``labels``,
-  ``label_values`` with a `NumberTokenizer`. Either a ``text`` column (loss on every token) or
-  ``prompt`` + ``completion`` columns (loss on the completion only).
+  ``label_values`` with a `NumberTokenizer`. A ``text`` column (loss on every token),
+  ``prompt`` + ``completion`` columns (loss on the completion only) or TRL's conversations
+  (``messages``, or conversational prompt/completion: rendered with the chat template, loss on the
+  assistant turns; `data.conversations`).
 * `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
 * The offline numeric corpora live in `causal_adapter.data.corpora`.
 
@@ -18,17 +20,20 @@ Conventions (fixed; the model is written against them):
 * Truncation to ``max_length`` keeps the LEFT part (the first ``max_length`` tokens). A number
   is one position (``<NUM>`` and its value together), so truncation never separates them. When
   the prompt alone fills ``max_length`` the row keeps no completion token and so carries no loss.
+  The number of truncated rows is logged as a warning.
 
 """
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Any, Mapping, Sequence
 
 from ..config import IGNORE_INDEX
 from ..numbers import NUMBER_RE, NumberTokenizer, _to_list
+from .conversations import CONVERSATION_FORMATS, check_chat_template, detect_format, encode_conversations
 
 __all__ = [
     "IGNORE_INDEX",
@@ -39,6 +44,9 @@ __all__ = [
 ]
 
 FEATURE_COLUMNS = ("input_ids", "numeric_values", "labels", "label_values")
+#: a column the tokenising map adds (was the row cut at max_length?), counted for the warning, then removed
+TRUNCATED_COLUMN = "__truncated__"
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- loading
 _EXT_TYPES = {
@@ -294,18 +302,33 @@ def tokenize_dataset(
     add_eos_token: bool = False,
     batch_size: int = 1000,
     prompt_loss: str = "none",
+    *,
+    messages_column: str = "messages",
+    chat_template: str | None = None,
+    enable_thinking: bool = False,
+    assistant_only_loss: bool = True,
+    rows_name: str = "rows",
 ):
     """Map rows to the features ``input_ids``, ``numeric_values``, ``labels``, ``label_values``.
 
-    Columns are auto-detected: ``prompt`` + ``completion`` (loss on the completion only; the
-    two are encoded separately and concatenated, exactly what the model sees when the prompt is
-    given and the completion generated) take precedence over ``text`` (loss everywhere).
-    ``prompt_loss="text"``: the prompt's text tokens get labels too (the token loss learns the
-    data's layout, e.g. the separator after a number, which completions that end with their number
-    never show); the prompt's numbers keep -100, so the value regression learns from completions only.
-    The text columns used are removed; other columns (``target``, ``previous``, ...) are kept.
-    ``add_eos_token`` appends the tokenizer's EOS (with a label) to every completion / text.
-    ``max_length`` truncates keeping the first ``max_length`` tokens.
+    The format is detected from the columns as TRL does (`conversations.detect_format`):
+    * ``messages_column`` (lists of ``{"role", "content"}`` messages) and conversational ``prompt`` +
+      ``completion`` (both lists of messages): rendered with the chat template (`chat_template` text, else
+      the tokenizer's; `enable_thinking` is Qwen3's switch) and labelled on the assistant turns only (every
+      assistant turn of a ``messages`` row, the completion's of a prompt/completion row), each with its
+      end-of-turn mark (no EOS is appended). ``assistant_only_loss=False`` labels the other text tokens too.
+      System, user and tool numbers are ``<NUM>`` inputs with their values but never labelled.
+    * string ``prompt`` + ``completion`` (loss on the completion only; the two are encoded separately and
+      concatenated, exactly what the model sees when the prompt is given and the completion generated)
+      take precedence over ``text`` (loss everywhere).
+      ``prompt_loss="text"``: the prompt's text tokens get labels too (the token loss learns the
+      data's layout, e.g. the separator after a number, which completions that end with their number
+      never show); the prompt's numbers keep -100, so the value regression learns from completions only.
+      ``add_eos_token`` appends the tokenizer's EOS (with a label) to every completion / text.
+    The columns read are removed; other columns (``target``, ``previous``, ...) are kept.
+    ``max_length`` truncates keeping the first ``max_length`` tokens; how many rows were cut is logged as a
+    warning (`rows_name` names them; a stream reports per batch). A bad row (no assistant turn, an unknown
+    role, a template that fails on it) raises a ValueError naming it; nothing is written then.
     Works on `Dataset`, `IterableDataset` (streaming) and `DatasetDict`s of them.
     """
     import datasets
@@ -313,27 +336,63 @@ def tokenize_dataset(
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return type(dataset)({
             k: tokenize_dataset(v, number_tokenizer, text_column, prompt_column, completion_column,
-                                max_length, add_eos_token, batch_size, prompt_loss)
+                                max_length, add_eos_token, batch_size, prompt_loss, messages_column=messages_column,
+                                chat_template=chat_template, enable_thinking=enable_thinking,
+                                assistant_only_loss=assistant_only_loss, rows_name=f"{k} {rows_name}")
             for k, v in dataset.items()
         })
     _check_tokenize_args(number_tokenizer, max_length, prompt_loss)
-    mode, used = _text_columns(_column_names(dataset), text_column, prompt_column, completion_column)
-    eos = _eos_id(number_tokenizer) if add_eos_token else None
+    mode, used = _data_format(dataset, text_column, prompt_column, completion_column, messages_column)
     ntok = number_tokenizer
+    chat, extra = None, () if prompt_loss == "none" else (prompt_loss,)
+    if mode in CONVERSATION_FORMATS:  # the template is checked once here, not on row 0 inside the map
+        template = check_chat_template(ntok.tokenizer, chat_template, enable_thinking)
+        chat = dict(train_all=not assistant_only_loss, enable_thinking=enable_thinking, chat_template=chat_template)
+        extra = (_fingerprint(template), enable_thinking, not assistant_only_loss)
+    eos = _eos_id(ntok) if add_eos_token and chat is None else None  # a template ends its turns itself
+    streaming = isinstance(dataset, datasets.IterableDataset)
 
     def fn(batch, indices):
-        return _tokenize_batch(batch, indices, ntok, used, eos, max_length, prompt_loss)
+        out = _tokenize_batch(batch, indices, ntok, used, eos, max_length, prompt_loss, chat)
+        if streaming:  # a stream is never seen whole: each batch reports its own cut rows
+            _report_truncated(sum(out.pop(TRUNCATED_COLUMN)), len(indices), max_length, f"{rows_name} of a batch")
+        return out
 
     kwargs: dict[str, Any] = dict(batched=True, batch_size=batch_size, with_indices=True, remove_columns=used,
-                                  features=_mapped_features(dataset, used))
-    if isinstance(dataset, datasets.Dataset):
-        kwargs["desc"] = "number-aware tokenisation"
-        # datasets would fingerprint `fn` by pickling its closure, i.e. the whole tokenizer
-        # (seconds per call): give it a cheap, deterministic fingerprint instead.
-        kwargs["new_fingerprint"] = _fingerprint(
-            dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size,
-            *(() if prompt_loss == "none" else (prompt_loss,)))
-    return dataset.map(fn, **kwargs)
+                                  features=_mapped_features(dataset, used, with_truncated=not streaming))
+    if streaming:
+        return dataset.map(fn, **kwargs)
+    kwargs["desc"] = "number-aware tokenisation"
+    # datasets would fingerprint `fn` by pickling its closure, i.e. the whole tokenizer
+    # (seconds per call): give it a cheap, deterministic fingerprint instead.
+    kwargs["new_fingerprint"] = _fingerprint(
+        dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size, *extra)
+    out = dataset.map(fn, **kwargs)
+    _report_truncated(sum(out[TRUNCATED_COLUMN]), len(out), max_length, rows_name)
+    return out.remove_columns(TRUNCATED_COLUMN)
+
+
+def _report_truncated(count: int, total: int, max_length: int | None, rows_name: str) -> None:
+    """The warning that `count` of `total` rows were cut at `max_length` (none when no row was)."""
+    if count:
+        logger.warning("%d of %d %s were longer than max_length=%d tokens and were truncated (their first %d "
+                       "tokens kept; a number is one token, never cut)", count, total, rows_name, max_length,
+                       max_length)
+
+
+def _data_format(dataset, text_column: str, prompt_column: str, completion_column: str, messages_column: str
+                 ) -> tuple[str, list[str]]:
+    """(format, the columns `tokenize_dataset` reads and removes): "messages", "conversational_pc", "pc" or
+    "text" (`conversations.detect_format`, TRL's detection: the first row tells conversational prompts)."""
+    cols = _column_names(dataset)
+    if messages_column not in cols and not (prompt_column in cols and completion_column in cols):
+        return _text_columns(cols, text_column, prompt_column, completion_column, messages_column)
+    first = None
+    if messages_column not in cols:
+        first = next(iter(dataset.take(1) if hasattr(dataset, "take") else dataset), None)
+    mode = detect_format(cols, first, messages_column=messages_column, prompt_column=prompt_column,
+                         completion_column=completion_column, text_column=text_column)
+    return mode, [messages_column] if mode == "messages" else [prompt_column, completion_column]
 
 
 def _check_tokenize_args(number_tokenizer, max_length, prompt_loss) -> None:
@@ -345,8 +404,8 @@ def _check_tokenize_args(number_tokenizer, max_length, prompt_loss) -> None:
         raise ValueError(f"prompt_loss must be 'none' or 'text', got {prompt_loss!r}")
 
 
-def _text_columns(cols: list[str], text_column: str, prompt_column: str, completion_column: str
-                  ) -> tuple[str, list[str]]:
+def _text_columns(cols: list[str], text_column: str, prompt_column: str, completion_column: str,
+                  messages_column: str = "messages") -> tuple[str, list[str]]:
     """("pc", [prompt, completion]) or ("text", [text]): the columns `tokenize_dataset` reads (and removes)."""
     if prompt_column in cols and completion_column in cols:
         return "pc", [prompt_column, completion_column]
@@ -358,8 +417,8 @@ def _text_columns(cols: list[str], text_column: str, prompt_column: str, complet
         return "text", [text_column]
     raise ValueError(
         f"dataset has neither a {text_column!r} column nor {prompt_column!r} + {completion_column!r} "
-        f"columns; columns present: {cols} (name yours with --text-column / --prompt-column / "
-        "--completion-column, or text_column= / prompt_column= / completion_column= in Python)"
+        f"columns nor a {messages_column!r} column; columns present: {cols} (name yours with --text-column / "
+        "--prompt-column / --completion-column / --messages-column, or text_column= / ... in Python)"
     )
 
 
@@ -371,35 +430,42 @@ def _eos_id(ntok: NumberTokenizer) -> int:
 
 
 def _tokenize_batch(batch, indices, ntok: NumberTokenizer, used: list[str], eos: int | None,
-                    max_length: int | None, prompt_loss: str) -> dict[str, list[list]]:
-    """One batch of rows -> FEATURE_COLUMNS, one list per row. `used`: [prompt, completion] or [text]."""
-    if len(used) == 2:
-        prompt_column, completion_column = used
-        prompts, comps = batch[prompt_column], batch[completion_column]
-        _check_str(prompts, prompt_column, indices)
-        _check_str(comps, completion_column, indices)
-        encs = ntok.encode_batch(list(prompts) + list(comps), return_offsets=False)
-        pe, ce = encs[: len(prompts)], encs[len(prompts):]
+                    max_length: int | None, prompt_loss: str, chat: dict | None = None) -> dict[str, list[list]]:
+    """One batch of rows -> FEATURE_COLUMNS + TRUNCATED_COLUMN, one entry per row. `used`: [prompt, completion],
+    [text] or, with `chat` (`encode_conversations`' options), the conversation columns."""
+    if chat is not None:
+        rows = encode_conversations(ntok, batch, indices, used, **chat)
     else:
-        texts = batch[used[0]]
-        _check_str(texts, used[0], indices)
-        ce = ntok.encode_batch(list(texts), return_offsets=False)
-        pe = [None] * len(ce)
-    out = {k: [] for k in FEATURE_COLUMNS}
-    for p, c in zip(pe, ce):
-        ids, vals, labels = _row_features(p, c, eos, ntok.num_token_id, max_length, prompt_loss)
+        if len(used) == 2:
+            prompt_column, completion_column = used
+            prompts, comps = batch[prompt_column], batch[completion_column]
+            _check_str(prompts, prompt_column, indices)
+            _check_str(comps, completion_column, indices)
+            encs = ntok.encode_batch(list(prompts) + list(comps), return_offsets=False)
+            pe, ce = encs[: len(prompts)], encs[len(prompts):]
+        else:
+            texts = batch[used[0]]
+            _check_str(texts, used[0], indices)
+            ce = ntok.encode_batch(list(texts), return_offsets=False)
+            pe = [None] * len(ce)
+        rows = [_row_features(p, c, eos, ntok.num_token_id, prompt_loss) for p, c in zip(pe, ce)]
+    out = {k: [] for k in (*FEATURE_COLUMNS, TRUNCATED_COLUMN)}
+    for ids, vals, labels in rows:
+        cut = max_length is not None and len(ids) > max_length
+        if cut:
+            ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
         out["input_ids"].append(ids)
         out["numeric_values"].append(vals)
         out["labels"].append(labels)
         out["label_values"].append([v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)])
+        out[TRUNCATED_COLUMN].append(cut)
     return out
 
 
-def _row_features(p, c, eos: int | None, num_token_id: int, max_length: int | None, prompt_loss: str
+def _row_features(p, c, eos: int | None, num_token_id: int, prompt_loss: str
                   ) -> tuple[list[int], list[float], list[int]]:
     """(input_ids, numeric_values, labels) of one row from its encoded prompt `p` (None for a text row) and
-    completion / text `c`: eos appended to c, prompt labels -100 (or its text tokens with prompt_loss="text"),
-    the first `max_length` positions kept."""
+    completion / text `c`: eos appended to c, prompt labels -100 (or its text tokens with prompt_loss="text")."""
     c_ids, c_vals = list(c.input_ids), list(c.numeric_values)
     if eos is not None:
         c_ids.append(eos)
@@ -415,13 +481,12 @@ def _row_features(p, c, eos: int | None, num_token_id: int, max_length: int | No
         else:
             prompt_labels = [IGNORE_INDEX] * len(p.input_ids)
         labels = prompt_labels + c_ids
-    if max_length is not None and len(ids) > max_length:
-        ids, vals, labels = ids[:max_length], vals[:max_length], labels[:max_length]
     return ids, vals, labels
 
 
-def _mapped_features(dataset, used: list[str]):
-    """The `datasets.Features` after tokenisation (the kept columns + FEATURE_COLUMNS), None when unknown."""
+def _mapped_features(dataset, used: list[str], with_truncated: bool = True):
+    """The `datasets.Features` after tokenisation (the kept columns + FEATURE_COLUMNS [+ TRUNCATED_COLUMN]),
+    None when unknown."""
     import datasets
 
     new_feats = {
@@ -430,13 +495,15 @@ def _mapped_features(dataset, used: list[str]):
         "labels": datasets.List(datasets.Value("int64")),
         "label_values": datasets.List(datasets.Value("float32")),
     }
+    if with_truncated:
+        new_feats[TRUNCATED_COLUMN] = datasets.Value("bool")
     if getattr(dataset, "features", None) is None:
         return None
     kept = {k: v for k, v in dataset.features.items() if k not in used and k not in new_feats}
     return datasets.Features({**kept, **new_feats})
 
 
-_PIPELINE_VERSION = 1
+_PIPELINE_VERSION = 2  # 2: the truncated-rows column of the map
 
 
 def _tokenizer_digest(ntok: NumberTokenizer) -> str:

@@ -190,3 +190,14 @@ def check_no_vision_inputs(inputs) -> None:
     if found:
         raise ValueError(f"the inputs hold {found}: causal_adapter takes text only (input_ids, numeric_values, "
                          "attention_mask); images and videos are not supported")
+
+
+def is_flash_attention(model: nn.Module) -> bool:
+    """Whether `model` (a decoder or a whole checkpoint) runs a flash-attention implementation ("flash_attention_2",
+    a kernels-hub flash kernel, ...): packed rows then need one flattened row (varlen flash reads them so)."""
+    return "flash" in str(getattr(text_config(model), "_attn_implementation", None) or "")
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    """Whether `model`'s decoder has linear-attention (recurrent) layers: Qwen3-Next, Qwen3.5."""
+    return "linear_attention" in (getattr(text_config(model), "layer_types", None) or ())

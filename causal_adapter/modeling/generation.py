@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .._compat import cache_kwargs, output_cache
-from ..numbers import NumberTokenizer, format_number
+from ..numbers import NumberTokenizer, format_number, pad_batch
 from .cauchy import cauchy_icdf
 from .families import check_no_vision_inputs
 from .heads import full_precision, recent_values
@@ -91,6 +91,21 @@ class GenerationOutput:
     texts: list[str] | None = None
     eps: Tensor | None = None
     mode: str = "deterministic"
+
+    def row(self, b: int) -> "GenerationOutput":
+        """Row `b` alone, as generating its prompt by itself returns it: the prompt's left padding and the
+        steps after the row finished cut off (`numbers[..]["index"]` counted in the unpadded sequence)."""
+        S = self.sequences.shape[1] - self.new_tokens.shape[1]
+        pad = S - int(self.attention_mask[b, :S].sum())
+        n = int(self.lengths[b])
+        numbers = [{**d, "index": d["index"] - pad} for d in self.numbers[b]] if self.numbers else []
+        return GenerationOutput(
+            sequences=self.sequences[b:b + 1, pad:S + n], numeric_values=self.numeric_values[b:b + 1, pad:S + n],
+            attention_mask=self.attention_mask[b:b + 1, pad:S + n], new_tokens=self.new_tokens[b:b + 1, :n],
+            new_values=self.new_values[b:b + 1, :n], lengths=self.lengths[b:b + 1], finished=self.finished[b:b + 1],
+            token_probs=self.token_probs[b:b + 1, :n], numbers=[numbers],
+            texts=None if self.texts is None else [self.texts[b]],
+            eps=None if self.eps is None else self.eps[b:b + 1, :n], mode=self.mode)
 
 
 # ----------------------------------------------------------------------------- tokenizer glue
@@ -345,12 +360,67 @@ def generate(
     input_ids, numeric_values, attention_mask = _resolve_inputs(
         model, inputs, input_ids, numeric_values, attention_mask, ntok)
     run = _prepare(model, opts, ntok, input_ids, seed, generator, ovr_pruning, cache_abs_weight)
+    for w in run.warpers or ():
+        if isinstance(w, _NumExemptRepetitionPenalty):  # it penalises each row's own tokens, never its padding
+            w.prompt = _own_tokens(input_ids, attention_mask).to(run.hdev)
     trace = _allocate(run, input_ids, numeric_values)
     streamer = _number_text_streamer(streamer, run.num_id)
     if streamer is not None:
         _put(streamer, input_ids, numeric_values)
     _generate_loop(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
     return _output(run, trace, input_ids, numeric_values, attention_mask, model.causal_config.value_calibration)
+
+
+def generate_batched(model, prompts: str | Sequence[str], *, tokenizer, batch_size: int = 16,
+                     progress: Callable[[int], Any] | None = None, seed: int | None = None,
+                     generator: torch.Generator | None = None, **kwargs) -> list[GenerationOutput]:
+    """`generate` for many text prompts, `batch_size` at a time: one `GenerationOutput` per prompt (batch of
+    one, `GenerationOutput.row`), in the order of `prompts`.
+
+    The prompts are encoded once and sorted by token count, so each batch pads (on the left) as little as
+    possible; a row's output does not depend on its batch: greedy softmax and deterministic mode give each
+    prompt what `generate` gives it alone (position ids count from each row's first token, the padding is
+    masked, the repetition penalty reads a row's own tokens: `tests/test_chat_inference.py`; the values agree to float
+    rounding, see docs/cli.md). Sampling (softmax with do_sample, causal mode) draws from one generator
+    (`seed` / `generator`) batch after batch, so its draws depend on how the prompts are batched.
+
+    progress: called with the number of prompts done after each batch (a progress bar's update).
+    kwargs: `generate`'s decoding arguments (mode, max_new_tokens, eos_token_id, stop_strings, ...);
+    max_length (it would depend on the padded length) and streamer (one row at a time) are refused.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for name, why in (("max_length", "it would count the padding of a batch: give max_new_tokens"),
+                      ("streamer", "a streamer shows one row: call generate() on that prompt"),
+                      ("input_ids", "give text prompts"), ("inputs", "give text prompts")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate_batched() does not take {name}: {why}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} must be a non-empty string, got {p!r:.80}")
+    if tokenizer is None:
+        raise ValueError("generate_batched needs tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
+    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    encs = ntok.encode_batch(prompts, return_offsets=False)
+    for i, e in enumerate(encs):
+        if not e.input_ids:
+            raise ValueError(f"prompt {i} encodes to no token")
+    order = sorted(range(len(prompts)), key=lambda i: len(encs[i].input_ids))  # stable: ties keep input order
+    gen = _make_generator(seed, generator, model.device)
+    out: list[GenerationOutput | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        enc = pad_batch([encs[i].input_ids for i in rows], [encs[i].numeric_values for i in rows],
+                        ntok.pad_token_id, padding_side="left")
+        batch = generate(model, enc, tokenizer=ntok, generator=gen, **kwargs)
+        for b, i in enumerate(rows):
+            out[i] = batch.row(b)
+        if progress is not None:
+            progress(len(rows))
+    return out  # type: ignore[return-value]
 
 
 @dataclass
@@ -441,6 +511,14 @@ def _prepare(model, opts: _Options, ntok, input_ids: Tensor, seed, generator, ov
                 scorer=scorer, warpers=_warpers(opts, model.num_token_id), decimals=model.causal_config.value_decimals,
                 B=B, S=S, T=T, C=model.abduction.loc.weight.shape[0], prefix_id=cfg.number_prefix_id,
                 contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev))
+
+
+def _own_tokens(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B, S] the prompt with its left padding replaced by the row's first token: the same set of tokens as the
+    row alone, what the repetition penalty reads (transformers passes the pad ids, penalising the pad token in
+    the padded rows of a batch only), so batching never changes a row's output."""
+    first = input_ids.gather(1, (attention_mask == 0).sum(1, keepdim=True).clamp_max(input_ids.shape[1] - 1))
+    return torch.where(attention_mask.bool(), input_ids, first)
 
 
 def _warpers(opts: _Options, num_id: int):
@@ -762,15 +840,19 @@ def _new_token_budget(max_new_tokens: int | None, max_length: int | None, prompt
 
 class _NumExemptRepetitionPenalty:
     """transformers' RepetitionPenaltyLogitsProcessor, except for <NUM>: every number shares that one
-    token, so a repeated <NUM> is not a repeated word (its values differ)."""
+    token, so a repeated <NUM> is not a repeated word (its values differ); and a left-padded row's padding is
+    not read as its tokens (`prompt`)."""
 
     def __init__(self, penalty: float, num_token_id: int):
         from transformers import RepetitionPenaltyLogitsProcessor
 
         self.inner = RepetitionPenaltyLogitsProcessor(penalty)
         self.k = num_token_id
+        self.prompt: Tensor | None = None  # [B, S] the prompt without its padding (`_own_tokens`), set by generate
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.prompt is not None:
+            input_ids = torch.cat([self.prompt, input_ids[:, self.prompt.shape[1]:]], 1)
         keep = scores[:, self.k].clone()
         scores = self.inner(input_ids, scores)
         scores[:, self.k] = keep

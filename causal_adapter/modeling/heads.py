@@ -37,10 +37,12 @@ def inverse_softplus(y: float) -> float:
 
 
 def recent_values(input_ids: Tensor, numeric_values: Tensor | None, num_token_id: int, k: int,
-                  before: Tensor | None = None) -> Tensor:
+                  before: Tensor | None = None, row_starts: Tensor | None = None) -> Tensor:
     """The values of the k most recent <NUM> tokens at or before each position: [B, S] -> [B, S, k], index 0
     the most recent; NaN where the text so far holds fewer than k numbers. `before` [B, k] (same order, NaN =
-    none): the numbers of a prefix that is not among `input_ids` (a cached prompt during generation)."""
+    none): the numbers of a prefix that is not among `input_ids` (a cached prompt during generation).
+    `row_starts` [B, S] bool: True where a packed row begins (`packed_row_starts`); a position then sees only
+    the numbers of its own row, from that start on (and `before` only before the first start). None: one row."""
     B, S = input_ids.shape
     dev = input_ids.device
     dt = numeric_values.dtype if numeric_values is not None and numeric_values.is_floating_point() else torch.float32
@@ -55,7 +57,21 @@ def recent_values(input_ids: Tensor, numeric_values: Tensor | None, num_token_id
         slot = torch.where(is_num, count - 1, torch.zeros_like(count))
         values.scatter_(1, slot, torch.where(is_num, numeric_values.to(dt), values.gather(1, slot)))
     idx = count.unsqueeze(-1) - 1 - torch.arange(k, device=dev)  # [B, S, k]
-    return values.gather(1, idx.reshape(B, -1)).reshape(B, S, k)
+    recent = values.gather(1, idx.reshape(B, -1)).reshape(B, S, k)
+    if row_starts is None:
+        return recent
+    # numbers before the current row: the count just before its start, carried forward (counts never decrease)
+    before_row = torch.where(row_starts, count - is_num.long(), torch.zeros_like(count)).cummax(-1).values
+    own = torch.arange(k, device=dev) < (count - before_row).unsqueeze(-1)  # [B, S, k]: the slot is this row's
+    return torch.where(own, recent, torch.full_like(recent, math.nan))
+
+
+def packed_row_starts(position_ids: Tensor) -> Tensor:
+    """[B, S] or [1, S] position ids -> [..., S] bool, True where a packed row begins: where the position does not
+    follow the previous one by 1 (transformers' rule for the packed attention mask, `find_packed_sequence_indices`:
+    the value head forgets the numbers where attention does). An unpacked row (0, 1, 2, ...) has no start."""
+    first = position_ids[..., :1] - 1
+    return torch.diff(position_ids, prepend=first, dim=-1) != 1
 
 
 def symlog(values: Tensor) -> Tensor:
@@ -117,7 +133,11 @@ class AbductionHead(nn.Module):
         """[..., H] -> loc_U [..., C], scale_U [..., C] (> 0), on the heads' device (z may come from
         another one when the backbone is split over devices)."""
         z = z.to(self.loc.weight.device, self.loc.weight.dtype)
-        return self.loc(z), F.softplus(self.scale(z))
+        # W z, then + b: nn.Linear's fused path on a [B, S, H] input returns a VIEW of a flattened addmm, and
+        # loc_U is an output of the model, where FSDP2 hooks its backward (an in-place op on a view output
+        # would drop that hook). The sum is a tensor of its own.
+        loc_U = F.linear(z, self.loc.weight) + self.loc.bias
+        return loc_U, F.softplus(self.scale(z))
 
 
 class ActionHead(nn.Module):

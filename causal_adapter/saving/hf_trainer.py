@@ -18,6 +18,7 @@ from torch import nn
 from transformers import Trainer
 
 from .adapter_io import load_adapter_into, save_adapter_into
+from .process_groups import keep_gloo_groups_to_process_end
 from .fsdp import finish_fsdp_wrap, full_adapter_state_dict, init_fsdp1_optimizer_state, set_lora_wrap_policy
 from .unwrap import unwrap_causal_model
 
@@ -35,6 +36,7 @@ class CausalTrainer(Trainer):
             raise TypeError(f"CausalTrainer trains a causal_adapter CausalModel, got {type(model).__name__}; "
                             "use transformers.Trainer for other models")
         super().__init__(model, *args, **kwargs)
+        keep_gloo_groups_to_process_end()  # no gloo teardown during interpreter exit (it aborted now and then)
         if self.is_deepspeed_enabled:  # ZeRO-3 partitions W_cls, which the heads read outside lm_head's forward
             raise ValueError("CausalTrainer does not run under DeepSpeed yet: train with causal_adapter.training.loop."
                              "train / `causal-adapter train` (ZeRO-2 and ZeRO-3, docs/distributed.md), or use FSDP "

@@ -32,12 +32,21 @@ from ..modeling.families import (
     check_text_only,
     family_name,
     get_family,
+    has_linear_attention,
+    is_flash_attention,
     lora_module_pattern,
     resolve_lora_settings,
     text_config,
 )
-from ..modeling.generation import generate
-from ..modeling.heads import AbductionHead, ActionHead, NumericEmbedding, full_precision, recent_values
+from ..modeling.generation import generate, generate_batched
+from ..modeling.heads import (
+    AbductionHead,
+    ActionHead,
+    NumericEmbedding,
+    full_precision,
+    packed_row_starts,
+    recent_values,
+)
 from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.prediction import predict_values
@@ -454,6 +463,9 @@ class CausalModel(nn.Module):
         cache: the backbone's cache (`past_key_values` is its name before transformers 5.24, still taken).
         recent_before: [B, K] the K most recent numbers before input_ids (`heads.recent_values`; a cached
             prefix's), for an adapter whose value head reads them (`recent_values` K > 0); None = none.
+        position_ids: [B, S]. Packed rows (`data.packing`): attention_mask None, no cache, position ids that
+            restart at 0 where each row begins; transformers then builds the packed-sequence mask (sdpa, eager) or
+            runs varlen flash attention, and the value head's recent numbers restart there too.
         """
         if past_key_values is not None:
             if cache is not None:
@@ -462,15 +474,25 @@ class CausalModel(nn.Module):
         self.check_inputs(input_ids, numeric_values, labels, label_values, attention_mask, cache)
         if labels is not None and label_values is None:
             label_values = numeric_values
+        row_starts = self._packed_row_starts(input_ids, attention_mask, position_ids, cache, use_cache)
         grad_ctx = contextlib.nullcontext() if self.backbone_needs_grad() else torch.no_grad()
         with grad_ctx:
-            out = self.decoder(
-                inputs_embeds=self.embed(input_ids, numeric_values),
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                **cache_kwargs(self.decoder, cache),
-            )
+            embeds = self.embed(input_ids, numeric_values)
+            if row_starts is not None and embeds.shape[0] > 1 and is_flash_attention(self.decoder):
+                # varlen flash attention reads packed rows from the position ids of ONE row only (transformers'
+                # `_is_packed_sequence`); with several it would attend across the rows of each: flatten, then unflatten
+                B, S = input_ids.shape
+                out = self.decoder(inputs_embeds=embeds.reshape(1, B * S, -1),
+                                   position_ids=position_ids.expand(B, S).reshape(1, B * S), use_cache=False)
+                out.last_hidden_state = out.last_hidden_state.reshape(B, S, -1)
+            else:
+                out = self.decoder(
+                    inputs_embeds=embeds,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=use_cache,
+                    **cache_kwargs(self.decoder, cache),
+                )
         z = out.last_hidden_state
         if not self.training:
             self.check_feature_precision(z)
@@ -482,7 +504,8 @@ class CausalModel(nn.Module):
             if self.action.recent_values:
                 recent = recent_values(input_ids.to(loc_U.device), None if numeric_values is None
                                        else numeric_values.to(loc_U.device), self.num_token_id,
-                                       self.action.recent_values, recent_before)
+                                       self.action.recent_values, recent_before,
+                                       None if row_starts is None else row_starts.to(loc_U.device))
             loc_Y, scale_Y = self.action.regression(loc_U, scale_Up, recent)
             result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
                                   recent=recent, cache=output_cache(out) if use_cache else None)
@@ -492,6 +515,22 @@ class CausalModel(nn.Module):
                 result.loss, result.loss_cls, result.loss_reg = self.loss(loc_U, scale_Up, loc_Y, scale_Y, labels,
                                                                           label_values)
         return result
+
+    def _packed_row_starts(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                           cache: Any, use_cache: bool) -> Tensor | None:
+        """[B, S] bool, True where a packed row begins, for a packed batch; None for any other input (whose
+        forward is then exactly the unpacked one). Packed = what transformers reads as packed rows: no
+        attention_mask, 2-D position_ids, no cache (its mask code checks the same three)."""
+        if attention_mask is not None or position_ids is None or position_ids.dim() != 2 or cache is not None \
+                or use_cache:
+            return None
+        starts = packed_row_starts(position_ids).expand(input_ids.shape)
+        if has_linear_attention(self.decoder) and bool(starts.any()):
+            # their recurrent layers would carry one row's state into the next (the varlen kernels need
+            # cu_seqlens / seq_idx, which this forward does not pass)
+            raise ValueError(f"packed rows are not supported for {family_name(self.backbone)}: its linear-attention "
+                             "layers carry their state across rows; train it unpacked (no packing / padding_free)")
+        return starts
 
     def loss(self, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, scale_Y: Tensor, labels: Tensor,
              label_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -679,6 +718,12 @@ class CausalModel(nn.Module):
     def generate(self, *args, **kwargs):
         """See causal_adapter.modeling.generation.generate (modes: softmax, deterministic, causal)."""
         return generate(self, *args, **kwargs)
+
+    def generate_batched(self, prompts: str | list[str], tokenizer, batch_size: int = 16, **kwargs):
+        """`generate` over many text prompts, `batch_size` at a time (sorted by length, left padded): one
+        GenerationOutput per prompt, in order, each as generating it alone gives it
+        (causal_adapter.modeling.generation.generate_batched)."""
+        return generate_batched(self, prompts, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
 
     def predict_values(self, prompts: str | list[str], tokenizer=None, levels: tuple[float, ...] = (0.5, 0.9),
                        batch_size: int = 16, progress=None) -> list[dict[str, Any]]:

@@ -123,14 +123,30 @@ class TrainConfig:
     text_column: str = flag("text", "column of full texts (loss on every token)")
     prompt_column: str = flag("prompt", "prompt column (no loss)")
     completion_column: str = flag("completion", "completion column (loss)")
+    messages_column: str = flag("messages", "column of conversations (TRL's format: lists of {role, content} "
+                                "messages; prompt/completion columns of such lists work too): rendered with the "
+                                "chat template, loss on the assistant turns (docs/chat.md)")
+    chat_template: str | None = flag(None, "a jinja chat-template file to render conversations with (default: the "
+                                           "tokenizer's; needed for a base whose tokenizer has none)", type=str)
+    enable_thinking: bool = flag(False, "render conversations with thinking on (Qwen3's switch): the assistant's "
+                                        "reasoning (reasoning_content, a <think> block) is trained with its reply; "
+                                        "off, reasoning is dropped and replies follow the empty think block")
+    assistant_only_loss: bool = flag(True, "conversations: the loss on the assistant turns only, each with its "
+                                           "end-of-turn mark (--no-assistant-only-loss: on every text token; the "
+                                           "numbers outside assistant turns are never value targets)")
     target_column: str = flag("target", "numeric target column (baselines only; optional)")
     previous_column: str = flag("previous", "previous-value column (persistence baseline; optional)")
     max_length: int | None = flag(None, "truncate examples to this many tokens", type=int)
+    packing: bool = flag(False, "pack the training rows into rows of --max-length tokens (default: the longest "
+                                "row's), none attending to another (position ids restart at each row; the value "
+                                "head's recent numbers too): no padding computed. Evaluation stays unpacked "
+                                "(docs/integrations.md, Packing)")
     add_eos_token: bool = flag(True, "append EOS to every completion / text, so that generation ends the answer "
                                      "after its number (--no-add-eos-token: the seeds' completions without it)")
     prompt_loss: str = flag("none", "'text': the prompt's text tokens of the training rows get the token loss too (the "
                                     "layout around numbers, e.g. the separator after one); its numbers never train the "
-                                    "value head. 'none': completions only", choices=["none", "text"])
+                                    "value head. 'none': completions only (prompt/completion strings; conversations: "
+                                    "--no-assistant-only-loss)", choices=["none", "text"])
     max_train_samples: int | None = flag(None, "use only the first N training examples", type=int)
     max_eval_samples: int | None = flag(None, "use only the first N validation examples", type=int)
     # ---------------------------------------------------------------- optimisation
@@ -207,6 +223,8 @@ class TrainConfig:
             raise ValueError("weight_decay and max_grad_norm must be >= 0")
         if self.quantization is not None and self.base_model is None:
             raise ValueError("--quantization needs --base-model (the embedded tiny base is built in memory)")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r}: no such file (a jinja chat-template file)")
         if self.validation_file and not self.train_file:
             raise ValueError("--validation-file needs --train-file")
         for name in ("max_train_samples", "max_eval_samples", "max_length", "corpus_window", "expected_num_processes"):

@@ -9,8 +9,10 @@ from typing import Sequence
 import torch
 from torch.utils.data import Sampler
 
+from ..data.conversations import read_chat_template
 from ..data.corpora import build_corpus
-from ..data.pipeline import load_text_dataset, tokenize_dataset
+from ..data.packing import PackedCollator, pack_dataset
+from ..data.pipeline import NumericCollator, load_text_dataset, tokenize_dataset
 from .config import TrainConfig
 from .metrics import MODEL_INPUTS
 
@@ -96,7 +98,9 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
     if config.target_column in train_dataset.column_names:
         targets = [v for v in train_dataset[config.target_column] if isinstance(v, (int, float))]
 
-    def tok(ds, prompt_loss="none"):
+    chat_template = read_chat_template(config.chat_template) if config.chat_template else None
+
+    def tok(ds, rows_name, prompt_loss="none", assistant_only_loss=True):
         if ds is None or "input_ids" in ds.column_names:
             return ds
         if number_tokenizer is None:
@@ -104,16 +108,31 @@ def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, 
         return tokenize_dataset(ds, number_tokenizer, text_column=config.text_column,
                                 prompt_column=config.prompt_column, completion_column=config.completion_column,
                                 max_length=config.max_length, add_eos_token=config.add_eos_token,
-                                prompt_loss=prompt_loss)
+                                prompt_loss=prompt_loss, messages_column=config.messages_column,
+                                chat_template=chat_template, enable_thinking=config.enable_thinking,
+                                assistant_only_loss=assistant_only_loss, rows_name=rows_name)
 
     ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
     with ctx:
-        # validation keeps completion-only labels: its metrics stay those of `causal-adapter eval`
-        train_dataset, eval_dataset = tok(train_dataset, config.prompt_loss), tok(eval_dataset)
+        # validation keeps completion-only (assistant-only) labels: its metrics stay those of `causal-adapter eval`
+        train_dataset = tok(train_dataset, "training rows", config.prompt_loss, config.assistant_only_loss)
+        eval_dataset = tok(eval_dataset, "validation rows")
     train_dataset = _feature_columns(train_dataset, config)
     if eval_dataset is not None:
         eval_dataset = _feature_columns(eval_dataset, config)
     return train_dataset, eval_dataset, targets
+
+
+def loader_rows(config: TrainConfig, train_dataset, pad_id: int, accelerator=None):
+    """(the rows the training loader reads, their collator): with `config.packing` the tokenised training rows
+    packed into rows of `config.max_length` tokens (default: the longest row's; `data.packing`) and a
+    `PackedCollator`; else the rows themselves, padded on the right by a `NumericCollator`."""
+    if not config.packing:
+        return train_dataset, NumericCollator(pad_id, padding_side="right")
+    ctx = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
+    with ctx:
+        packed = pack_dataset(train_dataset, config.max_length)
+    return packed, PackedCollator(pad_id)
 
 
 def materialize_streams(config: TrainConfig, train_dataset, eval_dataset, accelerator=None):

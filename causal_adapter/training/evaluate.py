@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..data.corpora import build_corpus
+from ..data.conversations import read_chat_template
 from ..data.pipeline import load_text_dataset, tokenize_dataset
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
@@ -17,8 +18,11 @@ def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwe
                      corpus: str = "sunspots", split: str = "test", data_files: list[str] | None = None,
                      batch_size: int = 16, output: str | None = None, tiny_hidden_size: int = 64,
                      tiny_layers: int = 2, text_column: str = "text", prompt_column: str = "prompt",
-                     completion_column: str = "completion") -> str:
-    """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table."""
+                     completion_column: str = "completion", messages_column: str = "messages",
+                     chat_template: str | None = None, enable_thinking: bool = False) -> str:
+    """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table.
+    Files of conversations (`messages_column`) are read as training reads them (`tokenize_dataset`: the chat
+    template, a jinja file `chat_template` or the tokenizer's, scored on the assistant turns)."""
     base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
     model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
@@ -28,7 +32,10 @@ def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwe
     else:
         dd = build_corpus(corpus)
         raw, train_targets = dd[split], list(dd["train"]["target"])
-    metrics = evaluate_dataset(model, tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column),
+    template = read_chat_template(chat_template) if chat_template else None
+    rows = tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column, messages_column=messages_column,
+                            chat_template=template, enable_thinking=enable_thinking)
+    metrics = evaluate_dataset(model, rows,
                                ntok.pad_token_id, batch_size=batch_size,
                                train_targets=train_targets)
     table = format_metrics_table(metrics, title=f"{corpus if not data_files else 'files'} {split}")

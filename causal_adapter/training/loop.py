@@ -3,7 +3,8 @@
 docs/cli.md and docs/values.md (the training recipe) show how to run it; the settings are
 `training.config.TrainConfig`, the datasets and their order `training.data`, the value head's fits
 `training.value_head`, the accelerator and each engine's setup and checkpoint state `training.engines`,
-the checkpoints `training.checkpoints`, the plot `training.plotting`; `train` reads as its steps (`_start`, `_build_model_and_data`, `_prepare_optimization`,
+the checkpoints `training.checkpoints`, the plot `training.plotting`; `train` reads as its steps (`_start`,
+`_build_model_and_data`, `_training_rows`, `_prepare_optimization`,
 `_resume_and_open_log`, `_train_steps`, `_finish`), which share one `Run`.
 
 What a run does
@@ -13,8 +14,12 @@ What a run does
   trainable below the heads runs under ``torch.no_grad()`` inside `CausalModel.forward`: no
   activations, no backward through the transformer.
 * Data: local files (`data.pipeline.load_text_dataset`: jsonl/json/csv/tsv/parquet/txt, a ``text``
-  column or ``prompt`` + ``completion``) or a built-in offline corpus (`data.corpora.build_corpus`,
-  default ``sunspots``), tokenised number-aware (`data.pipeline.tokenize_dataset`), padded on the right.
+  column, ``prompt`` + ``completion``, or conversations: ``messages`` rendered with the chat template, loss on
+  the assistant turns, `data.conversations`) or a built-in offline corpus (`data.corpora.build_corpus`,
+  default ``sunspots``), tokenised number-aware (`data.pipeline.tokenize_dataset`), padded on the right;
+  with ``packing`` the training rows are packed into rows of ``max_length`` tokens instead (`data.packing`:
+  no attention across rows, the value head's recent numbers restart at each), evaluation and the value
+  head's fits keep the rows unpacked.
 * Optimisation: AdamW (weight decay on matrices only), `transformers.get_scheduler`, gradient
   accumulation, gradient clipping, mixed precision via accelerate.
 * Order of examples: epoch e uses the permutation drawn from ``seed + e`` (padded to a multiple
@@ -62,6 +67,7 @@ from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
 from ..saving.unwrap import unwrap_model
 from ..saving.model import get_causal_model
+from ..saving.process_groups import keep_gloo_groups_to_process_end
 from . import engines
 from .checkpoints import (
     CHECKPOINT_PREFIX,
@@ -75,7 +81,7 @@ from .checkpoints import (
     write_checkpoint,
 )
 from .config import PARAMETER_GROUPS, TrainConfig
-from .data import EpochSampler, pad_token_id, prepare_datasets, rows_at, step_plan
+from .data import EpochSampler, loader_rows, pad_token_id, prepare_datasets, rows_at, step_plan
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, train_median
 from .plotting import plot_training
 from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
@@ -167,7 +173,9 @@ class Run:
     tokenizer: Any = None
     train_ds: Any = None
     eval_ds: Any = None
-    collator: Any = None
+    collator: Any = None  # pads rows (evaluation, the value head's fits)
+    loader_ds: Any = None  # the rows the training loader reads: train_ds, or its rows packed (`packing`)
+    loader_collator: Any = None
     constant: float | None = None
     resumed_from: Path | None = None
     sampler: Any = None
@@ -211,6 +219,7 @@ def train(
     """
     run = _start(config or TrainConfig())
     _build_model_and_data(run, model, tokenizer, train_dataset, eval_dataset, train_targets)
+    _training_rows(run)
     _prepare_optimization(run)
     _resume_and_open_log(run)
     _train_steps(run, callbacks)
@@ -223,6 +232,7 @@ def _start(config: TrainConfig) -> Run:
 
     accelerator = engines.make_accelerator(config)
     engines.check_engine(accelerator)
+    keep_gloo_groups_to_process_end()  # no gloo teardown during interpreter exit (it aborted now and then)
     run = Run(config=config, accelerator=accelerator, out_dir=Path(config.output_dir),
               is_main=accelerator.is_main_process, world=accelerator.num_processes, rank=accelerator.process_index)
     for msg in engines.launch_warnings(run.world, config.expected_num_processes):
@@ -269,14 +279,20 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
                            eval_ds=run.eval_ds)
 
 
+def _training_rows(run: Run) -> None:
+    """What the training loader reads: the tokenised rows padded, or packed with `packing` (`data.loader_rows`)."""
+    run.loader_ds, run.loader_collator = loader_rows(run.config, run.train_ds, run.collator.pad_token_id,
+                                                     run.accelerator)
+
+
 def _prepare_optimization(run: Run) -> None:
     """The sampler and loader, the step plan, AdamW and the scheduler, accelerate's prepare."""
     from transformers import get_scheduler
 
     config = run.config
-    run.sampler = EpochSampler(len(run.train_ds), run.world, run.rank, seed=config.seed)
-    run.loader = DataLoader(run.train_ds, batch_size=config.per_device_train_batch_size, sampler=run.sampler,
-                            collate_fn=run.collator, num_workers=config.dataloader_num_workers,
+    run.sampler = EpochSampler(len(run.loader_ds), run.world, run.rank, seed=config.seed)
+    run.loader = DataLoader(run.loader_ds, batch_size=config.per_device_train_batch_size, sampler=run.sampler,
+                            collate_fn=run.loader_collator, num_workers=config.dataloader_num_workers,
                             generator=torch.Generator().manual_seed(config.seed))  # own generator: global RNG untouched
     run.batches_per_epoch, run.total_steps, warmup = step_plan(config, run.sampler.shard_size)
     optimizer = make_optimizer(run.inner, config)
@@ -299,7 +315,7 @@ def _resume_and_open_log(run: Run) -> None:
     if run.resumed_from is not None:
         weights_loaded = engines.load_engine_state(run.accelerator, run.resumed_from, run.optimizer)  # FSDP: sharded state
         run.history = load_checkpoint(run.resumed_from, run.inner, run.optimizer, run.scheduler, run.state, config,
-                                      run.world, run.rank, len(run.train_ds), weights_loaded=weights_loaded)
+                                      run.world, run.rank, len(run.loader_ds), weights_loaded=weights_loaded)
     run.log_path = run.out_dir / METRICS_LOG
     if run.is_main:
         _reset_log(run.log_path, run.state.global_step if run.resumed_from is not None else None)
@@ -386,7 +402,7 @@ def _save_checkpoint(run: Run) -> Path:
     engine_dir = engines.save_engine_state(run.accelerator, run.out_dir / f".{path.name}.{engines.ENGINE_SUBDIR}")
     if run.is_main:
         write_checkpoint(path, run.inner, run.optimizer, run.scheduler, run.state, run.config, rngs, run.world,
-                         len(run.train_ds), run.history, tensors=tensors, engine_dir=engine_dir)
+                         len(run.loader_ds), run.history, tensors=tensors, engine_dir=engine_dir)
         if run.config.save_total_limit:
             remove_old_checkpoints(run.out_dir, run.config.save_total_limit)
     run.accelerator.wait_for_everyone()

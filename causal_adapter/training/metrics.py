@@ -253,7 +253,8 @@ def train_median(values: Iterable[float]) -> float | None:
     return _median(vals)
 
 
-MODEL_INPUTS = ("input_ids", "numeric_values", "attention_mask", "labels", "label_values")
+#: the batch keys `CausalModel.forward` takes (position_ids: packed rows, `data.packing`)
+MODEL_INPUTS = ("input_ids", "numeric_values", "attention_mask", "labels", "label_values", "position_ids")
 
 
 @torch.no_grad()

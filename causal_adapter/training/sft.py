@@ -9,9 +9,16 @@ callbacks, accelerate / DeepSpeed / FSDP handling) and changes what touches numb
   ``completion_only_loss=False`` gives the prompt's text tokens the token loss too) or a text column
   (``dataset_text_field``), tokenised by `data.pipeline.tokenize_dataset` with a `NumberTokenizer`: each
   number one ``<NUM>`` with its value, EOS after every completion (``SFTConfig.max_length`` truncates).
+  Conversations (TRL's ``messages`` column, or prompt/completion lists of messages) are rendered with the
+  chat template and trained on the assistant turns only, each with its end-of-turn mark
+  (`_number_features` says how ``assistant_only_loss`` / ``completion_only_loss`` map).
   TRL's own dataset preparation is skipped (``dataset_kwargs={"skip_prepare_dataset": True}``);
 * batches: `NumericCollator` (``numeric_values`` / ``label_values`` reach ``forward``), so Trainer must
-  keep the columns (``remove_unused_columns=False``);
+  keep the columns (``remove_unused_columns=False``); with ``packing=True`` (strategy ``"bfd"``) the training
+  rows are packed into rows of ``max_length`` tokens (`data.packing.pack_dataset`), and with ``packing`` or
+  ``padding_free=True`` each batch is flattened into one row (`data.packing.PackedCollator`): position ids
+  restart at each row, no attention across rows, the value head's recent numbers restart too. Evaluation
+  rows are never packed, and the value head's fits read the rows unpacked;
 * loss: the CausalModel's own (L_cls + lambda L_reg); TRL's fused-lm_head patch is taken off the model;
 * the value head: fitted as `training.loop.train` does it (`training.value_head`): value units and the
   ridge warm start before step 1 of a fresh run, then after the last step the refit on the final
@@ -22,12 +29,15 @@ trl is an optional extra (``pip install causal-adapter[trl]``); importing this m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from transformers import Trainer
 from trl import SFTConfig, SFTTrainer
 
+from ..data.conversations import read_chat_template
+from ..data.packing import PackedCollator, pack_dataset
 from ..data.pipeline import NumericCollator, number_layout, tokenize_dataset
 from ..numbers import NumberTokenizer
 from ..saving.hf_trainer import CausalTrainer
@@ -38,18 +48,28 @@ from .engines import inference_precision
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate
 from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
 
-#: SFTConfig options that rearrange tokens in ways numbers-as-values does not support
-UNSUPPORTED = ("packing", "padding_free", "assistant_only_loss")
+#: SFTConfig options that rearrange tokens in ways numbers-as-values does not support (none left: assistant-only
+#: loss is what conversations get, from the rendered text's assistant spans, `data.conversations`)
+UNSUPPORTED: tuple[str, ...] = ()
+#: TRL's packing strategies CausalSFTTrainer runs: "bfd" keeps every row whole ("wrapped" cuts rows and lets one
+#: attend to the next; "bfd_split" splits rows that `tokenize_dataset` has already cut to max_length)
+PACKING_STRATEGIES = ("bfd",)
 
 
 def sft_config(args: SFTConfig | None = None, **overrides: Any) -> SFTConfig:
     """`args` (or a new SFTConfig from `overrides`) as `CausalSFTTrainer` needs it: TRL's dataset
-    preparation skipped, the numeric columns kept. Refuses packing / padding-free / assistant-only loss."""
+    preparation skipped, the numeric columns kept. Refuses `UNSUPPORTED` options and packing strategies other
+    than `PACKING_STRATEGIES`."""
     args = args if args is not None else SFTConfig(**overrides)
     bad = [name for name in UNSUPPORTED if getattr(args, name, False)]
     if bad:
         raise ValueError(f"CausalSFTTrainer does not support {', '.join(bad)}=True: a <NUM> token carries its value "
                          "beside input_ids, which TRL's packing / padding-free / chat masks do not carry")
+    if args.packing and args.packing_strategy not in PACKING_STRATEGIES:
+        raise ValueError(f"CausalSFTTrainer packs with packing_strategy='bfd' (every row whole, none attending to "
+                         f"another), not {args.packing_strategy!r}")
+    if args.packing and args.max_length is None:
+        raise ValueError("packing=True needs max_length (the length of the packed rows)")
     args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     args.remove_unused_columns = False  # Trainer would drop numeric_values / label_values
     return args
@@ -60,15 +80,19 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
 
     model: a CausalModel (`get_causal_model(...)`). args: an `SFTConfig` (see `sft_config`; its
     ``learning_rate`` is the heads' too: `train()`'s default is 1e-2). train_dataset / eval_dataset:
-    `datasets.Dataset`s of raw rows (prompt/completion or text) or already tokenised by
-    `tokenize_dataset`. processing_class: the base's tokenizer (required: it defines the number
-    tokenisation). value_fit: the value-head settings of `TrainConfig` (``regression_init``,
-    ``value_loss``, ``bf16_safe_head``, ``calibrate_scale``, ``per_device_eval_batch_size``; default
-    `TrainConfig()`'s, as `causal-adapter train`). Other keyword arguments are SFTTrainer's.
+    `datasets.Dataset`s of raw rows (TRL's formats: ``messages``, prompt/completion as strings or as
+    lists of messages, or text) or already tokenised by `tokenize_dataset`. processing_class: the base's
+    tokenizer (required: it defines the number tokenisation; its chat template renders conversations, or
+    ``SFTConfig.chat_template_path``'s jinja file). value_fit: the value-head settings of `TrainConfig`
+    (``regression_init``, ``value_loss``, ``bf16_safe_head``, ``calibrate_scale``,
+    ``per_device_eval_batch_size``; default `TrainConfig()`'s, as `causal-adapter train`). enable_thinking:
+    render conversations with Qwen3's thinking on (reasoning trained with its reply). Other keyword arguments
+    are SFTTrainer's.
     """
 
     def __init__(self, model=None, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, data_collator=None, value_fit: TrainConfig | None = None, **kwargs):
+                 processing_class=None, data_collator=None, value_fit: TrainConfig | None = None,
+                 enable_thinking: bool = False, **kwargs):
         inner = unwrap_causal_model(model)
         if inner is None:
             raise TypeError(f"CausalSFTTrainer trains a causal_adapter CausalModel, got {type(model).__name__}; "
@@ -79,29 +103,54 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         args = sft_config(args if args is not None else SFTConfig("causal-sft"))
         self.value_fit = value_fit or TrainConfig()
         ntok = NumberTokenizer(processing_class, inner.num_token_id)
-        train_dataset = self._number_features(train_dataset, ntok, args)
+        chat = dict(enable_thinking=enable_thinking, chat_template=_chat_template(args))
+        train_dataset = self._number_features(train_dataset, ntok, args, **chat)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._number_features(v, ntok, args, completion_only=True) for k, v in eval_dataset.items()}
+            eval_dataset = {k: self._number_features(v, ntok, args, completion_only=True, rows_name=f"{k} rows", **chat)
+                            for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
-            eval_dataset = self._number_features(eval_dataset, ntok, args, completion_only=True)
+            eval_dataset = self._number_features(eval_dataset, ntok, args, completion_only=True, **chat)
+        # the value head's fits and calibration read whole rows, padded, whatever the training batches are
+        self.row_collator = NumericCollator(pad_token_id(ntok, inner), padding_side="right")
+        self.unpacked_train_dataset = train_dataset
+        padding_free = bool(args.padding_free or args.packing)  # TRL's: packing "bfd" is padding-free
         if data_collator is None:
-            data_collator = NumericCollator(pad_token_id(ntok, inner), padding_side="right")
+            data_collator = PackedCollator(self.row_collator.pad_token_id, flatten=True) if padding_free \
+                else self.row_collator
+        elif padding_free:
+            raise ValueError("a custom data_collator is not supported with packing / padding_free (as in TRL): "
+                             "CausalSFTTrainer flattens the batches itself (data.packing.PackedCollator)")
         prefix, contexts = number_layout(train_dataset, inner.num_token_id, processing_class)
         inner.causal_config.number_prefix_id, inner.causal_config.number_contexts = prefix, contexts
-        super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, data_collator=data_collator, **kwargs)
+        if args.packing:
+            train_dataset = pack_dataset(train_dataset, args.max_length)
+        with _packing_hidden_from_trl(args), _assistant_mask_hidden_from_trl(args):
+            super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=processing_class, data_collator=data_collator, **kwargs)
         # TRL's fused lm_head (softmax log-probs) is an instance attribute over forward: not this model's loss
         self.model.__dict__.pop("forward", None)
 
     @staticmethod
-    def _number_features(dataset, ntok: NumberTokenizer, args: SFTConfig, completion_only: bool = False):
-        """Raw rows -> the model's features (`tokenize_dataset`); tokenised datasets keep their features."""
+    def _number_features(dataset, ntok: NumberTokenizer, args: SFTConfig, completion_only: bool = False,
+                         enable_thinking: bool = False, chat_template: str | None = None, rows_name: str | None = None):
+        """Raw rows -> the model's features (`tokenize_dataset`); tokenised datasets keep their features.
+
+        Which tokens train (TRL's options, read for our formats; evaluation rows (`completion_only`) always
+        get the default): prompt/completion strings: the completion, and with ``completion_only_loss=False``
+        the prompt's text tokens too. Conversations (``messages`` or prompt/completion lists of messages): the
+        assistant turns with their end-of-turn marks, whatever ``assistant_only_loss`` says (TRL's default False
+        would train the user's text); ``completion_only_loss=False`` with ``assistant_only_loss=False`` trains
+        every text token. The prompt's / user's numbers are never value targets."""
         if dataset is None:
             raise ValueError("CausalSFTTrainer needs a train_dataset")
         if "input_ids" not in dataset.column_names:
-            prompt_loss = "text" if args.completion_only_loss is False and not completion_only else "none"
+            train_all = args.completion_only_loss is False and not completion_only
             dataset = tokenize_dataset(dataset, ntok, text_column=args.dataset_text_field, max_length=args.max_length,
-                                       add_eos_token=True, prompt_loss=prompt_loss)
+                                       add_eos_token=True, prompt_loss="text" if train_all else "none",
+                                       assistant_only_loss=not (train_all and not args.assistant_only_loss),
+                                       enable_thinking=enable_thinking, chat_template=chat_template,
+                                       rows_name=rows_name or ("evaluation rows" if completion_only
+                                                               else "training rows"))
         return dataset.select_columns([c for c in MODEL_INPUTS if c in dataset.column_names])
 
     def _eval_rows(self):
@@ -117,7 +166,7 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         inner = unwrap_causal_model(self.model)
         if not resume_from_checkpoint:  # a resumed run takes the units and heads from its checkpoint
             with inference_precision(inner):  # the features the saved adapter will see
-                fit_value_head(inner, self.value_fit, self.train_dataset, self.data_collator, self.args.device,
+                fit_value_head(inner, self.value_fit, self.unpacked_train_dataset, self.row_collator, self.args.device,
                                verbose=self.is_world_process_zero(), eval_ds=self._eval_rows())
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.fit_value_head_after_training()
@@ -128,14 +177,14 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         calibrated on the evaluation rows, as at the end of `train()`. Every process computes the same."""
         inner = unwrap_causal_model(self.accelerator.unwrap_model(self.model))
         eval_ds, cfg = self._eval_rows(), self.value_fit
-        refit_value_head(inner, cfg, self.train_dataset, self.data_collator, self.args.device, self.accelerator,
+        refit_value_head(inner, cfg, self.unpacked_train_dataset, self.row_collator, self.args.device, self.accelerator,
                          self.is_world_process_zero(), eval_ds)
         if eval_ds is None or not cfg.calibrate_scale:
             return False
 
         def predict() -> dict:
             bs = cfg.per_device_eval_batch_size
-            batches = (self.data_collator(rows_at(eval_ds, range(i, min(i + bs, len(eval_ds)))))
+            batches = (self.row_collator(rows_at(eval_ds, range(i, min(i + bs, len(eval_ds)))))
                        for i in range(0, len(eval_ds), bs))
             acc = MetricAccumulator(inner.num_token_id, inner.causal_config.reg_weight,
                                     calibration=inner.causal_config.value_calibration)
@@ -154,3 +203,42 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
 
     def create_model_card(self, *args, **kwargs) -> None:
         """No TRL card in ``output_dir``: the adapter's own card is written with every save (`save_adapter_into`)."""
+
+
+def _chat_template(args: SFTConfig) -> str | None:
+    """The text of ``SFTConfig.chat_template_path`` (a jinja file, as TRL reads one), None when unset. A tokenizer
+    directory (TRL clones its template and adds its tokens to the embedding) is refused: an adapter never
+    resizes the base's embedding."""
+    path = args.chat_template_path
+    if path is None:
+        return None
+    if not str(path).endswith((".jinja", ".j2")):
+        raise ValueError(f"CausalSFTTrainer reads chat_template_path as a jinja file (.jinja / .j2), got {path!r}: "
+                         "copying a tokenizer's template would add tokens to the base's embedding")
+    return read_chat_template(path)
+
+
+@contextlib.contextmanager
+def _assistant_mask_hidden_from_trl(args: SFTConfig):
+    """`args` with assistant_only_loss off while SFTTrainer.__init__ reads it: TRL would look for ``messages`` in
+    the (already tokenised) rows and swap in a template with generation markers; `CausalSFTTrainer` has already
+    masked the conversations. The user's value is back afterwards."""
+    saved = args.assistant_only_loss
+    args.assistant_only_loss = False
+    try:
+        yield args
+    finally:
+        args.assistant_only_loss = saved
+
+
+@contextlib.contextmanager
+def _packing_hidden_from_trl(args: SFTConfig):
+    """`args` with packing / padding_free off while SFTTrainer.__init__ reads them: it would refuse the collator
+    given and pack the (skipped) preparation itself; `CausalSFTTrainer` has already packed and chosen the
+    collator. The user's values are back afterwards."""
+    saved = args.packing, args.padding_free
+    args.packing = args.padding_free = False
+    try:
+        yield args
+    finally:
+        args.packing, args.padding_free = saved
