@@ -102,6 +102,7 @@ def test_roles_and_answers_match_the_source_series(chat, source):
                 user, reply = msgs[2 * e]["content"], msgs[2 * e + 1]["content"]
                 asked = _asked(user)
                 assert labels.index(asked) == expected + e, (series, asked, user)  # consecutive steps
+                assert len(find_numbers(reply)) == 1, reply  # the value alone: no year the head would fit too
                 first = find_numbers(reply)[0]
                 assert first.value == value_of[asked], (series, asked, reply)  # the true value, first
                 assert reply[first.start:first.end] == format_number(value_of[asked])  # canonical text

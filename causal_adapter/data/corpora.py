@@ -397,7 +397,10 @@ _CHAT_FIRST_QUESTIONS = ("What was the {noun} in {t}?", "What was it in {t}?", "
                          "What is the value for {t}?", "Which value follows, for {t}?")
 _CHAT_NEXT_QUESTIONS = ("And in {t}?", "What about {t}?", "And {t}?", "And the {noun} in {t}?",
                         "Then what was the {noun} in {t}?")
-_CHAT_ANSWERS = ("{v}.", "It was {v}.", "{v} in {t}.", "The {noun} was {v}.", "It was {v} in {t}.", "{v} ({t}).")
+# the value is a reply's only number: a year after it ("154.6 (1980).") would be an assistant number too, a regression
+# target of its own, and would move the previous value among the recent numbers the value head reads (measured: the
+# head then lost to least squares on the prompt's numbers)
+_CHAT_ANSWERS = ("{v}.", "It was {v}.", "The {noun} was {v}.", "That would be {v}.")
 CHAT_MIN_WINDOW = 3
 
 

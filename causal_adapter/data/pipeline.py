@@ -368,6 +368,8 @@ def tokenize_dataset(
     kwargs["new_fingerprint"] = _fingerprint(
         dataset._fingerprint, _tokenizer_digest(ntok), mode, used, max_length, eos, batch_size, *extra)
     out = dataset.map(fn, **kwargs)
+    if TRUNCATED_COLUMN not in out.column_names:  # no rows: datasets ran nothing, so added no column
+        return out
     _report_truncated(sum(out[TRUNCATED_COLUMN]), len(out), max_length, rows_name)
     return out.remove_columns(TRUNCATED_COLUMN)
 
