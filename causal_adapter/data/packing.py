@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import IGNORE_INDEX
 from ..numbers import _to_list
+from .pipeline import batch_length, padded_features
 
 __all__ = ["PACKED_COLUMNS", "PackedCollator", "pack_dataset", "pack_rows"]
 
@@ -169,17 +170,9 @@ class PackedCollator:
         rows = [self._row(i, f) for i, f in enumerate(features)]
         if self.flatten:
             rows = [tuple(sum((list(r[c]) for r in rows), []) for c in range(5))]
-        length = max(1, max(len(r[0]) for r in rows))
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(rows)
-        out = {
-            "input_ids": torch.full((b, length), self.pad_token_id, dtype=torch.long),
-            "numeric_values": torch.zeros((b, length), dtype=torch.float32),
-            "labels": torch.full((b, length), IGNORE_INDEX, dtype=torch.long),
-            "label_values": torch.zeros((b, length), dtype=torch.float32),
-            "position_ids": torch.zeros((b, length), dtype=torch.long),
-        }
+        length = batch_length([len(r[0]) for r in rows], self.pad_to_multiple_of, minimum=1)
+        out = padded_features(len(rows), length, self.pad_token_id)
+        out["position_ids"] = torch.zeros((len(rows), length), dtype=torch.long)
         for i, (ids, vals, labels, lvals, pos) in enumerate(rows):
             k = len(ids)
             # padding: positions 0, 1, 2, ... of its own (a row of its own: nothing real attends to it)

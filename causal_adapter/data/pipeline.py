@@ -536,6 +536,24 @@ def _fingerprint(*parts) -> str:
 
 
 # --------------------------------------------------------------------------- collator
+def batch_length(lengths: Sequence[int], pad_to_multiple_of: int | None = None, minimum: int = 0) -> int:
+    """The padded length of a batch: its longest row (at least `minimum`), rounded up to a multiple when asked."""
+    length = max(minimum, max(lengths))
+    return -(-length // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else length
+
+
+def padded_features(b: int, length: int, pad_token_id: int, labels: bool = True) -> dict:
+    """[b, length] tensors of padding: input_ids = pad, numeric_values 0.0 (and labels -100, label_values 0.0)."""
+    import torch
+
+    out = {"input_ids": torch.full((b, length), pad_token_id, dtype=torch.long),
+           "numeric_values": torch.zeros((b, length), dtype=torch.float32)}
+    if labels:
+        out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
+        out["label_values"] = torch.zeros((b, length), dtype=torch.float32)
+    return out
+
+
 class NumericCollator:
     """Pads a list of feature dicts into tensors (SPEC section 1 padding rules).
 
@@ -602,18 +620,9 @@ class NumericCollator:
                     labels, lvals = labels[:m], lvals[:m]
             rows.append((ids, vals, mask, labels, lvals))
 
-        length = max(len(r[0]) for r in rows)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(rows)
-        out = {
-            "input_ids": torch.full((b, length), self.pad_token_id, dtype=torch.long),
-            "numeric_values": torch.zeros((b, length), dtype=torch.float32),
-            "attention_mask": torch.zeros((b, length), dtype=torch.long),
-        }
-        if has_labels:
-            out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
-            out["label_values"] = torch.zeros((b, length), dtype=torch.float32)
+        length = batch_length([len(r[0]) for r in rows], self.pad_to_multiple_of)
+        out = padded_features(len(rows), length, self.pad_token_id, labels=has_labels)
+        out["attention_mask"] = torch.zeros((len(rows), length), dtype=torch.long)
         for i, (ids, vals, mask, labels, lvals) in enumerate(rows):
             k = len(ids)
             if k == 0:

@@ -124,6 +124,17 @@ def _number_tokenizer(tokenizer, num_token_id: int):
     return NumberTokenizer(tokenizer, num_token_id)
 
 
+def text_prompts_tokenizer(model, prompts: Sequence[str], tokenizer, caller: str):
+    """The NumberTokenizer for a list of text prompts, each checked to be a non-empty string (`caller` names the
+    function in the errors)."""
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} must be a non-empty string, got {p!r:.80}")
+    if tokenizer is None:
+        raise ValueError(f"{caller} needs tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
+    return _number_tokenizer(tokenizer, model.num_token_id)
+
+
 def _encode(ntok, texts: str | Sequence[str]) -> dict:
     return ntok(texts, padding_side="left", return_tensors="pt")
 
@@ -398,12 +409,7 @@ def generate_batched(model, prompts: str | Sequence[str], *, tokenizer, batch_si
                       ("input_ids", "give text prompts"), ("inputs", "give text prompts")):
         if kwargs.get(name) is not None:
             raise ValueError(f"generate_batched() does not take {name}: {why}")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) or not p:
-            raise ValueError(f"prompt {i} must be a non-empty string, got {p!r:.80}")
-    if tokenizer is None:
-        raise ValueError("generate_batched needs tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
-    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    ntok = text_prompts_tokenizer(model, prompts, tokenizer, "generate_batched")
     encs = ntok.encode_batch(prompts, return_offsets=False)
     for i, e in enumerate(encs):
         if not e.input_ids:

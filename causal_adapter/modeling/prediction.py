@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..numbers import pad_batch
-from .generation import _number_tokenizer
+from .generation import text_prompts_tokenizer
 from .heads import full_precision
 from .intervals import check_level
 from .loss import num_probability
@@ -129,12 +129,7 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     if model.causal_config.value_loc is None:
         raise ValueError("the adapter has no value units (value_loc / value_scale): train it first, or load a "
                          "trained adapter with CausalModel.from_pretrained")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) or not p:
-            raise ValueError(f"prompt {i} must be a non-empty string, got {p!r:.80}")
-    if tokenizer is None:
-        raise ValueError("predict_values needs tokenizer=... (a Qwen tokenizer or a NumberTokenizer)")
-    ntok = _number_tokenizer(tokenizer, model.num_token_id)
+    ntok = text_prompts_tokenizer(model, prompts, tokenizer, "predict_values")
     was_training = model.training
     model.eval()
     out: list[dict[str, Any]] = []
