@@ -36,7 +36,7 @@ from causal_adapter.data.corpora import build_corpus
 from causal_adapter.data.pipeline import tokenize_dataset
 from causal_adapter.training.demo import demo_train_config
 from causal_adapter.training.metrics import evaluate_dataset
-from causal_adapter.saving.model import get_causal_model
+from causal_adapter.model import get_causal_model
 from causal_adapter.numbers import NumberTokenizer, find_numbers
 from causal_adapter.training.loop import train
 

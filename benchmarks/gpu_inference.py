@@ -27,7 +27,7 @@ from mixed_precision import train_run  # noqa: E402
 def read(adapter: Path, prompts: list[str], targets: list[float], device: str, dtype, n_generate: int) -> dict:
     """predict_values and greedy generate of one variant."""
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
 
     base, tokenizer = load_base(None, "qwen2", "float32", 64, 2)
     model = CausalModel.from_pretrained(base, adapter, tokenizer=tokenizer, torch_dtype=dtype,

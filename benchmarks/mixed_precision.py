@@ -95,7 +95,7 @@ def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots", device
     from causal_adapter.data.corpora import build_corpus
     from causal_adapter.data.pipeline import tokenize_dataset
     from causal_adapter.training.metrics import evaluate_dataset
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
     from causal_adapter.numbers import NumberTokenizer
 
     base, tokenizer = load_base(None, "qwen2", base_dtype, 64, 2)

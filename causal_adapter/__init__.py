@@ -3,7 +3,7 @@ from ._version import __version__
 from .config import CausalAdapterConfig, LoraSettings
 from .modeling.verify import verify_initialization
 from .numbers import NumberTokenizer, find_numbers, format_number
-from .saving.model import CausalModel, CausalOutput, get_causal_model
+from .model import CausalModel, CausalOutput, get_causal_model
 
 __all__ = [
     "CausalAdapterConfig",

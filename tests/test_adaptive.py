@@ -80,7 +80,7 @@ def test_predict_targets_column_adapts_in_file_order(tmp_path, capsys, saved_ada
 def saved_adapter_for_aci(tmp_path_factory, qwen_tokenizer):
     """A saved toy adapter whose calibration map is far too narrow for a trending series (scores ~ 0.01)."""
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel, get_causal_model
+    from causal_adapter.model import CausalModel, get_causal_model
 
     base, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = get_causal_model(base, tokenizer=qwen_tokenizer)

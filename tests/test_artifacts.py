@@ -175,7 +175,7 @@ def test_crash_during_save_leaves_previous_adapter(tmp_path, monkeypatch):
     d = tmp_path / "a"
     model.save_pretrained(d)
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    import causal_adapter.saving.model as model_module
+    import causal_adapter.saving.adapter_io as model_module
 
     def crash(directory, config, tensors):  # the new weights file is half written, then the process dies
         (directory / WEIGHTS_NAME).write_bytes(b"partial")

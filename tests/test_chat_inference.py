@@ -165,7 +165,7 @@ def saved(tmp_path_factory, qwen_tokenizer):
     map, and heads that write numbers in softmax mode."""
     from causal_adapter.modeling.intervals import fit_calibration
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
 
     tiny, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = get_causal_model(tiny, tokenizer=qwen_tokenizer)

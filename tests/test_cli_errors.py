@@ -73,7 +73,7 @@ def assert_short_error(rc, err, *needles, code=1, max_lines=2):
 def adapter32(tmp_path_factory, qwen_tokenizer):
     """A real saved adapter for the embedded tiny base with --tiny-hidden-size 32 --tiny-layers 1."""
     from causal_adapter.saving.assets import build_tiny_qwen
-    from causal_adapter.saving.model import get_causal_model
+    from causal_adapter.model import get_causal_model
 
     path = tmp_path_factory.mktemp("adapter32") / "adapter"
     get_causal_model(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1), tokenizer=qwen_tokenizer) \

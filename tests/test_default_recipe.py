@@ -43,7 +43,7 @@ def _jsonl(path, rows):
 def trained(tmp_path_factory, qwen_tokenizer):
     """(the reloaded adapter, training targets, test rows) after `causal-adapter train` with its defaults."""
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
 
     tmp = tmp_path_factory.mktemp("default_recipe")
     train_rows = engel_rows(160, 0)

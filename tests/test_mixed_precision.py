@@ -294,7 +294,7 @@ def _test_value_mae(adapter_dir, corpus, tokenizer, tiny):
     from causal_adapter.data.pipeline import tokenize_dataset
     from causal_adapter.numbers import NumberTokenizer
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
     from causal_adapter.training.metrics import evaluate_dataset
 
     base, _ = load_base(None, "qwen2", "float32", *tiny)
@@ -339,7 +339,7 @@ def test_value_head_fitted_on_float32_features_warns_under_bf16(tmp_path, qwen_t
 
     from causal_adapter.config import BF16_MAX_SHIFT
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
     from causal_adapter.training.loop import train
 
     tiny = (32, 1)

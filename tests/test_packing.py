@@ -143,7 +143,7 @@ def test_packed_rows_give_the_padded_batch_outputs_losses_and_gradients(attn, fl
 
 
 def test_without_the_position_reset_or_the_recent_values_restart_rows_leak(monkeypatch):
-    import causal_adapter.saving.model as model_module
+    import causal_adapter.model.causal_model as model_module
 
     model = _model("sdpa")
     rows = _rows(9, seed=1)
@@ -160,7 +160,7 @@ def test_without_the_position_reset_or_the_recent_values_restart_rows_leak(monke
 def test_flattening_for_flash_attention_changes_nothing(monkeypatch):
     """Varlen flash attention reads packed rows from one row's position ids: forward flattens [B, S] packed rows
     into [1, B * S] there. Forced here on sdpa, whose packed mask it must not change."""
-    import causal_adapter.saving.model as model_module
+    import causal_adapter.model.causal_model as model_module
 
     model = _model("sdpa")
     rows = _rows(9, seed=2)

@@ -24,7 +24,7 @@ def saved(tmp_path_factory, qwen_tokenizer):
     """(adapter dir, the loaded model): value units and a calibration map whose 90% multiplier
     differs from the Cauchy one, so a test can tell calibrated from raw intervals."""
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel, get_causal_model
+    from causal_adapter.model import CausalModel, get_causal_model
 
     base, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = get_causal_model(base, tokenizer=qwen_tokenizer)

@@ -90,7 +90,7 @@ def _linear_rows(n, seed):
 def linear_law(tmp_path_factory):
     """{K: the reloaded adapter} after `causal-adapter train` (40 steps) with train's default K and K = 0."""
     from causal_adapter.saving.assets import load_base
-    from causal_adapter.saving.model import CausalModel
+    from causal_adapter.model import CausalModel
 
     tmp = tmp_path_factory.mktemp("recent")
     files = ["--train-file", _jsonl(tmp / "train.jsonl", _linear_rows(120, 0)),

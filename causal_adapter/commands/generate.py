@@ -19,7 +19,7 @@ from ..data.conversations import check_chat_template, inference_prompt
 from ..data.pipeline import load_text_dataset
 from ..modeling.generation import MODES, GenerationOutput, generate_batched
 from ..saving.artifacts import atomic_write_file
-from ..saving.model import CausalModel, get_causal_model
+from ..model import CausalModel, get_causal_model
 from .parser import (
     CLIError,
     add_base_arguments,

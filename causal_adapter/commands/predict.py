@@ -28,7 +28,7 @@ from ..modeling.families import text_config
 from ..modeling.prediction import check_levels, level_name, prediction_columns
 from ..numbers import NumberTokenizer, find_numbers
 from ..saving.artifacts import atomic_write_file
-from ..saving.model import CausalModel
+from ..model import CausalModel
 from .parser import (
     CLIError,
     adapter_argument,

@@ -5,7 +5,7 @@ import argparse
 
 from ..config import CausalAdapterConfig
 from ..modeling.verify import verify_initialization
-from ..saving.model import get_causal_model
+from ..model import get_causal_model
 from .parser import add_base_arguments, load_base_from_args
 
 DEFAULT_TEXT = "In 1749 the yearly sunspot number was 80.9; in 1750 it was 83.4, and the price was 99.9 yuan."

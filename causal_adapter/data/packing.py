@@ -8,7 +8,7 @@
   ``attention_mask``, either one row per packed row (padded at the end) or everything flattened into one row
   (``flatten=True``: transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free``).
 
-What keeps rows apart (the model is written against it, `saving.model.CausalModel.forward`):
+What keeps rows apart (the model is written against it, `model.CausalModel.forward`):
 
 * attention: transformers builds the packed-sequence mask (sdpa, eager) or runs varlen flash attention
   from position ids when there is no attention_mask and no cache; a new row starts wherever the position

@@ -133,7 +133,9 @@ def peft_expert_renames(model: nn.Module, target_modules: list[str]) -> list[str
 def default_lora_targets(model: nn.Module) -> list[str]:
     """The family's default LoRA `target_modules` that exist in this model and that peft applies as
     named (attention, dense/shared-expert MLP, linear-attention projections; never embeddings or lm_head)."""
-    present = {n.rsplit(".", 1)[-1] for n, m in model.get_decoder().named_modules() if isinstance(m, nn.Linear)}
+    # a Linear that peft already wrapped (another adapter's LoRA) counts under its own name, not "base_layer"
+    present = {n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n, m in model.get_decoder().named_modules()
+               if isinstance(m, nn.Linear)}
     targets = [t for t in get_family(model).lora_targets if t in present]
     renamed = set(peft_expert_renames(model, targets))
     return [t for t in targets if t not in renamed]

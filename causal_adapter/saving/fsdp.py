@@ -170,6 +170,7 @@ def _fsdp1_lora_state(model) -> dict[str, Tensor] | None:
     units = {name: m for name, m in model.named_modules() if isinstance(m, FSDP)}
     if not units:
         return None
+    adapter_name = getattr(unwrap_causal_model(model), "active_adapter", "default")  # peft's name of the LoRA
     owned: dict[str, list[str]] = {}
     for name, _ in nn.Module.named_parameters(model):  # the raw names, FSDP's wrapper prefixes kept
         if "lora_" in name:
@@ -183,8 +184,7 @@ def _fsdp1_lora_state(model) -> dict[str, Tensor] | None:
         with FSDP.summon_full_params(units[owner], recurse=False, writeback=False):
             for name in owned[owner]:
                 key = clean_tensor_name(name).split("backbone.", 1)[1]
-                # "default": the adapter name get_causal_model injects the LoRA under (peft's default)
-                state[_remove_adapter_name_from_state_dict_key(key, "default")] = model.get_parameter(name).detach().clone()
+                state[_remove_adapter_name_from_state_dict_key(key, adapter_name)] = model.get_parameter(name).detach().clone()
     return state
 
 

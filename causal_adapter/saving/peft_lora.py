@@ -44,7 +44,7 @@ def write_peft_lora(directory: Path, model, lora: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     if not lora:
-        lora = get_peft_model_state_dict(model.backbone, save_embedding_layers=False)
+        lora = get_peft_model_state_dict(model.backbone, adapter_name=model.active_adapter, save_embedding_layers=False)
     tensors = {f"base_model.model.{k}": v.detach().contiguous().cpu() for k, v in lora.items()}
     save_file(tensors, str(directory / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
     peft_lora_config(model).save_pretrained(str(directory))
@@ -62,6 +62,9 @@ def read_peft_lora(path: Path) -> dict[str, torch.Tensor]:
 def merge_lora(model, merge: bool = True, safe_merge: bool = True):
     """Replace every peft LoRA layer of the backbone by its base layer, merged (`merge=True`, peft's
     `merge`) or untouched; the model's config then has no LoRA. In place; returns the model."""
+    if len(model.adapter_names) > 1:
+        raise ValueError(f"this CausalModel holds several adapters {model.adapter_names}: delete_adapter the others "
+                         f"before {'merging' if merge else 'unloading'} the LoRA of {model.active_adapter!r}")
     if model.causal_config.lora is None:
         raise ValueError("this CausalModel has a frozen backbone (config.lora is None): there is no LoRA to "
                          f"{'merge' if merge else 'unload'}")

@@ -20,7 +20,7 @@ from ..data.corpora import build_corpus
 from ..data.pipeline import tokenize_dataset
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
-from ..saving.model import CausalModel, get_causal_model
+from ..model import CausalModel, get_causal_model
 from .config import TrainConfig
 from .loop import train
 from .metrics import evaluate_dataset

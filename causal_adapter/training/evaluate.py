@@ -10,7 +10,7 @@ from ..data.conversations import read_chat_template
 from ..data.pipeline import load_text_dataset, tokenize_dataset
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
-from ..saving.model import CausalModel
+from ..model import CausalModel
 from .metrics import evaluate_dataset, format_metrics_table
 
 

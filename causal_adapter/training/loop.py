@@ -66,7 +66,7 @@ from ..data.pipeline import NumericCollator, number_layout
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
 from ..saving.unwrap import unwrap_model
-from ..saving.model import get_causal_model
+from ..model import get_causal_model
 from ..saving.process_groups import keep_gloo_groups_to_process_end
 from . import engines
 from .checkpoints import (
