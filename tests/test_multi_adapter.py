@@ -146,3 +146,65 @@ def test_parked_adapters_move_with_the_model_and_train_only_when_active(saved):
     assert any("lora_A.lora." in n for n in names) and not any(n.startswith("parked_adapters.") for n in names)
     model.set_adapter("frozen")
     assert {n for n, _ in model.trainable_parameters()} == trainable
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "softmax", "causal"])
+def test_a_batch_of_several_adapters_gives_each_row_its_own_adapters_output(saved, mode):
+    """peft's mixed batch (`generate(..., adapter_names=...)`): one backbone pass for all rows, each row with its
+    own adapter's embedding, heads and LoRA; a row gets what its adapter gives it in a batch of its own."""
+    model = CausalModel.from_pretrained(small_vocab_qwen(), saved["frozen"], adapter_name="frozen")
+    model.load_adapter(saved["lora"], "lora")
+    model.load_adapter(saved["lora2"], "lora2")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 280, (6, 8), generator=g)
+    ids[:, 5] = NUM
+    vals = torch.zeros(6, 8)
+    vals[:, 5] = torch.tensor([1.5, -4.0, 9.0, 0.25, 30.0, -2.5])
+    names = ["lora", "frozen", "lora2", "frozen", "lora", "lora2"]
+    kw = dict(max_new_tokens=6, mode=mode, eos_token_id=[], seed=11 if mode == "causal" else None,
+              shared_individual=mode == "causal")
+    mixed = model.generate(ids, numeric_values=vals, adapter_names=names, **kw)
+    assert model.active_adapter == "frozen"  # restored
+    for a in ("frozen", "lora", "lora2"):
+        rows = [i for i, n in enumerate(names) if n == a]
+        model.set_adapter(a)
+        alone = model.generate(ids[rows], numeric_values=vals[rows], **kw)
+        assert torch.equal(mixed.new_tokens[rows], alone.new_tokens), a
+        torch.testing.assert_close(mixed.new_values[rows], alone.new_values, rtol=1e-5, atol=1e-5)
+        for r, row_numbers in zip(rows, alone.numbers):
+            assert [n["position"] for n in mixed.numbers[r]] == [n["position"] for n in row_numbers]
+    model.set_adapter("frozen")
+    # the rows really differ by adapter (else equal outputs would prove nothing)
+    same = model.generate(ids, numeric_values=vals, **kw)
+    assert not torch.equal(same.new_tokens, mixed.new_tokens) or not torch.allclose(same.new_values, mixed.new_values)
+    with pytest.raises(ValueError, match="not loaded"):
+        model.generate(ids, numeric_values=vals, adapter_names=["nope"] * 6, **kw)
+
+
+def test_generate_batched_mixes_adapters_with_text_prompts(saved, qwen_tokenizer):
+    from causal_adapter.saving.assets import build_tiny_qwen
+
+    tok = qwen_tokenizer
+    base = build_tiny_qwen("qwen2", seed=0)
+    paths = {}
+    for i, name in enumerate(("a", "b")):
+        m = get_causal_model(base, CausalAdapterConfig(seed=i, value_loc=50.0, value_scale=10.0 + i), tokenizer=tok)
+        with torch.no_grad():
+            m.abduction.loc.weight.add_(0.5 * torch.randn(m.abduction.loc.weight.shape,
+                                                         generator=torch.Generator().manual_seed(i)))
+        paths[name] = m.save_pretrained(saved["frozen"].parent / f"text_{name}")
+    model = CausalModel.from_pretrained(build_tiny_qwen("qwen2", seed=0), paths["a"], tokenizer=tok, adapter_name="a")
+    model.load_adapter(paths["b"], "b", tokenizer=tok)
+    prompts = ["Sunspots 1749: 80.9, 1750: 83.4, 1751:", "Nile 1871: 1120, 1872:", "x", "2, 4, 8,"]
+    names = ["a", "b", "b", "a"]
+    mixed = model.generate_batched(prompts, tok, batch_size=4, adapter_names=names, max_new_tokens=6)
+    texts = {}
+    for a in ("a", "b"):
+        model.set_adapter(a)
+        texts[a] = [o.texts[0] for o in model.generate_batched(prompts, tok, batch_size=4, max_new_tokens=6)]
+    assert sum(x != y for x, y in zip(texts["a"], texts["b"])) >= 2  # the adapters write different texts
+    for a in ("a", "b"):
+        model.set_adapter(a)
+        own = [p for p, n in zip(prompts, names) if n == a]
+        alone = model.generate_batched(own, tok, batch_size=1, max_new_tokens=6)
+        assert [o.texts[0] for o in alone] == [o.texts[0] for o, n in zip(mixed, names) if n == a]

@@ -30,12 +30,18 @@ a token that never preceded a training number is written as that prefix (Qwen's 
 
 The deterministic mode's argmax over the OvR probabilities (exact, pruned) is `scoring.OvRScorer`.
 
-`generate` runs as named steps: `_options` (arguments checked) -> `_prepare` (ids, devices, scorer,
-warpers: a `_Run`) -> `_allocate` (the output buffers: a `_Trace`) -> `_generate_loop` (per step
-`_choose`, then `_record`) -> `_output`.
+`generate` runs as named steps: `_options` (arguments checked) -> `_adapter_groups` (the rows of each adapter
+with `adapter_names`; one group otherwise) -> per group `_prepare` (ids, devices, scorer, warpers: a `_Run`) and
+`_allocate` (the output buffers: a `_Trace`) -> `_generate_loop` (per step one backbone pass for the whole batch,
+then per group `_choose` and `_record` with its adapter's heads) -> `_output` per group (`_join_outputs`).
+
+Several adapters in one batch (`adapter_names`, as peft's `generate(..., adapter_names=...)`): the backbone is
+shared, so its pass runs once for all rows (a LoRA adapter's rows through peft's mixed-batch LoRA layers); the
+embedding's phi, the heads and the decoding state are each row's adapter's.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -335,6 +341,7 @@ def generate(
     max_length: int | None = None,
     min_new_tokens: int | None = None,
     repetition_penalty: float | None = None,
+    adapter_names: Sequence[str] | None = None,
     **kwargs,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per prompt with the causal model (KV cached).
@@ -360,6 +367,9 @@ def generate(
     min_new_tokens (eos ids cannot be chosen before), repetition_penalty (softmax mode; transformers'
     processor, <NUM> exempt: repeated numbers are different values). Any other transformers argument
     is refused with the list of what each mode accepts (`accepted_generate_kwargs`).
+    adapter_names: one loaded adapter name per row (peft's mixed batch): each row generates with its own adapter's
+        heads, number layout and LoRA while the backbone runs once for the whole batch (`_adapter_groups`); a row
+        gets what its adapter gives it in a batch of its own. None: the active adapter for every row.
     """
     opts = _options(mode, generation_config, kwargs, logits_processor, shared_individual, return_eps, dict(
         max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens,
@@ -370,21 +380,39 @@ def generate(
         raise ValueError("stop_strings need tokenizer=...")
     input_ids, numeric_values, attention_mask = _resolve_inputs(
         model, inputs, input_ids, numeric_values, attention_mask, ntok)
-    run = _prepare(model, opts, ntok, input_ids, seed, generator, ovr_pruning, cache_abs_weight)
-    for w in run.warpers or ():
-        if isinstance(w, _NumExemptRepetitionPenalty):  # it penalises each row's own tokens, never its padding
-            w.prompt = _own_tokens(input_ids, attention_mask).to(run.hdev)
-    trace = _allocate(run, input_ids, numeric_values)
-    streamer = _number_text_streamer(streamer, run.num_id)
-    if streamer is not None:
-        _put(streamer, input_ids, numeric_values)
-    _generate_loop(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
-    return _output(run, trace, input_ids, numeric_values, attention_mask, model.causal_config.value_calibration)
+    groups = _adapter_groups(model, adapter_names, input_ids)
+    if streamer is not None and len(groups) > 1:
+        raise ValueError("a streamer shows one row: give adapter_names with one adapter, or use callback")
+    active = getattr(model, "active_adapter", None)
+    try:
+        for g in groups:
+            _use_adapter(model, g)
+            ids, mask = g.take(input_ids), g.take(attention_mask)
+            g.run = _prepare(model, opts, ntok, ids, seed, generator, ovr_pruning, cache_abs_weight)
+            for w in g.run.warpers or ():
+                if isinstance(w, _NumExemptRepetitionPenalty):  # it penalises each row's own tokens, never its padding
+                    w.prompt = _own_tokens(ids, mask).to(g.run.hdev)
+            g.trace = _allocate(g.run, ids, g.take(numeric_values))
+        streamer = _number_text_streamer(streamer, groups[0].run.num_id)
+        if streamer is not None:
+            _put(streamer, input_ids, numeric_values)
+        with _lora_rows(model, groups, input_ids.shape[0]):
+            _generate_loop(model, groups, input_ids, numeric_values, attention_mask, streamer, callback)
+        outs = []
+        for g in groups:
+            _use_adapter(model, g)
+            outs.append(_output(g.run, g.trace, g.take(input_ids), g.take(numeric_values), g.take(attention_mask),
+                                model.causal_config.value_calibration))
+    finally:
+        if active is not None and getattr(model, "active_adapter", None) != active:
+            model.set_adapter(active)
+    return outs[0] if len(groups) == 1 else _join_outputs(groups, outs)
 
 
 def generate_batched(model, prompts: str | Sequence[str], *, tokenizer, batch_size: int = 16,
                      progress: Callable[[int], Any] | None = None, seed: int | None = None,
-                     generator: torch.Generator | None = None, **kwargs) -> list[GenerationOutput]:
+                     generator: torch.Generator | None = None, adapter_names: Sequence[str] | None = None,
+                     **kwargs) -> list[GenerationOutput]:
     """`generate` for many text prompts, `batch_size` at a time: one `GenerationOutput` per prompt (batch of
     one, `GenerationOutput.row`), in the order of `prompts`.
 
@@ -396,12 +424,16 @@ def generate_batched(model, prompts: str | Sequence[str], *, tokenizer, batch_si
     (`seed` / `generator`) batch after batch, so its draws depend on how the prompts are batched.
 
     progress: called with the number of prompts done after each batch (a progress bar's update).
+    adapter_names: one loaded adapter per prompt (`generate`'s mixed batches: prompts of different adapters share
+        a batch and the backbone's pass); None: the active adapter.
     kwargs: `generate`'s decoding arguments (mode, max_new_tokens, eos_token_id, stop_strings, ...);
     max_length (it would depend on the padded length) and streamer (one row at a time) are refused.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)
+    if adapter_names is not None and len(adapter_names) != len(prompts):
+        raise ValueError(f"adapter_names has {len(adapter_names)} names for {len(prompts)} prompts: give one per prompt")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     for name, why in (("max_length", "it would count the padding of a batch: give max_new_tokens"),
@@ -421,7 +453,8 @@ def generate_batched(model, prompts: str | Sequence[str], *, tokenizer, batch_si
         rows = order[start:start + batch_size]
         enc = pad_batch([encs[i].input_ids for i in rows], [encs[i].numeric_values for i in rows],
                         ntok.pad_token_id, padding_side="left")
-        batch = generate(model, enc, tokenizer=ntok, generator=gen, **kwargs)
+        names = None if adapter_names is None else [adapter_names[i] for i in rows]
+        batch = generate(model, enc, tokenizer=ntok, generator=gen, adapter_names=names, **kwargs)
         for b, i in enumerate(rows):
             out[i] = batch.row(b)
         if progress is not None:
@@ -592,51 +625,175 @@ def _allocate(run: _Run, input_ids: Tensor, numeric_values: Tensor) -> _Trace:
         lengths=torch.zeros(B, dtype=torch.long, device=device))
 
 
-def _generate_loop(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_values: Tensor,
+@dataclass
+class _Group:
+    """The rows of a batch that one adapter generates: every row (`adapter` None: the model as it is) or, with
+    `adapter_names`, those of one adapter. Its own `_Run` and `_Trace`; the step state of `_decode_steps`."""
+
+    adapter: str | None
+    rows: Tensor | None  # [B_g] indices into the batch; None = every row
+    run: _Run | None = None
+    trace: _Trace | None = None
+    shared_eps: Tensor | None = None
+    prev: Tensor | None = None
+    pending: Tensor | None = None
+
+    def take(self, t: Tensor) -> Tensor:
+        return t if self.rows is None else t[self.rows.to(t.device)]
+
+
+def _adapter_groups(model, adapter_names: Sequence[str] | None, input_ids: Tensor) -> list[_Group]:
+    """One `_Group` per adapter named in `adapter_names` (in order of first appearance); one of every row when
+    None or when every row names the same adapter."""
+    if adapter_names is None:
+        return [_Group(None, None)]
+    B = input_ids.shape[0]
+    names = list(adapter_names)
+    if len(names) != B or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"adapter_names must be {B} adapter names (one per row), got {adapter_names!r}")
+    loaded = list(getattr(model, "adapter_names", ()))
+    unknown = sorted(set(names) - set(loaded))
+    if unknown:
+        raise ValueError(f"adapter_names {unknown} are not loaded; loaded: {loaded}")
+    order = list(dict.fromkeys(names))
+    if len(order) == 1:
+        return [_Group(order[0], None)]
+    return [_Group(a, torch.tensor([i for i, n in enumerate(names) if n == a], device=input_ids.device))
+            for a in order]
+
+
+def _use_adapter(model, g: _Group) -> None:
+    if g.adapter is not None and model.active_adapter != g.adapter:
+        model.set_adapter(g.adapter)
+
+
+@contextlib.contextmanager
+def _lora_rows(model, groups: list[_Group], B: int):
+    """With several groups: every peft LoRA layer of the backbone runs each row's own adapter (peft's mixed batch:
+    the `adapter_names` argument of its layers, "__base__" for an adapter without LoRA), for the whole call."""
+    from_rows = len(groups) > 1 and _has_lora_layers(model)
+    if not from_rows:
+        yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names = ["__base__"] * B
+    for g in groups:
+        for i in g.rows.tolist():
+            names[i] = g.adapter
+
+    def pass_names(module, args, kwargs):
+        return args, {**kwargs, "adapter_names": names}
+
+    hooks = [m.register_forward_pre_hook(pass_names, with_kwargs=True)
+             for m in model.backbone.modules() if isinstance(m, BaseTunerLayer)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _has_lora_layers(model) -> bool:
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.backbone.modules())
+
+
+def _join_outputs(groups: list[_Group], outs: list[GenerationOutput]) -> GenerationOutput:
+    """The groups' outputs as one batch, rows back in the batch's order (the groups took the same steps)."""
+    order = torch.cat([g.rows for g in groups]).argsort()
+
+    def cat(name: str) -> Tensor | None:
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else torch.cat([p.to(order.device) for p in parts])[order]
+
+    numbers = [row for o in outs for row in o.numbers]
+    texts = None if outs[0].texts is None else [t for o in outs for t in o.texts]
+    at = order.tolist()
+    return GenerationOutput(
+        sequences=cat("sequences"), numeric_values=cat("numeric_values"), attention_mask=cat("attention_mask"),
+        new_tokens=cat("new_tokens"), new_values=cat("new_values"), lengths=cat("lengths"),
+        finished=cat("finished"), token_probs=cat("token_probs"), numbers=[numbers[i] for i in at],
+        texts=None if texts is None else [texts[i] for i in at], eps=cat("eps"), mode=outs[0].mode)
+
+
+def _generate_loop(model, groups: list[_Group], input_ids: Tensor, numeric_values: Tensor,
                    attention_mask: Tensor, streamer, callback) -> None:
     """Step 4: the decoding loop in eval mode (the model's training mode is restored, the streamer ended)."""
     was_training = model.training
     model.eval()
     try:
-        if run.T > 0:
-            _decode_steps(model, run, trace, input_ids, numeric_values, attention_mask, streamer, callback)
+        if groups[0].run.T > 0:
+            _decode_steps(model, groups, input_ids, numeric_values, attention_mask, streamer, callback)
     finally:
         model.train(was_training)
         if streamer is not None:
             streamer.end()
 
 
-def _decode_steps(model, run: _Run, trace: _Trace, input_ids: Tensor, numeric_values: Tensor,
+def _embed(model, groups: list[_Group], ids: Tensor, values: Tensor) -> Tensor:
+    """inputs_embeds [B, s, H] of `ids` / `values` [B, s], each group's rows with its adapter's phi."""
+    if len(groups) == 1:
+        _use_adapter(model, groups[0])
+        return model.embed(ids, values)
+    embeds = None
+    for g in groups:
+        _use_adapter(model, g)
+        e = model.embed(g.take(ids), g.take(values))
+        if embeds is None:
+            embeds = e.new_empty(ids.shape + e.shape[-1:])
+        embeds[g.rows.to(e.device)] = e
+    return embeds
+
+
+def _decode_steps(model, groups: list[_Group], input_ids: Tensor, numeric_values: Tensor,
                   attention_mask: Tensor, streamer, callback) -> None:
     """The prompt [B, S] through the backbone (it creates its cache: key/value, plus conv / recurrent states
-    in hybrid models), then one position per step: choose, record, feed the token and its value back."""
+    in hybrid models), then one position per step: each group chooses and records with its adapter's heads, the
+    tokens and values of the whole batch are fed back together."""
     mask = attention_mask
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    out = model.decoder(inputs_embeds=model.embed(input_ids, numeric_values), attention_mask=mask,
+    out = model.decoder(inputs_embeds=_embed(model, groups, input_ids, numeric_values), attention_mask=mask,
                         position_ids=position_ids, use_cache=True)
     cache = output_cache(out)
     last_pos = position_ids[:, -1:]
-    shared_eps = None
-    if run.opts.mode == "causal" and run.opts.shared_individual:
-        shared_eps = _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
-    prev = input_ids[:, -1].to(run.hdev)  # the token before the next one (`_place_number`)
-    pending = torch.zeros(run.B, dtype=torch.bool, device=run.hdev)  # rows whose number comes at this step
-    for t in range(run.T):
-        with full_precision(out.last_hidden_state.device):  # the heads as in forward, whatever autocast is active
-            chosen = _choose(model, run, trace, t, out.last_hidden_state[:, -1], shared_eps, prev, pending)
-        pending = chosen[-1]
-        tok, val = _record(run, trace, t, *chosen[:-1])
-        prev = tok.to(run.hdev)
+    B, T = input_ids.shape[0], groups[0].run.T
+    for g in groups:
+        run = g.run
+        if run.opts.mode == "causal" and run.opts.shared_individual:
+            g.shared_eps = _draw_eps(run.B, run.C, run.hdtype, run.hdev, run.gen)
+        g.prev = g.take(input_ids)[:, -1].to(run.hdev)  # the token before the next one (`_place_number`)
+        g.pending = torch.zeros(run.B, dtype=torch.bool, device=run.hdev)  # rows whose number comes at this step
+    for t in range(T):
+        z = out.last_hidden_state[:, -1]
+        tok = val = None
+        for g in groups:
+            _use_adapter(model, g)
+            with full_precision(z.device):  # the heads as in forward, whatever autocast is active
+                chosen = _choose(model, g.run, g.trace, t, g.take(z), g.shared_eps, g.prev, g.pending)
+            g.pending = chosen[-1]
+            g_tok, g_val = _record(g.run, g.trace, t, *chosen[:-1])
+            g.prev = g_tok.to(g.run.hdev)
+            if g.rows is None:
+                tok, val = g_tok, g_val
+                continue
+            if tok is None:
+                tok, val = g_tok.new_empty(B), g_val.new_empty(B)
+            tok[g.rows], val[g.rows] = g_tok, g_val
         if streamer is not None:
             _put(streamer, tok, val)
         if callback is not None:
             callback(t, tok, val)
-        if t == run.T - 1 or bool(trace.finished.all()):
+        if t == T - 1 or all(bool(g.trace.finished.all()) for g in groups):
             break
-        mask = torch.cat([mask, mask.new_ones(run.B, 1)], 1)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         last_pos = last_pos + 1
-        out = model.decoder(inputs_embeds=model.embed(tok.unsqueeze(1), val.unsqueeze(1)), attention_mask=mask,
-                            position_ids=last_pos, use_cache=True, **cache_kwargs(model.decoder, cache))
+        out = model.decoder(inputs_embeds=_embed(model, groups, tok.unsqueeze(1), val.unsqueeze(1)),
+                            attention_mask=mask, position_ids=last_pos, use_cache=True,
+                            **cache_kwargs(model.decoder, cache))
 
 
 def _choose(model, run: _Run, trace: _Trace, t: int, z: Tensor, shared_eps: Tensor | None, prev: Tensor,
