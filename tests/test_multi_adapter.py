@@ -208,3 +208,18 @@ def test_generate_batched_mixes_adapters_with_text_prompts(saved, qwen_tokenizer
         own = [p for p, n in zip(prompts, names) if n == a]
         alone = model.generate_batched(own, tok, batch_size=1, max_new_tokens=6)
         assert [o.texts[0] for o in alone] == [o.texts[0] for o, n in zip(mixed, names) if n == a]
+
+
+def test_disable_adapter_runs_the_base_backbone_under_the_active_heads(saved):
+    model = CausalModel.from_pretrained(small_vocab_qwen(), saved["frozen"], adapter_name="frozen")
+    model.load_adapter(saved["lora"], "lora")
+    ids = torch.randint(0, 280, (2, 9), generator=torch.Generator().manual_seed(5))  # no <NUM>: phi is 0 for both
+    with torch.no_grad():
+        base_z = model(ids).hidden_states  # "frozen" active: the backbone is the base
+        model.set_adapter("lora")
+        lora_z = model(ids).hidden_states
+        with model.disable_adapter():
+            off = model(ids)
+    assert not torch.equal(lora_z, base_z)
+    assert torch.equal(off.hidden_states, base_z)
+    assert model.causal_configs["lora"].value_loc == model.causal_config.value_loc != model.causal_configs["frozen"].value_loc

@@ -536,6 +536,12 @@ class CausalModel(nn.Module):
         """Every loaded adapter's name, in load order."""
         return list(self._adapter_order)
 
+    @property
+    def causal_configs(self) -> dict[str, CausalAdapterConfig]:
+        """Every loaded adapter's config by name (as peft's `peft_config`); `causal_config` is the active one's."""
+        return {n: self.causal_config if n == self._active_adapter else self._parked_configs[n]
+                for n in self._adapter_order}
+
     # ------------------------------------------------------------------ generation
     def generate(self, *args, **kwargs):
         """See causal_adapter.modeling.generation.generate (modes: softmax, deterministic, causal)."""

@@ -1,0 +1,205 @@
+"""`causal-adapter serve --adapter NAME=DIR [--adapter NAME=DIR ...]`: several adapters on one base behind an
+OpenAI-compatible HTTP server (causal_adapter.serving; docs/serving.md). This module parses the flags, loads
+the base and the adapters, and runs uvicorn.
+
+FastAPI + uvicorn: a well-kept ASGI stack; pydantic validates the requests (OpenAI's 400s come from it), SSE
+streams through StreamingResponse, and uvicorn stops gracefully on SIGTERM / SIGINT (no new connections, the
+accepted requests finished, then the app's shutdown stops the worker).
+
+Without --base (and without --tiny-* flags) the base is the one the adapters record (the embedded tiny base
+they were trained on, rebuilt offline, or a checkpoint's path / hub name); adapters made for different bases
+are refused at startup in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+
+from ..saving.artifacts import CONFIG_NAME, resolve_adapter_dir
+from ..saving.assets import DTYPES, TINY_NAME, load_qwen_tokenizer, tiny_qwen_from_name
+from .parser import (
+    CLIError,
+    add_base_arguments,
+    add_chat_arguments,
+    chat_template_from_args,
+    check_base,
+    load_base_from_args,
+)
+
+INSTALL = 'pip install "causal_adapter[serve]"'
+TINY_DEFAULTS = {"arch": "qwen2", "tiny_hidden_size": 64, "tiny_layers": 2}
+
+
+def add_parser(sub, **fmt) -> None:
+    p = sub.add_parser("serve", help="serve adapters on one base over an OpenAI-compatible HTTP API", **fmt)
+    p.add_argument("--adapter", action="append", required=True, metavar="NAME=DIR",
+                   help="an adapter to serve under NAME (the request's model field); repeat for several, all on "
+                        "one base")
+    add_base_arguments(p)
+    # None: the base the adapters record (TINY_DEFAULTS when they record none)
+    p.set_defaults(arch=None, tiny_hidden_size=None, tiny_layers=None)
+    for action in p._actions:
+        if action.dest == "base":
+            action.help = ("local Qwen directory or cached hub name (default: the base the adapters record; the "
+                           "--tiny-* flags pick an embedded tiny base instead)")
+    add_chat_arguments(p, messages_column=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
+    p.add_argument("--api-key", default=None,
+                   help="requests to /v1 must send 'Authorization: Bearer KEY' (the OpenAI client's api_key)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="rows generated together in one batch")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests accepted and not finished; beyond it the server answers 503 with Retry-After")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long the worker waits for more requests to batch with the first one")
+    p.add_argument("--runtime-adapter-root", default=None, metavar="DIR",
+                   help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter, reading adapters under DIR only "
+                        "(default: off)")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:1, ...")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info: one access line per request)")
+    p.set_defaults(func=run)
+
+
+def parse_adapters(values: list[str]) -> dict[str, str]:
+    """NAME=DIR flags -> {name: dir}, names checked (peft's rules) and given once."""
+    from ..model.adapters import check_adapter_name
+
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise CLIError(f"--adapter {value!r}: give NAME=DIR, e.g. --adapter sunspots=runs/sunspots/adapter")
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise CLIError(f"--adapter {value!r}: {e}") from None
+        if name in out:
+            raise CLIError(f"--adapter {name!r} is given twice: each adapter needs its own name")
+        out[name] = path
+    return out
+
+
+def recorded_base(path: str) -> str | None:
+    """The base an adapter directory records (None when it cannot be read: loading reports the problem)."""
+    try:
+        meta = json.loads((resolve_adapter_dir(path) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("base_model_name_or_path") or None
+
+
+def load_serving_base(args: argparse.Namespace, adapters: dict[str, str]):
+    """(base model, tokenizer, base name): --base; else the --tiny-* flags; else the base the adapters record."""
+    tiny_flags = any(getattr(args, k) is not None for k in TINY_DEFAULTS)
+    for k, v in TINY_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.base is None and not tiny_flags:
+        recorded = {name: recorded_base(path) for name, path in adapters.items()}
+        bases = sorted({b for b in recorded.values() if b is not None})
+        if len(bases) > 1:
+            shown = ", ".join(f"{n}: {b}" for n, b in recorded.items())
+            raise CLIError(f"the adapters were made for different bases ({shown}); one server serves adapters of one "
+                           "base: start one server per base, or give --base")
+        if bases and TINY_NAME.fullmatch(bases[0]):
+            return tiny_qwen_from_name(bases[0], DTYPES[args.dtype]), load_qwen_tokenizer(), bases[0]
+        if bases:
+            try:
+                check_base(bases[0], flag="the base the adapters record,")
+            except CLIError as e:
+                raise CLIError(f"{e} (or give it with --base)") from None
+            args.base = bases[0]
+    base, tokenizer = load_base_from_args(args)
+    return base, tokenizer, args.base or getattr(base, "name_or_path", None)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one), so the URL printed is the one served."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --port (or --host)") \
+            from None
+    sock.listen(2048)
+    return sock
+
+
+def serving_device(name: str):
+    """--device as a torch.device ("auto": the first GPU when one is visible, else the CPU)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"--device {name!r}: give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name!r}: no GPU is visible to torch here (torch.cuda.is_available() is False)")
+    return device
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    args.torch_device = serving_device(args.device)
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
+                             ("--port", args.port, 0), ("--batch-wait-ms", args.batch_wait_ms, 0)):
+        if value < low:
+            raise CLIError(f"{flag} must be >= {low}, got {value}")
+    if args.runtime_adapter_root is not None:
+        from pathlib import Path
+
+        if not Path(args.runtime_adapter_root).is_dir():
+            raise CLIError(f"--runtime-adapter-root {args.runtime_adapter_root!r}: no such directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise CLIError(f"serving needs FastAPI and uvicorn ({e.name or 'one'} is missing): {INSTALL}") from None
+    from ..modeling.families import text_config
+    from ..serving.app import create_app
+    from ..serving.engine import Engine
+    from ..serving.registry import Registry, load_adapters
+
+    _check_args(args)
+    adapters = parse_adapters(args.adapter)
+    chat_template = chat_template_from_args(args)
+    base, tokenizer, base_name = load_serving_base(args, adapters)
+    try:
+        model = load_adapters(base, tokenizer, adapters)
+    except ValueError as e:
+        raise CLIError(str(e).splitlines()[0]) from e
+    model.to(args.torch_device)
+    registry = Registry(base_name, getattr(text_config(model.backbone), "max_position_embeddings", None))
+    for name, path in adapters.items():
+        registry.add(name, path)
+    engine = Engine(model, tokenizer, registry, max_batch_size=args.max_batch_size, chat_template=chat_template,
+                    enable_thinking=args.enable_thinking)
+    app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root,
+                     max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                     batch_wait_s=args.batch_wait_ms / 1000)
+    logger = logging.getLogger("causal_adapter.serving")
+    logger.setLevel(args.log_level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("causal-adapter serve: %(message)s"))
+        logger.addHandler(handler)
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"causal-adapter serve: ready on {url} (OpenAI base_url {url}/v1; adapters: {', '.join(adapters)})",
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
+    server.run(sockets=[sock])
+    return 0
