@@ -19,7 +19,12 @@ tokens/s at 32 clients (completion tokens from `usage`) against in-process `gene
 in the benchmark's own process (batch 32 and batch 1), and a load run of 64 concurrent clients against the batched
 server: every request must come back 200 (lost = exceptions or no answer, 5xx counted apart).
 
-Ends with ONE line ``RESULT key=value ...``: rps and p50/p99 ms per server and level, batched_vs_one_at_a_time_32
+Per level also, from the server's /health counters over the level's run: rows per generate call (how full the batches
+were), the fraction of the wall time spent inside `generate` and the fraction the worker spent on generation jobs
+(encoding and results included): what is left is time the model waited for requests.
+
+Ends with ONE line ``RESULT key=value ...``: rps, p50/p99 ms, rows per call and the fraction in generate per server
+and level, batched_vs_one_at_a_time_32
 (the ratio of requests/s at 32 clients; the goal is >= 4 on CPU), served / in-process tokens/s, load_ok, load_lost,
 load_5xx.
 """
@@ -86,6 +91,8 @@ def start_server(paths: list[Path], max_batch: int, args) -> tuple[subprocess.Po
         cmd += ["--adapter", f"a{i}={p}"]
     if args.device:
         cmd += ["--device", args.device]
+    if args.batch_wait_ms is not None:
+        cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -131,13 +138,19 @@ async def drive(url: str, prompts: list[str], clients: int, per_client: int, max
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        before = (await http.get(url + "/health")).json()
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c, http) for c in range(clients)))
         wall = time.perf_counter() - t0
+        after = (await http.get(url + "/health")).json()
+    work = {k: after[k] - before[k] for k in ("generate_calls", "generated_rows", "generate_seconds",
+                                               "generation_jobs_seconds")}
     n = clients * per_client
     lat = sorted(latencies) or [float("nan")]
     return {"rps": len(latencies) / wall, "p50_ms": 1000 * statistics.median(lat),
             "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "tokens_per_s": tokens / wall,
+            "rows_per_call": work["generated_rows"] / max(1, work["generate_calls"]),
+            "in_generate": work["generate_seconds"] / wall, "worker_busy": work["generation_jobs_seconds"] / wall,
             "sent": n, "ok": ok, "errors": errors,
             "status_5xx": status_5xx, "lost": n - len(latencies)}
 
@@ -151,6 +164,8 @@ def in_process_tokens_per_s(paths: list[Path], prompts: list[str], max_tokens: i
     base, tokenizer = load_base(None, "qwen2", "float32", args.hidden_size, args.layers)
     model = CausalModel.from_pretrained(base, paths[0], tokenizer=tokenizer,
                                         device_map=args.device if args.device else None).eval()
+    with torch.no_grad():  # warm-up (first CUDA calls, allocator), as the servers get theirs
+        model.generate_batched(prompts[:batch_size], tokenizer, batch_size=batch_size, max_new_tokens=2)
     best = 0.0
     for _ in range(args.rounds):
         t0 = time.perf_counter()
@@ -170,6 +185,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round (at 32 clients: 128)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default=None, help="the server's --device (default: its own default)")
+    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrent clients per level")
+    ap.add_argument("--batch-wait-ms", type=float, default=None, help="the servers' --batch-wait-ms (default: theirs)")
     args = ap.parse_args()
     prompts = sunspot_prompts(256)
     results: dict[tuple[str, int], dict] = {}
@@ -182,7 +199,7 @@ def main() -> None:
             asyncio.run(drive(servers["batched"][1], prompts, 2, 1, args.max_tokens))  # warm-up
             asyncio.run(drive(servers["one_at_a_time"][1], prompts, 2, 1, args.max_tokens))
             for _ in range(args.rounds):
-                for level in LEVELS:
+                for level in args.levels:
                     per_client = max(2, args.requests if level > 1 else 4 * args.requests)
                     for name, (_, url) in servers.items():
                         r = asyncio.run(drive(url, prompts, level, per_client, args.max_tokens))
@@ -190,7 +207,8 @@ def main() -> None:
                             results[name, level] = r
                         print(f"{name:14s} clients={level:3d} rps={r['rps']:7.2f} p50={r['p50_ms']:8.1f} ms "
                               f"p99={r['p99_ms']:8.1f} ms tokens/s={r['tokens_per_s']:8.1f} lost={r['lost']} "
-                              f"5xx={r['status_5xx']}", flush=True)
+                              f"5xx={r['status_5xx']} rows/call={r['rows_per_call']:5.1f} "
+                              f"in_generate={r['in_generate']:.2f} worker_busy={r['worker_busy']:.2f}", flush=True)
             servers.pop("one_at_a_time")[0].terminate()
             load = asyncio.run(drive(servers["batched"][1], prompts, 64, 4, args.max_tokens))
             print(f"load: 64 clients x 4 requests: ok={load['ok']} lost={load['lost']} 5xx={load['status_5xx']} "
@@ -209,9 +227,12 @@ def main() -> None:
         fields[f"{name}_{level}_rps"] = f"{r['rps']:.2f}"
         fields[f"{name}_{level}_p50_ms"] = f"{r['p50_ms']:.0f}"
         fields[f"{name}_{level}_p99_ms"] = f"{r['p99_ms']:.0f}"
-    served = results["batched", 32]["tokens_per_s"]
+        fields[f"{name}_{level}_rows_per_call"] = f"{r['rows_per_call']:.1f}"
+        fields[f"{name}_{level}_in_generate"] = f"{r['in_generate']:.2f}"
+    top = max(args.levels)
+    served = results["batched", top]["tokens_per_s"]
     fields.update({
-        "batched_vs_one_at_a_time_32": f"{results['batched', 32]['rps'] / results['one_at_a_time', 32]['rps']:.2f}",
+        "batched_vs_one_at_a_time_32": f"{results['batched', top]['rps'] / results['one_at_a_time', top]['rps']:.2f}",
         "served_tokens_per_s_32": f"{served:.1f}", "in_process_tokens_per_s_batch32": f"{inproc_32:.1f}",
         "in_process_tokens_per_s_batch1": f"{inproc_1:.1f}", "served_vs_in_process_batch32": f"{served / inproc_32:.2f}",
         "load_ok": load["ok"], "load_lost": load["lost"], "load_5xx": load["status_5xx"],

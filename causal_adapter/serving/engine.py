@@ -21,6 +21,7 @@ exactly the non-streamed text. A batch whose rows all lost their client stops at
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,7 @@ import torch
 from ..data.conversations import inference_prompt
 from ..modeling.families import text_config
 from ..modeling.generation import NumberStreamer, generate
+from ..modeling.intervals import interval
 from ..modeling.prediction import level_name, predict_values
 from ..numbers import NumberTokenizer, pad_batch
 from .batcher import Job, RequestError
@@ -177,7 +179,10 @@ class Engine:
         self.model, self.tokenizer, self.registry = model, tokenizer, registry
         self.ntok = NumberTokenizer(tokenizer, model.num_token_id)
         self.max_batch_size = max_batch_size
-        self.generate_calls = self.mixed_calls = 0  # generate calls, those with rows of several adapters
+        # what /health reports of the work: generate calls, those with rows of several adapters, their rows, the
+        # seconds inside generate and the seconds the worker spent on generation jobs (encoding, results included)
+        self.generate_calls = self.mixed_calls = self.generated_rows = 0
+        self.generate_s = self.generation_jobs_s = 0.0
         self.chat_template, self.enable_thinking = chat_template, enable_thinking
         self.context = getattr(text_config(model.backbone), "max_position_embeddings", None)
         gc = getattr(model.backbone, "generation_config", None)
@@ -187,14 +192,20 @@ class Engine:
         self.eos = set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
     def stats(self) -> dict:
-        return {"generate_calls": self.generate_calls, "mixed_adapter_calls": self.mixed_calls}
+        return {"generate_calls": self.generate_calls, "mixed_adapter_calls": self.mixed_calls,
+                "generated_rows": self.generated_rows, "generate_seconds": round(self.generate_s, 3),
+                "generation_jobs_seconds": round(self.generation_jobs_s, 3)}
 
     # ------------------------------------------------------------------ the runner
     def run(self, jobs: list[Job]) -> None:
         """One group of the batcher (jobs of one key)."""
         kind = jobs[0].kind
         if kind == "generate":
-            self._generate(jobs)
+            t0 = time.perf_counter()
+            try:
+                self._generate(jobs)
+            finally:
+                self.generation_jobs_s += time.perf_counter() - t0
         elif kind == "predict":
             for job in jobs:
                 self._predict(job)
@@ -303,23 +314,29 @@ class Engine:
         names = [r.adapter for r in rows]
         self.generate_calls += 1
         self.mixed_calls += len(set(names)) > 1
+        self.generated_rows += len(rows)
+        t0 = time.perf_counter()
         try:
             out = generate(self.model, enc, tokenizer=self.ntok, callback=callback, adapter_names=names,
                            max_new_tokens=max(r.max_tokens for r in rows), **decoding.generate_kwargs())
         except _Abandoned:
             return
+        finally:
+            self.generate_s += time.perf_counter() - t0
+        configs = self.model.causal_configs
         for b, r in enumerate(rows):
             if r.job.cancelled:
                 continue
-            self.model.set_adapter(r.adapter)  # its intervals: this adapter's calibration
-            r.result = self._row_result(out.row(b), r, decoding.stop, r.job.spec.levels)
+            calibration = configs[r.adapter].value_calibration  # its intervals: its own adapter's calibration
+            r.result = self._row_result(out.row(b), r, decoding.stop, r.job.spec.levels, calibration)
             if r.stream is not None:
                 text, sent = r.result["text"], r.stream.sent_text
                 if not text.startswith(sent):  # never seen (tests/test_serve.py); the final text is the answer
                     log.warning("streamed text %r is not a prefix of the row's text %r", sent[-40:], text[-40:])
                 r.job.emit("row", r.index, {**r.result, "delta": text[len(sent):]})
 
-    def _row_result(self, one, row: _Row, stops: tuple[str, ...], levels: tuple[float, ...]) -> dict:
+    def _row_result(self, one, row: _Row, stops: tuple[str, ...], levels: tuple[float, ...],
+                    calibration: dict | None) -> dict:
         """The row cut to its own max_tokens and before a stop string: index, text, finish_reason, values,
         completion_tokens."""
         n, k = int(one.lengths[0]), row.max_tokens
@@ -336,7 +353,7 @@ class Engine:
             numbers = self._numbers_before(row, one, numbers, cut)
             text, finished = text[:cut], True
         return {"index": row.index, "text": text, "finish_reason": "stop" if finished else "length",
-                "values": [self._value(x, levels) for x in numbers], "completion_tokens": n}
+                "values": [_value(x, levels, calibration) for x in numbers], "completion_tokens": n}
 
     def _numbers_before(self, row: _Row, one, numbers: list[dict], cut: int) -> list[dict]:
         """The numbers whose text ends before character `cut` of the row's text."""
@@ -349,16 +366,6 @@ class Engine:
                 break
             keep.append(x)
         return keep
-
-    def _value(self, number: dict, levels: tuple[float, ...]) -> dict:
-        loc = torch.tensor(number["loc"], dtype=torch.float64)
-        scale = torch.tensor(number["scale"], dtype=torch.float64)
-        cal, raw = {}, {}
-        for q in levels:
-            for table, calibrated in ((cal, True), (raw, False)):
-                lo, hi = self.model.value_interval(loc, scale, q, calibrated=calibrated)
-                table[level_name(q)] = (float(lo), float(hi))
-        return value_entry(number, cal, raw)
 
     # ------------------------------------------------------------------ prediction
     def _predict(self, job: Job) -> None:
@@ -378,6 +385,19 @@ class Engine:
             job.fail(e)
             return
         job.done(rows)
+
+
+def _value(number: dict, levels: tuple[float, ...], calibration: dict | None) -> dict:
+    """A generated number with its intervals per level: calibrated by its adapter's map (as
+    `CausalModel.value_interval`) and raw."""
+    loc = torch.tensor(number["loc"], dtype=torch.float64)
+    scale = torch.tensor(number["scale"], dtype=torch.float64)
+    cal, raw = {}, {}
+    for q in levels:
+        for table, cal_map in ((cal, calibration), (raw, None)):
+            lo, hi = interval(loc, scale, q, cal_map)
+            table[level_name(q)] = (float(lo), float(hi))
+    return value_entry(number, cal, raw)
 
 
 def _text_messages(messages: Any, i: int) -> Any:
