@@ -267,18 +267,24 @@ def _resolve_inputs(model, inputs, input_ids, numeric_values, attention_mask, nt
     return input_ids, numeric_values, attention_mask
 
 
-def _default_ids(model, eos_token_id, pad_token_id, ntok):
+def default_eos_ids(model, eos_token_id: int | Sequence[int] | None = None) -> list[int]:
+    """The eos ids `generate` stops on: `eos_token_id` when given, else the backbone's generation_config's, else
+    its config's ([] = none)."""
     gc = getattr(model.backbone, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(gc, "eos_token_id", None)
         if eos_token_id is None:
             eos_token_id = getattr(model.backbone.config, "eos_token_id", None)
     if eos_token_id is None or eos_token_id is False:
-        eos = []
-    elif isinstance(eos_token_id, int):
-        eos = [eos_token_id]
-    else:
-        eos = [int(e) for e in eos_token_id]
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(e) for e in eos_token_id]
+
+
+def _default_ids(model, eos_token_id, pad_token_id, ntok):
+    gc = getattr(model.backbone, "generation_config", None)
+    eos = default_eos_ids(model, eos_token_id)
     if pad_token_id is None:
         for cand in (getattr(ntok, "pad_token_id", None), getattr(gc, "pad_token_id", None),
                      getattr(model.backbone.config, "pad_token_id", None), eos[0] if eos else None):
@@ -735,12 +741,13 @@ def _generate_loop(model, groups: list[_Group], input_ids: Tensor, numeric_value
 
 
 def _embed(model, groups: list[_Group], ids: Tensor, values: Tensor) -> Tensor:
-    """inputs_embeds [B, s, H] of `ids` / `values` [B, s], each group's rows with its adapter's phi."""
+    """inputs_embeds [B, s, H] of `ids` / `values` [B, s], each group's rows with its adapter's phi. The groups are
+    taken last to first: a step's heads run first to last, so each switch of adapter is made once, not twice."""
     if len(groups) == 1:
         _use_adapter(model, groups[0])
         return model.embed(ids, values)
     embeds = None
-    for g in groups:
+    for g in reversed(groups):
         _use_adapter(model, g)
         e = model.embed(g.take(ids), g.take(values))
         if embeds is None:

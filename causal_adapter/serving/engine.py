@@ -29,7 +29,7 @@ import torch
 
 from ..data.conversations import inference_prompt
 from ..modeling.families import text_config
-from ..modeling.generation import NumberStreamer, generate
+from ..modeling.generation import NumberStreamer, default_eos_ids, generate
 from ..modeling.intervals import interval
 from ..modeling.prediction import level_name, predict_values
 from ..numbers import NumberTokenizer, pad_batch
@@ -185,11 +185,7 @@ class Engine:
         self.generate_s = self.generation_jobs_s = 0.0
         self.chat_template, self.enable_thinking = chat_template, enable_thinking
         self.context = getattr(text_config(model.backbone), "max_position_embeddings", None)
-        gc = getattr(model.backbone, "generation_config", None)
-        eos = getattr(gc, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.backbone.config, "eos_token_id", None)
-        self.eos = set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+        self.eos = set(default_eos_ids(model))  # where generate stops a row (a stream closes there too)
 
     def stats(self) -> dict:
         return {"generate_calls": self.generate_calls, "mixed_adapter_calls": self.mixed_calls,

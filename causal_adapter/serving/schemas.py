@@ -173,18 +173,22 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None = None,
                      values: list | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if values is not None:
-        choice["values"] = values
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    return _chunk(rid, created, model, "text_completion", {"index": index, "text": text}, finish_reason, values)
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None = None,
                values: list | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _chunk(rid, created, model, "chat.completion.chunk", {"index": index, "delta": delta}, finish_reason,
+                  values)
+
+
+def _chunk(rid: str, created: int, model: str, obj: str, choice: dict, finish_reason: str | None,
+           values: list | None) -> dict:
+    """One streamed choice (`values` on its last chunk only)."""
+    choice = {**choice, "logprobs": None, "finish_reason": finish_reason}
     if values is not None:
         choice["values"] = values
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
