@@ -533,3 +533,25 @@ def test_text_after_a_prompt_ending_with_a_number(tok):
     assert out.sequences[0, -3].item() == NUM_REAL == out.new_tokens[0, 0].item()
     values = [n.value for n in find_numbers(prompt + out.texts[0])]
     assert values == pytest.approx([80.9] + out.new_values[0].tolist(), rel=1e-5)
+
+
+def test_generate_command_draws_its_progress_bar_only_for_several_rows_or_a_terminal(capsys):
+    """`causal-adapter generate "prompt"` piped (`2>&1`): no bar before the answer; several prompts: the bar."""
+    import os
+
+    from causal_adapter.commands.generate import show_progress
+    from causal_adapter.commands.main import main
+
+    tiny = ["--tiny-hidden-size", "32", "--tiny-layers", "1", "--max-new-tokens", "2"]
+    assert main(["generate", "The price was", *tiny]) == 0
+    one = capsys.readouterr()
+    assert one.out.startswith("The price was") and "row" not in one.err and "generate:" not in one.err
+    assert main(["generate", "The price was", "Hello", *tiny]) == 0
+    two = capsys.readouterr().err
+    assert "generate: 100%" in two and "2/2" in two
+    master, slave = os.openpty()  # a real terminal: one row gets its bar there
+    with os.fdopen(slave, "w") as terminal:
+        assert show_progress(1, False, terminal) and not show_progress(1, True, terminal)
+    os.close(master)
+    with open(os.devnull, "w") as pipe:
+        assert not show_progress(1, False, pipe) and show_progress(2, False, pipe) and not show_progress(2, True, pipe)

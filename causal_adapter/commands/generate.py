@@ -50,7 +50,8 @@ def add_parser(sub, **fmt) -> None:
     p.add_argument("--mode", default="deterministic", choices=list(MODES))
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (left padded)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (drawn on stderr for several prompts, or for one when stderr is a terminal)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--do-sample", action="store_true", help="softmax mode: sample instead of greedy")
     p.add_argument("--temperature", type=float, default=None)
@@ -195,11 +196,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_progress(n_prompts: int, no_progress: bool, stream=None) -> bool:
+    """Whether to draw the progress bar: never with --no-progress; for several prompts; for one only on a terminal
+    (a bar that counts to one is noise in a `2>&1` pipeline, where it would come before the answer)."""
+    stream = sys.stderr if stream is None else stream
+    return not no_progress and (n_prompts > 1 or bool(getattr(stream, "isatty", lambda: False)()))
+
+
 def generate_all(model, tokenizer, prompts: list[str], args: argparse.Namespace) -> list[GenerationOutput]:
-    """`generate_batched` under a progress bar (stderr; --no-progress turns it off)."""
+    """`generate_batched` under a progress bar (stderr: `show_progress`)."""
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(prompts), desc="generate", unit="row", disable=args.no_progress, file=sys.stderr) as bar:
+    disable = not show_progress(len(prompts), args.no_progress)
+    with tqdm(total=len(prompts), desc="generate", unit="row", disable=disable, file=sys.stderr) as bar:
         return generate_batched(model, prompts, tokenizer=tokenizer, batch_size=args.batch_size, progress=bar.update,
                                 mode=args.mode, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 do_sample=args.do_sample or None, temperature=args.temperature, top_k=args.top_k,
