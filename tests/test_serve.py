@@ -41,6 +41,9 @@ def adapters(tmp_path_factory, qwen_tokenizer):
     shutil.copytree(a, root / "c")
     (root / "empty").mkdir()
     (root / "elsewhere").symlink_to(b, target_is_directory=True)
+    shutil.copytree(a, root / "linked")  # inside the root, but its tensors are a link to b's, outside it
+    (root / "linked" / "causal_adapter_model.safetensors").unlink()
+    (root / "linked" / "causal_adapter_model.safetensors").symlink_to(b / "causal_adapter_model.safetensors")
     return {"a": a, "b": b, "root": root, "dir": d}
 
 
@@ -298,7 +301,15 @@ def test_runtime_loading_is_confined_to_its_root(url, client, adapters, local, q
     root = adapters["root"]
     for path in (str(adapters["b"]), "../b", "elsewhere", str(root / "elsewhere")):  # outside, also through a link
         r = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path})
-        assert r.status_code == 403 and "outside" in r.json()["error"]["message"], path
+        message = r.json()["error"]["message"]
+        assert r.status_code == 403 and "outside" in message and "(directory check:" in message, path
+        assert "file check" not in message and r.json()["error"]["code"] == "path_not_allowed"
+    # the directory is inside the root, one of its files links out of it: the file check refuses it
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "linked"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 403 and "file check" in message and "directory check" not in message
+    assert "'causal_adapter_model.safetensors' is a link to" in message and str(adapters["b"].resolve()) in message
+    assert "x" not in {m.id for m in client.models.list().data}
     r = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "empty"})
     assert r.status_code == 400 and "causal_adapter_config.json' is missing" in r.json()["error"]["message"]
     r = post(url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(root / "c")})
@@ -325,12 +336,35 @@ def test_api_key_is_required(servers):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=tight + "/v1", api_key="wrong", max_retries=0).completions.create(model="a", prompt="x")
+    # the whole key or nothing: a proper prefix of it, a bare "Bearer", the key with a tail or without its scheme
+    # ("Bearer " with a trailing space is no legal header value: httpx refuses to send it)
+    for auth in (f"Bearer {KEY[:3]}", f"Bearer {KEY[:-1]}", "Bearer", f"Bearer {KEY}x", KEY, f"Basic {KEY}"):
+        r = httpx.get(tight + "/v1/models", headers={"Authorization": auth})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", auth
+    assert httpx.get(tight + "/v1/models", headers={"Authorization": f"bearer  {KEY}"}).status_code == 200
     good = openai.OpenAI(base_url=tight + "/v1", api_key=KEY, max_retries=0)
     assert good.completions.create(model="a", prompt="x", max_tokens=2).choices[0].text is not None
     # runtime loading was not enabled: refused, naming the flag
     r = httpx.post(tight + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/tmp"},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 403 and "--runtime-adapter-root" in r.json()["error"]["message"]
+
+
+def test_runtime_root_allows_a_link_that_stays_inside(adapters, tmp_path):
+    """The file check refuses links out of the root, not links: a file linked to another file under the root loads."""
+    from causal_adapter.serving.batcher import RequestError
+    from causal_adapter.serving.registry import runtime_path
+
+    root = tmp_path / "root"
+    shutil.copytree(adapters["a"], root / "inside")
+    (root / "inside" / "README.md").unlink()
+    (root / "inside" / "README.md").symlink_to(root / "inside" / "causal_adapter_config.json")
+    assert runtime_path(root, "inside") == (root / "inside").resolve()
+    (root / "inside" / "deep").mkdir()
+    (root / "inside" / "deep" / "x.json").symlink_to(adapters["b"] / "causal_adapter_config.json")
+    with pytest.raises(RequestError, match=r"'deep/x.json' is a link to .*file check") as e:
+        runtime_path(root, "inside")
+    assert e.value.status == 403
 
 
 def _long_stream(url, max_tokens):

@@ -23,6 +23,7 @@ off or reads outside its root, 404 for an unknown model, 503 with Retry-After wh
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -62,7 +63,8 @@ def error_response(e: RequestError, headers: dict | None = None) -> JSON:
 
 
 class APIKeyMiddleware:
-    """Every /v1 route needs ``Authorization: Bearer KEY`` (checked before the body is read); /health stays open."""
+    """Every /v1 route needs ``Authorization: Bearer KEY`` (checked before the body is read); /health stays open.
+    The whole key is compared, in constant time (`key_matches`): a prefix of it, or a bare ``Bearer``, is a 401."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
@@ -71,7 +73,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            if scheme.lower() != b"bearer" or not key_matches(token.strip(), self.key):
                 what = "no API key given" if not auth else "the API key is wrong"
                 response = error_response(RequestError(
                     401, f"{what}: send the server's key as 'Authorization: Bearer KEY' (the OpenAI client's api_key)",
@@ -79,6 +81,12 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def key_matches(token: bytes, key: bytes) -> bool:
+    """Whether `token` is exactly `key`, in time that tells nothing of either: both are hashed first, so the compare
+    runs on two equal-length digests (hmac.compare_digest alone returns at once on a length mismatch)."""
+    return bool(key) and hmac.compare_digest(hashlib.sha256(token).digest(), hashlib.sha256(key).digest())
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -81,22 +81,32 @@ def load_adapters(base, tokenizer, adapters: dict[str, str | os.PathLike]) -> Ca
 
 
 def runtime_path(root: str | os.PathLike, lora_path: str) -> Path:
-    """The adapter directory `lora_path` (relative paths are read from `root`), resolved (symlinks, ``..``),
-    when it lies under `root` and so does every file in it; else RequestError 403. A path that is not a
-    directory is a 400."""
+    """The adapter directory `lora_path` (relative paths are read from `root`), resolved (symlinks, ``..``), after two
+    checks, each refusing with a 403 that names it: the directory check (the directory itself resolves under `root`)
+    and the file check (every file and folder in it, at any depth, resolves under `root`: a file that is a link out
+    of the root is refused even when its directory is inside). A path that is not a directory is a 400."""
     root = Path(root).resolve()
     path = (root / Path(lora_path).expanduser()).resolve()  # an absolute lora_path replaces root
-    if path != root and root not in path.parents:
-        raise RequestError(403, f"lora_path {lora_path!r} is outside the directory the server may load adapters "
-                                f"from (--runtime-adapter-root {str(root)!r})", type="permission_error",
-                           param="lora_path", code="path_not_allowed")
+    if not _under(path, root):
+        raise RequestError(403, f"lora_path {lora_path!r} resolves to {str(path)!r}, outside the directory the server "
+                                f"may load adapters from (directory check: the adapter directory must lie under "
+                                f"--runtime-adapter-root {str(root)!r})",
+                           type="permission_error", param="lora_path", code="path_not_allowed")
     if not path.is_dir():
         raise RequestError(400, f"lora_path {lora_path!r}: no such adapter directory under the runtime root "
                                 "(an adapter is a directory with causal_adapter_config.json and "
                                 "causal_adapter_model.safetensors)", param="lora_path")
-    for entry in path.iterdir():
-        target = entry.resolve()
-        if target != root and root not in target.parents:
-            raise RequestError(403, f"lora_path {lora_path!r}: {entry.name} links outside the runtime root",
-                               type="permission_error", param="lora_path", code="path_not_allowed")
+    for folder, dirs, files in os.walk(path):  # links are not followed: each one is checked where it points
+        for name in sorted(dirs + files):
+            entry = Path(folder) / name
+            target = entry.resolve()
+            if not _under(target, root):
+                raise RequestError(403, f"lora_path {lora_path!r}: {str(entry.relative_to(path))!r} is a link to "
+                                        f"{str(target)!r}, outside --runtime-adapter-root {str(root)!r} (file check: "
+                                        "every file of the adapter must lie under the root)",
+                                   type="permission_error", param="lora_path", code="path_not_allowed")
     return path
+
+
+def _under(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
