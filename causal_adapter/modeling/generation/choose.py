@@ -1,0 +1,124 @@
+"""Step 3 of a decoding step, choose a token: the heads on each row's last hidden state z, and the mode's choice
+(SPEC section 4).
+
+* ``softmax``: logits = loc_S (= the base model's logits at initialisation); greedy, or sampling with temperature /
+  top-k / top-p (transformers' logits warpers). value = loc_Y.
+* ``deterministic``: token = argmax_k P_k, P_k = P(S_k > C_k) the OvR probability (`scoring.OvRScorer`, exact with
+  pruning); value = loc_Y.
+* ``causal``: an individual u = loc_U + scale_U' tan(pi (eps - 1/2)), eps ~ U(0,1)^C, then the noiseless action:
+  token = argmax_k (W_cls u + b_cls - C)_k, value = w_reg . u + b_reg.
+
+Random protocol (so a run can be reproduced): a group's draws come from its generator, one ``torch.rand((n, C))``
+(causal) or one ``torch.multinomial`` over [n, V] (softmax sampling) per step, n = the group's slots when its rows
+were all given at once (`Group.fixed_slots`: a row's draws never depend on the rows beside it), else its rows present.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..cauchy import cauchy_icdf
+from .place import place_number
+from .prepare import Group, Settings
+
+
+@dataclass
+class Choice:
+    """One step of n rows, on the heads' device: token, value (before rounding), P_k of the token, loc_Y, scale_Y,
+    the rows whose <NUM> comes next (`place_number`), and the causal mode's eps [n, C] (None otherwise)."""
+
+    tok: Tensor
+    val: Tensor
+    prob: Tensor
+    loc_Y: Tensor
+    scale_Y: Tensor
+    pending: Tensor
+    eps: Tensor | None = None
+
+
+def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
+           steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
+           history: Callable[[], Tensor] | None = None) -> Choice:
+    """The group's rows: z [n, H] (its adapter active). prev / pending [n] (`place_number`); recent [n, K] the
+    numbers the value head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw
+    slots; shared_eps [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them)."""
+    s = g.settings
+    loc_U, scale_U = model.abduction(z)
+    scale_Up = model.action.noisy_scale(scale_U)
+    if recent is not None:
+        recent = recent[:, :s.recent_k].to(g.vdtype)
+    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up, recent)
+    early = None
+    if s.opts.min_new_tokens and s.eos and steps is not None:
+        early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)
+    eps = None
+    if s.opts.mode == "causal":
+        eps = shared_eps if s.opts.shared_individual else _eps(g, z.shape[0], slots)
+        tok, val, prob = _choose_causal(model, s, loc_U, scale_Up, eps, recent, early)
+    else:
+        tok, val, prob = _choose_by_scores(g, loc_U, scale_Up, loc_Y, early, slots, history)
+    tok, prob, pending = place_number(s, tok, prob, loc_U, scale_Up, prev, pending)
+    return Choice(tok, val, prob, loc_Y, scale_Y, pending, eps)
+
+
+def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:
+    eps = torch.rand((n, C), generator=gen, dtype=dtype, device=device)
+    tiny = torch.finfo(dtype).eps  # never exactly 0 or 1: u stays finite (as sample_cauchy)
+    return eps.clamp(tiny, 1.0 - tiny)
+
+
+def _eps(g: Group, n: int, slots: Tensor | None) -> Tensor:
+    s = g.settings
+    if g.fixed_slots and n != g.slots:
+        return draw_eps(g.slots, s.C, s.hdtype, s.hdev, g.gen)[slots]
+    return draw_eps(n, s.C, s.hdtype, s.hdev, g.gen)
+
+
+def _mask_eos(scores: Tensor, s: Settings, early: Tensor | None) -> None:
+    if early is not None and bool(early.any()):
+        rows = early.nonzero().squeeze(1)
+        scores[rows.unsqueeze(1), s.eos_t.unsqueeze(0)] = -math.inf  # as MinNewTokensLengthLogitsProcessor
+
+
+def _choose_causal(model, s: Settings, loc_U: Tensor, scale_Up: Tensor, eps: Tensor, recent: Tensor | None,
+                   early: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """causal mode: an individual u [n, C] drawn from eps, then the noiseless action on u."""
+    scorer = s.scorer
+    u = cauchy_icdf(eps, loc_U, scale_Up).to(s.hdtype)
+    decision, y = model.action.decision_scores(u, scorer.W_cls, recent)
+    _mask_eos(decision, s, early)
+    tok = decision.argmax(-1)
+    prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
+    return tok, y, prob
+
+
+def _choose_by_scores(g: Group, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, early: Tensor | None,
+                      slots: Tensor | None, history) -> tuple[Tensor, Tensor, Tensor]:
+    """deterministic mode (argmax of the OvR P_k) and softmax mode (greedy or sampled from loc_S [n, V])."""
+    s = g.settings
+    scorer = s.scorer
+    loc_S = scorer.loc_scores(loc_U)
+    _mask_eos(loc_S, s, early)
+    if s.opts.mode == "deterministic":
+        tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
+        return tok, loc_Y, prob
+    scores = loc_S
+    if s.warpers is not None and len(s.warpers):
+        scores = s.warpers(history().to(s.hdev) if s.reads_history and history is not None else None, scores)
+    if s.opts.do_sample:
+        probs = torch.softmax(scores, -1)
+        n = probs.shape[0]
+        if g.fixed_slots and n != g.slots:  # every slot draws (one exponential per entry): the live rows' own draws
+            full = probs.new_full((g.slots, probs.shape[1]), 1.0 / probs.shape[1])
+            full[slots] = probs
+            tok = torch.multinomial(full, 1, generator=g.gen).squeeze(1)[slots]
+        else:
+            tok = torch.multinomial(probs, 1, generator=g.gen).squeeze(1)
+    else:
+        tok = scores.argmax(-1)
+    prob = scorer.row_probability(tok, loc_S.gather(1, tok.unsqueeze(1)).squeeze(1), scale_Up)
+    return tok, loc_Y, prob

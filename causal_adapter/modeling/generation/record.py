@@ -1,0 +1,86 @@
+"""Step 5 of a decoding step, record: what each row wrote (`Row`: its token, the value fed back and the exact one,
+P_k, loc_Y / scale_Y), the value rounded as the data writes values (`written_values`), and the value head's window of
+recent numbers (`recent_window`, `push_recent`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .prepare import Group
+from .stream import RowText
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a running batch: its prompt (ids and values, no padding), its `group` (adapter and decoding
+    options), its own limits, and what it wrote so far. `tag`: the caller's handle (the server's request and choice).
+    `keep_text`: keep `text` (its decoded text, grown by `RowText`) even without stop strings (a stream reads it)."""
+
+    ids: list[int]
+    values: list[float]
+    group: Group
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    eos: frozenset | None = None  # None: the group's eos ids
+    tag: Any = None
+    keep_text: bool = False
+    # written by the step loop
+    tokens: list[int] = field(default_factory=list)
+    fed_values: list[float] = field(default_factory=list)  # what was written and fed back (rounded)
+    exact: list[float] = field(default_factory=list)  # before rounding
+    probs: list[float] = field(default_factory=list)
+    loc_Y: list[float] = field(default_factory=list)
+    scale_Y: list[float] = field(default_factory=list)
+    eps: list[Tensor] | None = None  # causal mode with return_eps: [C] per step
+    text: RowText | None = None
+    slot: int = 0  # its row of the group's draws
+    finished: bool = False  # stopped on an eos id or a stop string
+    done: bool = False  # written its last token (finished, max_new_tokens) or cancelled
+    cancelled: bool = False
+    reused_tokens: int = 0  # prompt tokens read from the prefix cache
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.finished else "cancelled" if self.cancelled else "length"
+
+
+def written_values(g: Group, tok: Tensor, val: Tensor) -> tuple[Tensor, Tensor]:
+    """(exact, written) values [n] in the group's value dtype: 0 where the token is not <NUM>; written = rounded to
+    the adapter's `value_decimals` (shown and fed back as the data writes values; the exact one is kept)."""
+    s = g.settings
+    vdtype = g.vdtype
+    exact = torch.where(tok == s.num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=val.device))
+    return exact, exact if s.decimals is None else torch.round(exact, decimals=s.decimals)
+
+
+def recent_window(ids: list[int], values: list[float], num_id: int, k: int) -> list[float]:
+    """The k most recent numbers of a sequence, most recent first, NaN where it holds fewer (`heads.recent_values`
+    at its last position)."""
+    nums = [v for t, v in zip(ids, values) if t == num_id][-k:][::-1] if k else []
+    return nums + [math.nan] * (k - len(nums))
+
+
+def push_recent(recent: Tensor, tok: Tensor, val: Tensor, num_id: int) -> Tensor:
+    """The window [B, k] after each row wrote tok [B] with value val [B]: a <NUM> pushes its value in front."""
+    if recent.shape[1] == 0:
+        return recent
+    shifted = torch.cat([val.to(recent.dtype).unsqueeze(1), recent[:, :-1]], 1)
+    return torch.where((tok == num_id).unsqueeze(1), shifted, recent)
+
+
+def append_step(row: Row, tok: int, fed: float, exact: float, prob: float, loc_Y: float, scale_Y: float,
+                eps: Tensor | None) -> None:
+    row.tokens.append(tok)
+    row.fed_values.append(fed)
+    row.exact.append(exact)
+    row.probs.append(prob)
+    row.loc_Y.append(loc_Y)
+    row.scale_Y.append(scale_Y)
+    if eps is not None:
+        if row.eps is None:
+            row.eps = []
+        row.eps.append(eps)

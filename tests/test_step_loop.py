@@ -1,0 +1,190 @@
+"""The step loop (`modeling.generation.loop.StepLoop`, issue 41): rows join a running batch at any step and leave it
+when they finish; every row gets what it gets alone (`generate` on its prompt alone with its adapter): the same
+tokens, values to float rounding. Random arrival orders, mixed lengths, mixed adapters (frozen and LoRA: peft's mixed
+batch), mixed modes, eos, a prefix cache; a sliding-window cache (rows cannot be left padded) falls back to one batch
+at a time. Real transformers / peft classes, tiny float64 models."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
+from causal_adapter.modeling.generation import generate
+from causal_adapter.modeling.generation.cache import PrefixCache
+from causal_adapter.modeling.generation.loop import StepLoop
+from causal_adapter.modeling.generation.options import decoding_options
+from causal_adapter.modeling.generation.prepare import Group
+from causal_adapter.modeling.generation.record import Row
+from conftest import small_vocab_qwen
+from test_generation import one_thread, perturb, stir  # noqa: F401 (one_thread: tiny models run on one thread)
+
+NUM = 300
+ADAPTERS = ("frozen", "lora", "lora2")
+
+
+def _base():
+    return stir(small_vocab_qwen(dtype=torch.float64, seed=4), seed=4, std=0.3)  # layers that matter
+
+
+def _adapter(tmp_path, name, *, lora=None, seed=0, num_bias=0.0):
+    """A distinct adapter (noisy heads, LoRA factors made non-zero, its own value units and recent numbers), saved."""
+    model = get_causal_model(_base(), CausalAdapterConfig(num_token_id=NUM, lora=lora, seed=seed, value_loc=10.0 * seed, gamma0=0.3, threshold_init=0.0,
+                                                          value_scale=3.0, recent_values=2 * seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.backbone.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    perturb(model, seed=seed, num_bias=num_bias, b_reg=0.0)
+    return model.save_pretrained(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loop")
+    paths = {"frozen": _adapter(d, "frozen", seed=0), "lora": _adapter(d, "lora", lora=LoraSettings(r=4), seed=1, num_bias=2.0),
+             "lora2": _adapter(d, "lora2", lora=LoraSettings(r=2, target_modules=("q_proj", "v_proj")), seed=2)}
+    m = CausalModel.from_pretrained(_base(), paths["frozen"], adapter_name="frozen")
+    for name in ADAPTERS[1:]:
+        m.load_adapter(paths[name], name)
+    return m
+
+
+def _requests(model, seed: int, n: int = 12):
+    """n requests: (prompt ids, values, adapter, mode, max_new_tokens, eos ids), prompts of 2 to 13 tokens; every
+    third one stops on an eos id: the token it writes second alone."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        L = rng.randint(2, 13)
+        ids = [rng.randrange(280) for _ in range(L)]
+        vals = [0.0] * L
+        if L > 3:
+            ids[2], vals[2] = NUM, round(rng.uniform(-50, 50), 2)
+        request = (ids, vals, rng.choice(ADAPTERS), rng.choice(("deterministic", "softmax")), rng.randint(2, 9), [])
+        if i % 3 == 0:
+            request = request[:5] + ([int(_alone(model, request).new_tokens[0, 1])],)
+        out.append(request)
+    return out
+
+
+def _alone(model, request):
+    ids, vals, adapter, mode, k, eos = request
+    model.set_adapter(adapter)
+    try:
+        return generate(model, torch.tensor([ids]), numeric_values=torch.tensor([vals], dtype=torch.float64),
+                        mode=mode, max_new_tokens=k, eos_token_id=eos)
+    finally:
+        model.set_adapter("frozen")
+
+
+def _groups(requests):
+    """One Group per (adapter, mode, eos), as the server keys them."""
+    groups = {}
+    for _, _, adapter, mode, _, eos in requests:
+        key = (adapter, mode, tuple(eos))
+        if key not in groups:
+            opts = decoding_options(mode, None, {}, None, False, False, dict.fromkeys(
+                ("max_new_tokens", "max_length", "min_new_tokens", "pad_token_id", "stop_strings", "do_sample",
+                 "temperature", "top_k", "top_p", "repetition_penalty")) | {"eos_token_id": eos})
+            groups[key] = Group(adapter, opts, None, values_dtype=torch.float64)
+    return groups
+
+
+def _run_arrivals(model, requests, arrival_steps, max_rows, prefix=None):
+    """The requests joining a StepLoop at the given steps; returns (rows in request order, batch sizes seen)."""
+    groups = _groups(requests)
+    rows = [Row(ids, vals, groups[(a, m, tuple(e))], k, tag=i) for i, (ids, vals, a, m, k, e) in enumerate(requests)]
+    loop = StepLoop(model, max_rows=max_rows, prefix_cache=prefix)
+    step, sizes = 0, []
+    pending = sorted(range(len(rows)), key=lambda i: arrival_steps[i])
+    with torch.no_grad():
+        while pending or loop.busy:
+            while pending and arrival_steps[pending[0]] <= step:
+                loop.add([rows[pending.pop(0)]])
+            loop.step()
+            sizes.append(len(loop.rows))
+            if loop.rows:
+                assert loop.cache.layers[0].keys.shape[0] == len(loop.rows) == loop.mask.shape[0]
+                assert loop.cache.layers[0].keys.shape[-2] == loop.mask.shape[1]
+                assert bool(loop.mask[:, 0].any())  # the padding no row needs is cut
+            step += 1
+    assert loop.cache is None and not loop.rows  # every row left and freed its cache
+    return rows, sizes
+
+
+def _assert_alone(model, requests, rows):
+    for request, row in zip(requests, rows):
+        alone = _alone(model, request)
+        n = int(alone.lengths[0])
+        assert row.tokens == alone.new_tokens[0, :n].tolist(), request
+        assert row.finished == bool(alone.finished[0])
+        torch.testing.assert_close(torch.tensor(row.fed_values, dtype=torch.float64), alone.new_values[0, :n],
+                                   rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(row.probs, dtype=torch.float64), alone.token_probs[0, :n],
+                                   rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", [0, 1, 2])
+def test_rows_joining_at_random_steps_get_what_they_get_alone(model, schedule):
+    requests = _requests(model, schedule)
+    rng = random.Random(100 + schedule)
+    arrivals = [rng.randint(0, 6) for _ in requests]
+    rows, sizes = _run_arrivals(model, requests, arrivals, max_rows=4)
+    assert max(sizes) == 4 and len(set(sizes)) > 2  # full at times (rows waited), rows joining and leaving
+    assert any(NUM in r.tokens for r in rows) and any(r.finished for r in rows)  # numbers written, eos hit
+    assert len({r.group.adapter for r in rows}) == 3
+    _assert_alone(model, requests, rows)
+
+
+def test_a_prefix_read_from_the_prefix_cache_gives_the_same_rows(model):
+    """Rows that begin the same way (a shared 16-token head) read it from the prefix cache instead of recomputing it;
+    each row still gets what it gets alone."""
+    rng = random.Random(7)
+    head = [rng.randrange(280) for _ in range(19)]
+    head[5] = NUM
+    requests = [(head + [rng.randrange(280) for _ in range(rng.randint(1, 6))], [0.0] * 5 + [4.5] + [0.0] * 30,
+                 a, "deterministic", 5, []) for a in ("frozen", "lora", "frozen", "lora", "frozen")]
+    requests = [(ids, vals[:len(ids)], a, m, k, e) for ids, vals, a, m, k, e in requests]
+    prefix = PrefixCache(block=8)
+    rows, _ = _run_arrivals(model, requests, [0, 0, 2, 3, 3], max_rows=8, prefix=prefix)
+    assert [r.reused_tokens for r in rows] == [0, 0, 16, 16, 16]  # two whole blocks of 8, per adapter
+    assert prefix.hit_tokens == 48
+    _assert_alone(model, requests, rows)
+
+
+def test_a_cache_that_cannot_be_left_padded_runs_one_batch_at_a_time():
+    """A sliding-window cache (DynamicSlidingWindowLayer) cannot take rows of other lengths: rows join when the batch
+    is empty and leave together, and each still gets what it gets alone."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                      sliding_window=5, max_window_layers=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = transformers.Qwen2ForCausalLM(config).to(torch.float64).eval()
+    m = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM))
+    rng = random.Random(5)
+    requests = [([rng.randrange(280) for _ in range(rng.randint(2, 9))], None, None, "deterministic", rng.randint(2, 7),
+                 []) for _ in range(6)]
+    requests = [(ids, [0.0] * len(ids), *rest) for ids, _, *rest in requests]
+    groups = _groups(requests)
+    rows = [Row(ids, vals, groups[(None, "deterministic", ())], k) for ids, vals, _, _, k, _ in requests]
+    loop = StepLoop(m, max_rows=4)
+    loop.add(rows[:3])
+    with torch.no_grad():
+        loop.step()
+        assert loop.fixed_reason is not None and "DynamicSlidingWindowLayer" in loop.fixed_reason
+        loop.add(rows[3:])
+        joined_late = []
+        while loop.busy:
+            loop.step()
+            joined_late.append(rows[3] in loop.rows and any(r in loop.rows for r in rows[:3]))
+    assert not any(joined_late)  # never together: the second batch waited for the first to end
+    for (ids, vals, *_rest), row in zip(requests, rows):
+        k = _rest[-2]
+        alone = generate(m, torch.tensor([ids]), numeric_values=torch.tensor([vals], dtype=torch.float64),
+                         max_new_tokens=k, eos_token_id=[])
+        assert row.tokens == alone.new_tokens[0].tolist()
