@@ -54,8 +54,8 @@ def servers(adapters):
     d = adapters["dir"]
     main_server = Server(["--adapter", f"a={adapters['a']}", "--adapter", f"b={adapters['b']}",
                           "--runtime-adapter-root", str(adapters["root"])], d / "main.log")
-    tight = Server(["--adapter", f"a={adapters['a']}", "--api-key", KEY, "--max-queue", "1", "--max-batch-size", "1"],
-                   d / "tight.log")
+    tight = Server(["--adapter", f"a={adapters['a']}", "--api-key", KEY, "--max-queue", "1", "--max-batch-size", "1",
+                    "--scheduler", "tick", "--no-prefix-cache"], d / "tight.log")
     try:
         yield {"main": main_server.wait_ready(), "tight": tight.wait_ready()}
     finally:
@@ -143,7 +143,10 @@ def test_greedy_completion_equals_generate(client, local, qwen_tokenizer, adapte
                  PROMPTS[0]]) == 0
     cli = json.loads(out.read_text())
     served = client.completions.create(model="a", prompt=PROMPTS[0]).choices[0]
-    assert served.text == cli["completion"] and served.values == cli["values"]
+    assert served.text == cli["completion"] and [v["text"] for v in served.values] == [v["text"] for v in cli["values"]]
+    for v, w in zip(served.values, cli["values"]):  # its first 16 tokens' keys and values read from the prefix cache
+        tol = RTOL * (abs(w["loc"]) + w["scale"])  # as assert_values: the rounding scales with both
+        assert set(v) == set(w) and all(v[k] == pytest.approx(w[k], abs=tol) for k in w if k != "text")
     # a list of prompts, n copies, levels of one's own
     r = client.completions.create(model="b", prompt=PROMPTS[1:3], max_tokens=3, n=2, extra_body={"levels": [0.8]})
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -236,7 +239,158 @@ def test_two_adapters_in_concurrent_mixed_requests(client, local, qwen_tokenizer
     after = httpx.get(url + "/health").json()
     assert after["requests"] - before["requests"] == len(jobs)
     assert after["batches"] - before["batches"] < len(jobs)  # some requests ran together
-    assert after["mixed_adapter_calls"] > before["mixed_adapter_calls"]  # both adapters in one backbone pass
+    assert after["mixed_adapter_steps"] > before["mixed_adapter_steps"]  # both adapters in one backbone pass
+
+
+def _stream_text(client, name, prompt, max_tokens, first=None, **kw):
+    """A streamed completion's text and last chunk; `first` (an Event) is set at its first text chunk."""
+    text, last = "", None
+    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=True, **kw):
+        text += chunk.choices[0].text
+        last = chunk
+        if first is not None and text:
+            first.set()
+    return text, last.choices[0]
+
+
+def test_requests_join_the_running_batch_and_each_gets_its_answer_alone(client, local, qwen_tokenizer, url):
+    """Continuous batching, live: 14 requests arriving at random moments (adapters, lengths 2 to 40 tokens, eos or
+    not, streaming or not) join one running batch at different steps and leave it as they finish; every answer is
+    what its adapter gives its prompt alone (`generate`), and the batch's steps were shared."""
+    import random
+
+    rng = random.Random(41)
+    jobs = [("ab"[rng.randrange(2)], PROMPTS[rng.randrange(5)], rng.choice([2, 5, 12, 40]), rng.random() < 0.5,
+             rng.random() < 0.4, rng.uniform(0, 0.4)) for _ in range(14)]
+    before = httpx.get(url + "/health").json()
+
+    def ask(job):
+        name, prompt, max_tokens, stream, ignore_eos, delay = job
+        time.sleep(delay)
+        extra = {"extra_body": {"ignore_eos": True}} if ignore_eos else {}
+        if stream:
+            text, last = _stream_text(client, name, prompt, max_tokens, **extra)
+            return text, last.values, last.finish_reason
+        c = client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, **extra).choices[0]
+        return c.text, c.values, c.finish_reason
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(ask, jobs))
+    after = httpx.get(url + "/health").json()
+    tokens = 0
+    for (name, prompt, max_tokens, _, ignore_eos, _), (text, values, reason) in zip(jobs, answers):
+        out = generate(local[name], prompt, tokenizer=qwen_tokenizer, max_new_tokens=max_tokens,
+                       eos_token_id=[] if ignore_eos else None)
+        assert text == out.texts[0], (name, prompt, max_tokens, ignore_eos)
+        assert reason == ("stop" if bool(out.finished[0]) else "length")
+        assert_values(values, out.numbers[0])
+        tokens += int(out.lengths[0])
+    assert after["prefills"] - before["prefills"] >= 3  # rows joined at different steps
+    assert after["steps"] - before["steps"] < tokens / 2  # ... of one running batch: steps shared by rows
+    assert after["running_rows"] == 0 and after["waiting_rows"] == 0
+
+
+def test_a_stream_cancelled_mid_batch_leaves_and_the_others_finish_whole(client, local, qwen_tokenizer, url):
+    """A client that goes away mid-stream: its row leaves the batch at once (its request counted as aborted); the rows
+    beside it finish with exactly their own answers."""
+    long = {"model": "a", "prompt": PROMPTS[2], "max_tokens": 300, "stream": True, "ignore_eos": True}
+    aborted = _metric(url, "causal_adapter:request_success_total", finished_reason="abort")
+    http = httpx.Client(timeout=120)
+    cm = http.stream("POST", url + "/v1/completions", json=long)
+    response = cm.__enter__()
+    lines = response.iter_lines()
+    assert next(line for line in lines if line).startswith("data: ")  # it runs
+    with ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(_stream_text, client, "b", PROMPTS[0], 60, extra_body={"ignore_eos": True}),
+                  pool.submit(lambda: client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=30,
+                                                                extra_body={"ignore_eos": True}).choices[0])]
+        time.sleep(0.2)
+        cm.__exit__(None, None, None)  # the client goes away while the others run beside it
+        http.close()
+        streamed, plain = others[0].result(), others[1].result()
+    want_b = generate(local["b"], PROMPTS[0], tokenizer=qwen_tokenizer, max_new_tokens=60, eos_token_id=[])
+    want_a = generate(local["a"], PROMPTS[1], tokenizer=qwen_tokenizer, max_new_tokens=30, eos_token_id=[])
+    assert streamed[0] == want_b.texts[0] and plain.text == want_a.texts[0]
+    deadline = time.monotonic() + 5
+    while _health(url)["running_rows"] or _metric(url, "causal_adapter:request_success_total",
+                                                  finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, _health(url)  # the cancelled row left, long before its 300 tokens
+        time.sleep(0.05)
+
+
+def test_an_adapter_loaded_and_unloaded_while_rows_run(client, local, qwen_tokenizer, url, adapters):
+    """Runtime loading between two steps: rows of `a` keep running while `c2` (a copy of a) is loaded and answers;
+    unloading c2 while its row runs: new requests get 404 at once, the running row finishes whole, then it goes."""
+    first = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(_stream_text, client, "a", PROMPTS[3], 150, first, extra_body={"ignore_eos": True})
+        assert first.wait(60)
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "c2", "lora_path": "c"})
+        assert r.status_code == 200 and not running.done()  # loaded while a's row runs
+        c2 = client.completions.create(model="c2", prompt=PROMPTS[1], max_tokens=5).choices[0]
+        assert c2.text == expected(local["a"], qwen_tokenizer, PROMPTS[1], 5)[0]
+        first.clear()
+        c2_running = pool.submit(_stream_text, client, "c2", PROMPTS[0], 150, first, extra_body={"ignore_eos": True})
+        assert first.wait(60)
+        unload = pool.submit(post, url, "/v1/unload_lora_adapter", {"lora_name": "c2"})
+        deadline = time.monotonic() + 10
+        while "c2" in _health(url)["adapters"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.NotFoundError):  # gone for new requests at once
+            client.completions.create(model="c2", prompt="x", max_tokens=2)
+        text, last = c2_running.result()
+        assert unload.result().status_code == 200
+        assert text == generate(local["a"], PROMPTS[0], tokenizer=qwen_tokenizer, max_new_tokens=150,
+                                eos_token_id=[]).texts[0] and last.finish_reason == "length"
+        assert running.result()[0] == generate(local["a"], PROMPTS[3], tokenizer=qwen_tokenizer, max_new_tokens=150,
+                                               eos_token_id=[]).texts[0]
+    assert "c2" not in {m.id for m in client.models.list().data}
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_cache(client, local, qwen_tokenizer, url):
+    system = {"role": "system", "content": "You answer with yearly sunspot numbers only, one per line, no words. " * 3}
+    before = _health(url)
+    for question in ("Sunspots in 1975?", "And in 1976?", "What about 1980?"):
+        messages = [system, {"role": "user", "content": question}]
+        got = client.chat.completions.create(model="a", messages=messages, max_tokens=4).choices[0].message.content
+        assert got == expected(local["a"], qwen_tokenizer, inference_prompt(qwen_tokenizer, messages), 4)[0]
+    after = _health(url)
+    assert after["prefix_reused_tokens"] - before["prefix_reused_tokens"] >= 2 * 48  # the system prompt's blocks
+
+
+def _metric(url, name, **labels):
+    """One sample of /metrics (Prometheus text, read with prometheus-client's parser); 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_metrics_in_prometheus_text_format(client, url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tokens = _metric(url, "causal_adapter:generation_tokens_total")
+    client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=3, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    names = {f.name for f in text_string_to_metric_families(r.text)}
+    assert {"causal_adapter:num_requests_waiting", "causal_adapter:num_requests_running",
+            "causal_adapter:num_rows_running", "causal_adapter:time_to_first_token_seconds",
+            "causal_adapter:inter_token_latency_seconds", "causal_adapter:generation_tokens",
+            "causal_adapter:request_success", "causal_adapter:http_requests"} <= names
+    assert _metric(url, "causal_adapter:generation_tokens_total") == tokens + 3
+    assert _metric(url, "causal_adapter:time_to_first_token_seconds_count") >= 1
+    assert _metric(url, "causal_adapter:inter_token_latency_seconds_count") >= 2
+    assert _metric(url, "causal_adapter:http_requests_total", route="/v1/completions", status="404") >= 1
+    assert _metric(url, "causal_adapter:http_requests_total", route="/v1/completions", status="200") >= 1
+    assert _metric(url, "causal_adapter:request_success_total", finished_reason="length") >= 1
+    assert _metric(url, "causal_adapter:num_rows_running") == 0
 
 
 def test_predict_equals_the_predict_command(url, adapters, local, qwen_tokenizer, tmp_path, capsys):
@@ -352,7 +506,7 @@ def test_api_key_is_required(servers):
 
 def test_runtime_root_allows_a_link_that_stays_inside(adapters, tmp_path):
     """The file check refuses links out of the root, not links: a file linked to another file under the root loads."""
-    from causal_adapter.serving.batcher import RequestError
+    from causal_adapter.serving.scheduler import RequestError
     from causal_adapter.serving.registry import runtime_path
 
     root = tmp_path / "root"
@@ -400,30 +554,40 @@ def test_full_queue_answers_503_and_a_gone_client_frees_its_slot(servers):
     assert httpx.post(tight + "/v1/completions", json=small, headers=auth).status_code == 200
 
 
-def test_batcher_failure_fails_one_group_only():
-    """An exception in one group answers its requests with a 500; the worker serves the next group."""
+def test_a_failing_job_fails_alone_and_the_worker_goes_on(adapters, qwen_tokenizer):
+    """The scheduler and the engine in-process, on the real model: a job that raises gets a 500, the generation
+    requests around it are answered, the slots are all freed."""
     import asyncio
 
-    from causal_adapter.serving.batcher import Batcher, Job
+    from causal_adapter.serving.engine import CallSpec, Decoding, Engine, GenerateSpec
+    from causal_adapter.serving.registry import Registry, load_adapters
+    from causal_adapter.serving.scheduler import Job, Scheduler
 
-    def runner(jobs):
-        if jobs[0].key == "bad":
-            raise RuntimeError("boom")
-        for j in jobs:
-            j.done(len(jobs))
+    model = load_adapters(tiny_base(), qwen_tokenizer, {"a": adapters["a"]})
+    registry = Registry(None, None)
+    registry.add("a", adapters["a"])
+    engine = Engine(model, qwen_tokenizer, registry, max_batch_size=4)
+
+    def boom(model):
+        raise RuntimeError("boom")
 
     loop = asyncio.new_event_loop()
-    batcher = Batcher(runner, max_batch_size=4, max_queue=8, batch_wait_s=0.05)
-    jobs = [Job("x", None, key=k).attach(loop) for k in ("bad", "good", "good", "bad")]
+    scheduler = Scheduler(engine, max_queue=8, batch_wait_s=0.05)
+    jobs = [Job("generate", GenerateSpec("a", Decoding(), prompts=[PROMPTS[1]], max_tokens=3)),
+            Job("call", CallSpec(boom)),
+            Job("generate", GenerateSpec("a", Decoding(), prompts=[PROMPTS[2]], max_tokens=2))]
     for j in jobs:
-        batcher.submit(j)
-    batcher.start()
-    batcher.close()
+        scheduler.submit(j.attach(loop))
+    scheduler.start()
+    scheduler.close()
     loop.run_until_complete(asyncio.sleep(0))
-    events = [j.events.get_nowait() for j in jobs]
-    assert [e[0] for e in events] == ["error", "done", "done", "error"]
-    assert events[0][1].status == 500 and "boom" in events[0][1].message and events[1][1] == 2
-    assert batcher.stats()["accepted"] == 0
+    ends = []
+    for j in jobs:
+        events = [j.events.get_nowait() for _ in range(j.events.qsize())]
+        ends += [e for e in events if e[0] in ("done", "error")]
+    assert [e[0] for e in ends] == ["done", "error", "done"]
+    assert ends[1][1].status == 500 and "boom" in ends[1][1].message
+    assert ends[0][1]["completion_tokens"] == 3 and scheduler.stats()["accepted"] == 0
     loop.close()
 
 
@@ -467,29 +631,19 @@ def test_graceful_shutdown_finishes_the_request_in_flight(servers):
 
 
 def test_streamed_deltas_join_to_generate_text_on_any_tokens(qwen_tokenizer):
-    """The streaming decoder (segments of decoded tokens, kept once whole) against `generate`'s own decode, on
-    random rows: words, numbers side by side, special tokens, tokens that end mid-character, a number ending the
-    prompt; and a stop string is never sent, not even its first characters."""
+    """The streaming decoder (`RowText`: segments of decoded tokens, kept once whole; `streamable`: what may be sent)
+    against `generate`'s own decode, on random rows: words, numbers side by side, special tokens, tokens that end
+    mid-character, a number ending the prompt; and a stop string is never sent, not even its first characters."""
     import random
 
     import torch
 
     from causal_adapter.modeling.generation import _decode  # the decode of GenerationOutput.texts
-    from causal_adapter.serving.engine import _Row, _Stream
+    from causal_adapter.modeling.generation.stream import RowText, streamable
 
     ntok = NumberTokenizer(qwen_tokenizer)
     rng = random.Random(0)
     partial = [i for i in range(2000, 60000, 7) if "\ufffd" in qwen_tokenizer.decode([i])][:50]
-
-    class Job:
-        cancelled = False
-
-        def __init__(self):
-            self.deltas = []
-
-        def emit(self, kind, index, text):
-            self.deltas.append(text)
-
     streamed = total = 0
     for trial in range(120):
         ids, values = [], []
@@ -504,13 +658,18 @@ def test_streamed_deltas_join_to_generate_text_on_any_tokens(qwen_tokenizer):
         text = _decode(ntok, torch.tensor(ids), torch.tensor(values, dtype=torch.float64), prompt[-1], prompt_values[-1])
         stop = text[len(text) // 2:len(text) // 2 + 2] if trial % 3 == 0 and len(text) > 4 else None
         stops = (stop,) if stop and "\ufffd" not in stop else ()
-        job = Job()
-        stream = _Stream(_Row(job, "a", 0, prompt, prompt_values, len(ids)), ntok, set(), stops)
-        stream.SEGMENT = rng.choice([1, 3, 32])
+        row = RowText(ntok, prompt[-1], prompt_values[-1])
+        row.SEGMENT = rng.choice([1, 3, 32])
+        sent = ""
         for tok, v in zip(ids, values):
-            stream.step(tok, v)
-        sent = "".join(job.deltas)
+            grown = row.add(tok, v)
+            assert text.startswith(grown.rstrip("\ufffd"))  # the row's text so far, as the final decode has it
+            safe = streamable(grown, stops)
+            sent = grown[:max(safe, len(sent))]
+            if stops and stops[0] in grown:
+                break  # the row stops on the token that completes its stop string
         final = text[:text.index(stops[0])] if stops else text
-        assert final.startswith(sent), (trial, sent[-30:], final[-30:])  # the last chunk sends the rest
+        assert final.startswith(sent) and not (stops and stops[0][0] in sent[len(final) - len(stops[0]):] and
+                                                 stops[0] in sent), (trial, sent[-30:], final[-30:])
         streamed, total = streamed + len(sent), total + len(final)
     assert streamed > 0.9 * total  # held back: the start of a stop string, a character not finished yet

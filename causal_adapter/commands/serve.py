@@ -50,11 +50,19 @@ def add_parser(sub, **fmt) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
     p.add_argument("--api-key", default=None,
                    help="requests to /v1 must send 'Authorization: Bearer KEY' (the OpenAI client's api_key)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="rows generated together in one batch")
+    p.add_argument("--max-batch-size", type=int, default=32,
+                   help="rows in the running batch (more wait for a row to finish and take its place)")
+    p.add_argument("--scheduler", default="step", choices=["step", "tick"],
+                   help="step: requests join the running batch at every decoding step and leave it when they finish "
+                        "(continuous batching); tick: requests that arrive while a batch runs wait for it to end (the "
+                        "scheduling before 0.2, kept to compare with)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt (default: prompts that begin the same way read that beginning's "
+                        "cached keys and values)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted and not finished; beyond it the server answers 503 with Retry-After")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
-                   help="how long the worker waits for more requests to batch with the first one")
+                   help="how long an idle worker waits for more requests to start a batch with the first one")
     p.add_argument("--runtime-adapter-root", default=None, metavar="DIR",
                    help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter, reading adapters under DIR only "
                         "(default: off)")
@@ -164,9 +172,11 @@ def _check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise CLIError(f"serving needs FastAPI and uvicorn ({e.name or 'one'} is missing): {INSTALL}") from None
+        raise CLIError(f"serving needs FastAPI, uvicorn and prometheus-client ({e.name or 'one'} is missing): "
+                       f"{INSTALL}") from None
     from ..modeling.families import text_config
     from ..serving.app import create_app
     from ..serving.engine import Engine
@@ -185,10 +195,9 @@ def run(args: argparse.Namespace) -> int:
     for name, path in adapters.items():
         registry.add(name, path)
     engine = Engine(model, tokenizer, registry, max_batch_size=args.max_batch_size, chat_template=chat_template,
-                    enable_thinking=args.enable_thinking)
-    app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root,
-                     max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                     batch_wait_s=args.batch_wait_ms / 1000)
+                    enable_thinking=args.enable_thinking, prefix_cache=not args.no_prefix_cache)
+    app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root, max_queue=args.max_queue,
+                     batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler)
     logger = logging.getLogger("causal_adapter.serving")
     logger.setLevel(args.log_level.upper())
     if not logger.handlers:

@@ -2,11 +2,12 @@
 docs/serving.md), above the model and its prediction code.
 
     schemas   the requests and responses in OpenAI's shapes (pydantic)
-    batcher   the bounded queue and the one worker thread that owns the model
-    engine    what the worker runs: batched generation, prediction, adapter loading
+    scheduler the bounded queue and the one worker thread that owns the model and runs the step loop
+    engine    what the worker runs: requests' rows on the step loop (continuous batching), prediction, adapter loading
+    metrics   /metrics in Prometheus' text format
     registry  the adapters by name; the checks of runtime loading
     app       the FastAPI app: routes, the API key, OpenAI-style errors
 
-Needs the ``serve`` extra (``pip install "causal_adapter[serve]"``: FastAPI and uvicorn); nothing below this
-layer imports it.
+Needs the ``serve`` extra (``pip install "causal_adapter[serve]"``: FastAPI, uvicorn, prometheus-client); nothing
+below this layer imports it.
 """

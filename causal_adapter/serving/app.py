@@ -1,6 +1,7 @@
 """The HTTP app (`create_app`): OpenAI's routes for causal adapters, the API key, OpenAI-shaped errors.
 
-    GET  /health                       open (no key): {"status": "ok", "adapters": [...], queue figures}
+    GET  /health                       open (no key): {"status": "ok", "adapters": [...], queue and batch figures}
+    GET  /metrics                      open: Prometheus text format (queue depth, running rows, TTFT / ITL, ...)
     GET  /v1/models, /v1/models/{id}   the adapters, by name (OpenAI's model list)
     POST /v1/completions               prompt (a text or a list), OpenAI's fields + mode, levels
     POST /v1/chat/completions          messages, rendered with the chat template and its generation prompt
@@ -12,9 +13,11 @@ Decoding: ``mode`` picks it (``softmax`` | ``deterministic`` | ``causal``). With
 samples (``temperature`` > 0, or ``top_p`` < 1 without a temperature) samples the softmax (OpenAI's meaning),
 any other (no temperature, or 0) is ``deterministic``: exactly `causal-adapter generate`'s default text.
 ``temperature`` / ``top_p`` that sample in mode deterministic or causal are refused (400). ``seed`` seeds
-sampling (softmax sampling and causal mode; ignored when greedy); a seeded sampling request runs in a batch of
-its own, so the same request gives the same text whatever else arrives. ``max_tokens`` defaults to 32
+sampling (softmax sampling and causal mode; ignored when greedy); a seeded request draws from a generator of its
+own, so the same request gives the same text whatever else runs beside it. ``max_tokens`` defaults to 32
 (`causal-adapter generate`'s). ``n`` up to 16 choices per prompt. Every choice has ``values``.
+
+``GET /metrics`` (open, as /health): Prometheus' text format (`metrics.Metrics`).
 
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (malformed JSON, a
 wrong type, an unknown field, a prompt over the context), 401 without the key, 403 for runtime loading that is
@@ -40,9 +43,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..model.adapters import check_adapter_name
 from ..modeling.prediction import check_levels, prediction_columns
 from . import schemas
-from .batcher import Batcher, Job, QueueFull, RequestError
 from .engine import CallSpec, Decoding, Engine, GenerateSpec, PredictSpec
+from .metrics import Metrics
 from .registry import runtime_path
+from .scheduler import Job, QueueFull, RequestError, Scheduler
 
 log = logging.getLogger("causal_adapter.serving")
 RETRY_AFTER_S = 1
@@ -132,22 +136,60 @@ def _levels(levels: list[float] | None) -> tuple[float, ...]:
         raise RequestError(400, f"levels: {e}", param="levels") from None
 
 
+class MetricsMiddleware:
+    """Counts every HTTP answer by route and status code (`causal_adapter:http_requests_total`)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            self.metrics.http(_route(scope["path"]), status)
+
+
+def _route(path: str) -> str:
+    """The route a path belongs to (a bounded set of labels: unknown paths are "other")."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{name}"
+    return path if path in ROUTES else "other"
+
+
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/predict",
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
 def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str | None = None,
-               max_batch_size: int = 32, max_queue: int = 256, batch_wait_s: float = 0.005) -> FastAPI:
-    """The app serving `engine`'s adapters; its batcher's worker starts and stops with the app (lifespan)."""
+               max_queue: int = 256, batch_wait_s: float = 0.005, scheduler: str = "step") -> FastAPI:
+    """The app serving `engine`'s adapters; its scheduler's worker starts and stops with the app (lifespan)."""
     registry = engine.registry
-    batcher = Batcher(engine.run, max_batch_size=max_batch_size, max_queue=max_queue, batch_wait_s=batch_wait_s)
+    worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler)
+    metrics = engine.metrics = Metrics()
+    metrics.watch(engine.waiting_requests, engine.running, lambda: len(engine.loop.rows),
+                  lambda: engine.prefix.hit_tokens if engine.prefix is not None else 0)
 
     @asynccontextmanager
     async def lifespan(app):
-        batcher.start()
+        worker.start()
         yield
-        await asyncio.to_thread(batcher.close)  # accepted requests were finished by the server: stop the worker
+        await asyncio.to_thread(worker.close)  # accepted requests were finished by the server: stop the worker
 
     app = FastAPI(title="causal_adapter", lifespan=lifespan, default_response_class=JSON)
-    app.state.batcher, app.state.engine = batcher, engine
+    app.state.scheduler, app.state.engine = worker, engine
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it sees the 401s too
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(RequestError)
@@ -172,7 +214,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
     # ------------------------------------------------------------------ jobs
     def submit(job: Job) -> Job:
         try:
-            return batcher.submit(job.attach(asyncio.get_running_loop()))
+            return worker.submit(job.attach(asyncio.get_running_loop()))
         except QueueFull as e:
             raise RequestError(503, f"the server is busy: {e}; retry after {RETRY_AFTER_S} s", "server_overloaded",
                                code="queue_full") from None
@@ -186,7 +228,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
             gone.cancel()
             return get.result()
         get.cancel()
-        batcher.cancel(job)
+        worker.cancel(job)
         return None
 
     async def result(job: Job, request: Request):
@@ -199,9 +241,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
                 raise event[1]
 
     async def generation(request: Request, body, spec: GenerateSpec, n_prompts: int, chat: bool) -> Response:
-        seeded = spec.decoding.seed is not None  # seeded sampling: a batch of its own (reproducible)
-        job = submit(Job("generate", spec, key=None if seeded else ("generate", spec.decoding),
-                         rows=n_prompts * spec.n, stream=body.stream))
+        job = submit(Job("generate", spec, rows=n_prompts * spec.n, stream=body.stream))
         first = await next_event(job, request)
         if first is None:
             return Response(status_code=499)
@@ -257,12 +297,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
                     yield "data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away mid-stream: free its slot, drop its rows
-                batcher.cancel(job)
+                worker.cancel(job)
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health():
-        return {"status": "ok", "adapters": registry.names(), **batcher.stats(), **engine.stats()}
+        return {"status": "ok", "adapters": registry.names(), **worker.stats(), **engine.stats()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -369,19 +414,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
         if name not in registry:
             raise RequestError(404, f"The lora adapter {name!r} cannot be found.", "not_found_error",
                                param="lora_name", code="model_not_found")
+        if len(registry.names()) == 1:
+            raise RequestError(400, f"{name!r} is the only adapter served: load another before unloading it",
+                               param="lora_name")
+        registry.remove(name)  # new requests for it: 404 from now on; its rows running finish first
 
         def unload(model):
-            if name not in model.adapter_names:
-                raise RequestError(404, f"The lora adapter {name!r} cannot be found.", "not_found_error",
-                                   param="lora_name", code="model_not_found")
-            if len(model.adapter_names) == 1:
-                raise RequestError(400, f"{name!r} is the only adapter served: load another before unloading it",
-                                   param="lora_name")
-            registry.remove(name)
-            model.delete_adapter(name)
+            if name in model.adapter_names:
+                model.delete_adapter(name)
             log.info("unloaded adapter %r", name)
 
-        await result(submit(Job("call", CallSpec(unload))), request)
+        await result(submit(Job("call", CallSpec(unload, drain=name))), request)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     return app

@@ -1,40 +1,42 @@
-"""What the worker thread runs (`Engine.run`, the batcher's runner): a group of generation requests as one
-`generate` call per batch of rows, a predict request, an adapter load or unload. Only the worker calls it, so
-the model and the tokenizer are never used from two threads.
+"""What the worker thread runs: the requests' rows on ONE step loop (`modeling.generation.loop.StepLoop`, the engine of
+`generate` and `generate_batched`), predict requests and adapter loading between two steps. Only the worker calls it,
+so the model and the tokenizer are never used from two threads.
 
-Generation (completions and chat): every request of a group has the same decoding settings (`Decoding`, the
-group key), whatever its adapter: rows of different adapters share a batch and the backbone's pass
-(`generate(..., adapter_names=...)`, peft's mixed batch; an adapter whose LoRA peft cannot mix, LoRA on
-`target_parameters`, gets batches of its own). Its prompts (chat: rendered with the chat template and its generation prompt, as
-`causal-adapter generate --messages`) are encoded number-aware, checked against the context, repeated `n`
-times, sorted by length and run `max_batch_size` rows at a time, left padded, as `generate_batched` runs
-them (greedy rows give what the prompt gives alone). Rows of different ``max_tokens`` share a batch: it runs
-to the largest, each row is cut to its own (a row's first k tokens do not depend on the later ones). A stop
-string ends the row (generate's ``stop_strings``) and the text is cut before it (OpenAI); ``finish_reason`` is
-"stop" (eos or a stop string) or "length". Each row's ``values``: its numbers (before the cut) with the active
-adapter's intervals at the requested levels (`CausalModel.value_interval`).
-
-Streaming rows are decoded as they grow (`NumberStreamer`'s incremental decoding); a delta is sent when it
-can no longer be the start of a stop string, and the row's last event carries the rest, so the deltas join to
-exactly the non-streamed text. A batch whose rows all lost their client stops at the next step.
+Generation (completions and chat): a request's prompts (chat: rendered with the chat template and its generation
+prompt, as `causal-adapter generate --messages`) are encoded number-aware, checked against the context and repeated
+`n` times; each copy is a row of the running batch. Rows are grouped by what decides their tokens (adapter, mode,
+sampling, eos; a seeded request is a group of its own, with its own generator: the same request gives the same text
+whatever runs beside it); every other setting is the row's own (max_tokens, stop strings). A row joins the batch at
+the next step (its prompt prefilled, a prefix shared with an earlier prompt read from the prefix cache) and leaves it
+when it finishes; its stream sends each new piece of text that can no longer turn into a stop string, its last event
+carries the rest, so the deltas join to exactly the non-streamed text. A stop string ends the row and the text is
+cut before it (OpenAI); ``finish_reason`` is "stop" (eos or a stop string) or "length". Each row's ``values``: its
+numbers (before the cut) with its adapter's intervals at the requested levels (`CausalModel.value_interval`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..data.conversations import inference_prompt
 from ..modeling.families import text_config
-from ..modeling.generation import NumberStreamer, default_eos_ids, generate
+from ..modeling.generation.cache import PrefixCache
+from ..modeling.generation.loop import StepLoop
+from ..modeling.generation.options import decoding_options
+from ..modeling.generation.output import row_output
+from ..modeling.generation.prepare import Group, make_generator
+from ..modeling.generation.record import Row
+from ..modeling.generation.stream import decode_text, first_stop, streamable
 from ..modeling.intervals import interval
 from ..modeling.prediction import level_name, predict_values
-from ..numbers import NumberTokenizer, pad_batch
-from .batcher import Job, RequestError
+from ..numbers import NumberTokenizer
 from .registry import Registry
+from .scheduler import Job, RequestError
 from .schemas import value_entry
 
 log = logging.getLogger("causal_adapter.serving")
@@ -44,7 +46,7 @@ PREDICT_BATCH_SIZE = 16
 
 @dataclass(frozen=True)
 class Decoding:
-    """How tokens are chosen: the part of a request that decides which requests share a batch."""
+    """How tokens are chosen: mode, sampling, seed, stop strings, eos."""
 
     mode: str = "deterministic"
     do_sample: bool = False
@@ -54,13 +56,13 @@ class Decoding:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
-    def generate_kwargs(self) -> dict:
-        kw: dict[str, Any] = {"mode": self.mode, "stop_strings": list(self.stop) or None, "seed": self.seed}
-        if self.mode == "softmax":
-            kw.update(do_sample=self.do_sample, temperature=self.temperature, top_p=self.top_p)
-        if self.ignore_eos:
-            kw["eos_token_id"] = []
-        return kw
+    def options(self):
+        given = dict.fromkeys(("max_new_tokens", "max_length", "min_new_tokens", "pad_token_id", "stop_strings",
+                               "top_k", "repetition_penalty"))
+        sampling = self.mode == "softmax" and self.do_sample
+        given.update(eos_token_id=[] if self.ignore_eos else None, do_sample=sampling,
+                     temperature=self.temperature if sampling else None, top_p=self.top_p if sampling else None)
+        return decoding_options(self.mode, None, {}, None, False, False, given)
 
 
 @dataclass
@@ -86,141 +88,184 @@ class PredictSpec:
 
 @dataclass
 class CallSpec:
-    """Run fn(model) on the worker (adapter loading / unloading): no concurrent model mutation."""
+    """Run fn(model) on the worker between two steps (adapter loading / unloading: no concurrent model mutation);
+    `drain`: an adapter whose rows must all have left first (unloading it)."""
 
     fn: Callable[[Any], Any]
+    drain: str | None = None
 
 
 @dataclass(eq=False)
-class _Row:
+class Choice:
+    """A row's place in its request: the job, the choice's index, what its stream sent, when it wrote last."""
+
     job: Job
-    adapter: str
-    index: int  # the choice's index: prompt i, copy j -> i * n + j
-    ids: list[int]
-    values: list[float]
-    max_tokens: int
-    stream: "_Stream | None" = None
-    result: dict | None = None
+    index: int
+    sent: str = ""
+    last: float | None = None
 
 
-class _RowText(NumberStreamer):
-    """One row's generated text as `generate` decodes it (numbers rendered, a prompt-final number respected),
-    grown token by token; prints nothing."""
+@dataclass(eq=False)
+class Request:
+    """A generation request while its rows run."""
 
-    def __init__(self, ntok: NumberTokenizer, prompt_ids: Sequence[int], prompt_values: Sequence[float]):
-        super().__init__(ntok, ntok.num_token_id, skip_prompt=True)
-        self.put(torch.tensor(list(prompt_ids)), torch.tensor(list(prompt_values), dtype=torch.float64))
-
-    def add(self, ids: Sequence[int], values: Sequence[float]) -> str:
-        """The text so far (up to the last whole character)."""
-        self.put(torch.tensor(list(ids)), torch.tensor(list(values), dtype=torch.float64))
-        return self.text
-
-    def final(self, ids: Sequence[int], values: Sequence[float]) -> str:
-        """The text of every token (a trailing partial character shown as generate shows it)."""
-        self.add(ids, values)
-        self.end()
-        return self.text
-
-    def complete(self) -> bool:
-        """Whether the tokens so far end on a whole character (`text` holds all of them)."""
-        return not self._decoded().endswith("\ufffd")
-
-    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-        pass
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first stop string starts in `text` (None: none)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-class _Stream:
-    """The deltas of one streamed row: text that can no longer turn into a stop string. The text is decoded in
-    segments of up to SEGMENT tokens (each decoded again at every step; a finished segment's text is kept and the
-    next one decoded after its last token, as `generate` decodes after a prompt), so a long row costs O(T)."""
-
-    SEGMENT = 32
-
-    def __init__(self, row: _Row, ntok: NumberTokenizer, eos: set[int], stops: tuple[str, ...]):
-        self.row, self.ntok, self.eos, self.stops = row, ntok, eos, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.settled, self.segment, self.length = "", _RowText(ntok, row.ids, row.values), 0
-        self.sent_text, self.steps, self.open = "", 0, True
-
-    def step(self, token: int, value: float) -> None:
-        if not self.open:
-            return
-        self.steps += 1
-        if token in self.eos:
-            self.open = False
-            return
-        full = self.settled + self.segment.add([token], [value])
-        self.length += 1
-        if self.length >= self.SEGMENT and self.segment.complete():
-            self.settled, self.segment, self.length = full, _RowText(self.ntok, [token], [value]), 0
-        cut = first_stop(full, self.stops)
-        if cut is not None or self.steps >= self.row.max_tokens:
-            self.open = False
-        safe = cut if cut is not None else len(full) - self.hold
-        if safe > len(self.sent_text):
-            self.row.job.emit("delta", self.row.index, full[len(self.sent_text):safe])
-            self.sent_text = full[:safe]
-
-
-class _Abandoned(Exception):
-    """Every row of a batch lost its client: stop generating."""
+    job: Job
+    rows: list[Row]
+    prompt_tokens: int
+    results: dict = dataclasses.field(default_factory=dict)
+    first_token: bool = False
 
 
 class Engine:
     def __init__(self, model, tokenizer, registry: Registry, *, max_batch_size: int = 32,
-                 chat_template: str | None = None, enable_thinking: bool = False):
-        self.model, self.tokenizer, self.registry = model, tokenizer, registry
+                 chat_template: str | None = None, enable_thinking: bool = False, prefix_cache: bool = True,
+                 metrics=None):
+        self.model, self.tokenizer, self.registry, self.metrics = model, tokenizer, registry, metrics
         self.ntok = NumberTokenizer(tokenizer, model.num_token_id)
-        self.max_batch_size = max_batch_size
-        # what /health reports of the work: generate calls, those with rows of several adapters, their rows, the
-        # seconds inside generate and the seconds the worker spent on generation jobs (encoding, results included)
-        self.generate_calls = self.mixed_calls = self.generated_rows = 0
-        self.generate_s = self.generation_jobs_s = 0.0
+        self.max_rows = max_batch_size
+        self.prefix = PrefixCache() if prefix_cache else None
+        self.loop = StepLoop(model, max_rows=max_batch_size, prefix_cache=self.prefix)
         self.chat_template, self.enable_thinking = chat_template, enable_thinking
         self.context = getattr(text_config(model.backbone), "max_position_embeddings", None)
-        self.eos = set(default_eos_ids(model))  # where generate stops a row (a stream closes there too)
+        self.groups: dict[tuple, Group] = {}  # unseeded groups, by (adapter, decoding without its stops)
+        self.requests: dict[Job, Request] = {}
+        self.deferred: list[Job] = []  # calls waiting for an adapter's rows to leave
+        # what /health reports of the work: steps, steps with rows of several adapters, rows, seconds in steps
+        self.steps = self.mixed_steps = self.generated_rows = 0
+        self.step_s = 0.0
 
     def stats(self) -> dict:
-        return {"generate_calls": self.generate_calls, "mixed_adapter_calls": self.mixed_calls,
-                "generated_rows": self.generated_rows, "generate_seconds": round(self.generate_s, 3),
-                "generation_jobs_seconds": round(self.generation_jobs_s, 3)}
+        loop = self.loop
+        return {"steps": self.steps, "mixed_adapter_steps": self.mixed_steps, "generated_rows": self.generated_rows,
+                "step_seconds": round(self.step_s, 3), "prefills": loop.prefills, "prefill_tokens": loop.prefill_tokens,
+                "prefix_reused_tokens": loop.reused_tokens, "running_rows": len(loop.rows),
+                "waiting_rows": loop.waiting_rows, "max_batch_size": self.max_rows,
+                "joins_running_batch": loop.fixed_reason is None}
 
-    # ------------------------------------------------------------------ the runner
-    def run(self, jobs: list[Job]) -> None:
-        """One group of the batcher (jobs of one key)."""
-        kind = jobs[0].kind
-        if kind == "generate":
-            t0 = time.perf_counter()
-            try:
-                self._generate(jobs)
-            finally:
-                self.generation_jobs_s += time.perf_counter() - t0
-        elif kind == "predict":
-            for job in jobs:
-                self._predict(job)
-        elif kind == "call":
-            for job in jobs:
-                try:
-                    job.done(job.spec.fn(self.model))
-                except RequestError as e:
-                    job.fail(e)
+    # ------------------------------------------------------------------ the scheduler's side
+    @property
+    def busy(self) -> bool:
+        return self.loop.busy or bool(self.deferred)
+
+    def running(self) -> int:
+        """Requests with a row in the batch."""
+        return len({r.tag.job for r in self.loop.rows})
+
+    def waiting_requests(self) -> int:
+        """Requests whose rows all wait to join the batch."""
+        return len(self.requests) - self.running()
+
+    def accept(self, job: Job) -> None:
+        if job.kind == "generate":
+            self._start(job)
+        elif job.kind == "predict":
+            self._predict(job)
+        elif job.kind == "call":
+            self.deferred.append(job)
+            self._calls()
         else:
-            raise ValueError(f"unknown job kind {kind!r}")
+            raise ValueError(f"unknown job kind {job.kind!r}")
 
-    def _activate(self, adapter: str) -> None:
-        if adapter not in self.model.adapter_names:
-            raise RequestError(404, f"The model {adapter!r} does not exist (it was unloaded)", param="model",
-                               code="model_not_found")
-        self.model.set_adapter(adapter)
+    def fail_running(self) -> list[Job]:
+        """After an error inside a step: the requests of the batch (they fail), and a fresh batch."""
+        jobs = list(self.requests)
+        self.requests.clear()
+        self.loop = StepLoop(self.model, max_rows=self.max_rows, prefix_cache=self.prefix)
+        return jobs
+
+    # ------------------------------------------------------------------ a step
+    def step(self) -> None:
+        self._drop_cancelled()
+        t0 = time.perf_counter()
+        stepped, finished = self.loop.step()
+        now = time.perf_counter()
+        self.steps += bool(stepped)
+        self.mixed_steps += len({r.group.adapter for r in stepped}) > 1
+        self.step_s += now - t0
+        if self.metrics is not None:
+            self.metrics.tokens(len(stepped))
+        for r in stepped:
+            self._wrote(r, now)
+        for r in finished:
+            self._finished(r)
+        self._calls()
+
+    def _wrote(self, row: Row, now: float) -> None:
+        choice: Choice = row.tag
+        request = self.requests.get(choice.job)
+        if request is None or choice.job.cancelled:
+            return
+        if self.metrics is not None:
+            if not request.first_token:
+                self.metrics.ttft(now - choice.job.arrived)
+            elif choice.last is not None:
+                self.metrics.itl(now - choice.last)
+        request.first_token, choice.last = True, now
+        if row.text is not None and choice.job.stream and not row.done:
+            safe = streamable(row.text.text, row.stop_strings)
+            if safe > len(choice.sent):
+                choice.job.emit("delta", choice.index, row.text.text[len(choice.sent):safe])
+                choice.sent = row.text.text[:safe]
+
+    def _finished(self, row: Row) -> None:
+        choice: Choice = row.tag
+        request = self.requests.get(choice.job)
+        if request is None:
+            return
+        self.generated_rows += 1
+        if row.cancelled or choice.job.cancelled:
+            return  # `_drop_cancelled` forgets the request once none of its rows is in the batch
+        result = self._row_result(row, request.job.spec.levels)
+        request.results[choice.index] = result
+        if choice.job.stream:
+            text = result["text"]
+            if not text.startswith(choice.sent):  # never seen (tests/test_serve.py); the final text is the answer
+                log.warning("streamed text %r is not a prefix of the row's text %r", choice.sent[-40:], text[-40:])
+            choice.job.emit("row", choice.index, {**result, "delta": text[len(choice.sent):]})
+        if len(request.results) == len(request.rows):
+            del self.requests[choice.job]
+            choices = [request.results[i] for i in sorted(request.results)]
+            if self.metrics is not None:
+                for c in choices:
+                    self.metrics.finished(c["finish_reason"])
+            request.job.done({"choices": choices, "prompt_tokens": request.prompt_tokens,
+                              "completion_tokens": sum(c["completion_tokens"] for c in choices)})
+
+    def _drop_cancelled(self) -> None:
+        """Rows of a request whose client went away leave at the next step; the request is forgotten once none of
+        its rows is in the batch (rows still waiting are dropped when their turn comes)."""
+        running = set(self.loop.rows)
+        for job, request in list(self.requests.items()):
+            if not job.cancelled:
+                continue
+            for r in request.rows:
+                r.cancelled = True
+            if not any(r in running for r in request.rows):
+                del self.requests[job]
+                if self.metrics is not None:
+                    self.metrics.finished("abort")
+
+    def _calls(self) -> None:
+        """Run the calls whose adapter has no row left in the batch."""
+        for job in list(self.deferred):
+            spec: CallSpec = job.spec
+            if spec.drain is not None and self.loop.uses_adapter(spec.drain):
+                continue
+            self.deferred.remove(job)
+            try:
+                job.done(spec.fn(self.model))
+            except RequestError as e:
+                job.fail(e)
+            finally:
+                self.groups.clear()
+                self.loop.forget_adapters()  # its scorers, LoRA layers and cached prefixes were the old adapters'
 
     # ------------------------------------------------------------------ prompts
+    def _check_adapter(self, adapter: str) -> None:
+        if adapter not in self.registry or adapter not in self.model.adapter_names:
+            raise RequestError(404, f"The model {adapter!r} does not exist (it was unloaded)", param="model",
+                               code="model_not_found")
+
     def _prompts(self, spec, to_first_number: bool) -> tuple[list[str], str]:
         """(texts, the request field they came from)."""
         if spec.conversations is None:
@@ -239,6 +284,7 @@ class Engine:
         return out, "messages"
 
     def _encode(self, prompts: list[str], field: str, max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Each prompt's ids and values (float32, as a batch of them holds them), checked against the context."""
         encs = self.ntok.encode_batch(prompts, return_offsets=False)
         out = []
         for i, e in enumerate(encs):
@@ -250,115 +296,61 @@ class Engine:
                 raise RequestError(400, f"{where} has {len(e.input_ids)} tokens{extra}: more than the model's context "
                                         f"of {self.context} tokens; shorten it{fix}",
                                    param=field, code="context_length_exceeded")
-            out.append((list(e.input_ids), [float(v) for v in e.numeric_values]))
+            out.append((list(e.input_ids), torch.tensor(e.numeric_values, dtype=torch.float32).tolist()))
         return out
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, jobs: list[Job]) -> None:
-        decoding: Decoding = jobs[0].spec.decoding
-        rows: list[_Row] = []
-        started: list[tuple[Job, list[_Row], int]] = []
-        for job in jobs:
-            spec: GenerateSpec = job.spec
-            try:
-                self._activate(spec.adapter)
-                prompts, field = self._prompts(spec, to_first_number=False)
-                encoded = self._encode(prompts, field, spec.max_tokens)
-            except RequestError as e:
-                job.fail(e)
-                continue
-            job_rows = [_Row(job, spec.adapter, i * spec.n + j, ids, vals, spec.max_tokens)
-                        for i, (ids, vals) in enumerate(encoded) for j in range(spec.n)]
-            if job.stream:
-                for r in job_rows:
-                    r.stream = _Stream(r, self.ntok, set() if decoding.ignore_eos else self.eos, decoding.stop)
-            job.emit("start")
-            rows += job_rows
-            started.append((job, job_rows, sum(len(ids) for ids, _ in encoded)))
-        rows.sort(key=lambda r: len(r.ids))  # stable: a batch pads little (as generate_batched)
-        for part in self._mixable(rows):
-            for start in range(0, len(part), self.max_batch_size):
-                self._batch(part[start:start + self.max_batch_size], decoding)
-        for job, job_rows, prompt_tokens in started:
-            if not job.cancelled:
-                job.done({"choices": [r.result for r in job_rows], "prompt_tokens": prompt_tokens,
-                          "completion_tokens": sum(r.result["completion_tokens"] for r in job_rows)})
+    def _group(self, spec: GenerateSpec, rows: int) -> Group:
+        d = spec.decoding
+        if d.seed is not None:  # its own generator and draws: reproducible whatever runs beside it
+            g = Group(spec.adapter, d.options(), self.ntok, make_generator(d.seed, None, self.model.device),
+                      fixed_slots=True)
+            g.slots = rows
+            return g
+        key = (spec.adapter, dataclasses.replace(d, stop=()))
+        if key not in self.groups:
+            self.groups[key] = Group(spec.adapter, d.options(), self.ntok)
+        return self.groups[key]
 
-    def _mixable(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The rows that may share batches (every adapter peft can mix), then one list per adapter it cannot."""
-        configs = self.model.causal_configs
-        alone = {r.adapter for r in rows if configs[r.adapter].lora is not None and configs[r.adapter].lora.target_parameters}
-        parts = [[r for r in rows if r.adapter not in alone]] + [[r for r in rows if r.adapter == a] for a in sorted(alone)]
-        return [p for p in parts if p]
-
-    def _batch(self, rows: list[_Row], decoding: Decoding) -> None:
-        rows = [r for r in rows if not r.job.cancelled]
-        if not rows:
-            return
-        enc = pad_batch([r.ids for r in rows], [r.values for r in rows], self.ntok.pad_token_id, padding_side="left")
-        streams = [(b, r.stream) for b, r in enumerate(rows) if r.stream is not None]
-
-        def callback(step: int, tokens: torch.Tensor, values: torch.Tensor) -> None:
-            if all(r.job.cancelled for r in rows):
-                raise _Abandoned
-            if streams:
-                toks, vals = tokens.tolist(), values.tolist()
-                for b, s in streams:
-                    if not rows[b].job.cancelled:
-                        s.step(toks[b], vals[b])
-
-        names = [r.adapter for r in rows]
-        self.generate_calls += 1
-        self.mixed_calls += len(set(names)) > 1
-        self.generated_rows += len(rows)
-        t0 = time.perf_counter()
+    def _start(self, job: Job) -> None:
+        spec: GenerateSpec = job.spec
         try:
-            out = generate(self.model, enc, tokenizer=self.ntok, callback=callback, adapter_names=names,
-                           max_new_tokens=max(r.max_tokens for r in rows), **decoding.generate_kwargs())
-        except _Abandoned:
+            self._check_adapter(spec.adapter)
+            prompts, field = self._prompts(spec, to_first_number=False)
+            encoded = self._encode(prompts, field, spec.max_tokens)
+        except RequestError as e:
+            job.fail(e)
             return
-        finally:
-            self.generate_s += time.perf_counter() - t0
-        configs = self.model.causal_configs
-        for b, r in enumerate(rows):
-            if r.job.cancelled:
-                continue
-            calibration = configs[r.adapter].value_calibration  # its intervals: its own adapter's calibration
-            r.result = self._row_result(out.row(b), r, decoding.stop, r.job.spec.levels, calibration)
-            if r.stream is not None:
-                text, sent = r.result["text"], r.stream.sent_text
-                if not text.startswith(sent):  # never seen (tests/test_serve.py); the final text is the answer
-                    log.warning("streamed text %r is not a prefix of the row's text %r", sent[-40:], text[-40:])
-                r.job.emit("row", r.index, {**r.result, "delta": text[len(sent):]})
+        group = self._group(spec, len(encoded) * spec.n)
+        eos = frozenset() if spec.decoding.ignore_eos else None
+        rows = [Row(ids, vals, group, spec.max_tokens, spec.decoding.stop, eos, tag=Choice(job, i * spec.n + j),
+                    keep_text=job.stream, slot=i * spec.n + j)
+                for i, (ids, vals) in enumerate(encoded) for j in range(spec.n)]
+        prompt_tokens = sum(len(ids) for ids, _ in encoded)
+        self.requests[job] = Request(job, rows, prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens(prompt_tokens * spec.n)
+        job.emit("start")
+        self.loop.add(rows)
 
-    def _row_result(self, one, row: _Row, stops: tuple[str, ...], levels: tuple[float, ...],
-                    calibration: dict | None) -> dict:
-        """The row cut to its own max_tokens and before a stop string: index, text, finish_reason, values,
-        completion_tokens."""
-        n, k = int(one.lengths[0]), row.max_tokens
-        numbers = one.numbers[0]
-        if n > k:  # the batch ran longer for another row
-            text = _RowText(self.ntok, row.ids, row.values).final(one.new_tokens[0, :k].tolist(),
-                                                                  one.new_values[0, :k].tolist())
-            numbers = [x for x in numbers if x["position"] < k]
-            n, finished = k, False
-        else:
-            text, finished = one.texts[0], bool(one.finished[0])
-        cut = first_stop(text, stops)
+    def _row_result(self, row: Row, levels: tuple[float, ...]) -> dict:
+        """The row's text cut before a stop string: index, text, finish_reason, values, completion_tokens."""
+        calibration = self.model.causal_configs[row.group.adapter].value_calibration  # its adapter's intervals
+        one = row_output(row, calibration=calibration, ntok=self.ntok)
+        text, numbers, finished = one.texts[0], one.numbers[0], row.finished
+        cut = first_stop(text, row.stop_strings)
         if cut is not None:
-            numbers = self._numbers_before(row, one, numbers, cut)
+            numbers = self._numbers_before(row, numbers, cut)
             text, finished = text[:cut], True
-        return {"index": row.index, "text": text, "finish_reason": "stop" if finished else "length",
-                "values": [_value(x, levels, calibration) for x in numbers], "completion_tokens": n}
+        return {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
+                "values": [_value(x, levels, calibration) for x in numbers], "completion_tokens": len(row.tokens)}
 
-    def _numbers_before(self, row: _Row, one, numbers: list[dict], cut: int) -> list[dict]:
+    def _numbers_before(self, row: Row, numbers: list[dict], cut: int) -> list[dict]:
         """The numbers whose text ends before character `cut` of the row's text."""
         keep = []
         for x in numbers:
             t = x["position"] + 1  # the text up to and with the number
-            end = len(_RowText(self.ntok, row.ids, row.values).final(one.new_tokens[0, :t].tolist(),
-                                                                     one.new_values[0, :t].tolist()))
-            if end > cut:
+            if len(decode_text(self.ntok, row.tokens[:t], row.fed_values[:t], row.ids[-1], row.values[-1])) > cut:
                 break
             keep.append(x)
         return keep
@@ -369,7 +361,8 @@ class Engine:
         if job.cancelled:
             return
         try:
-            self._activate(spec.adapter)
+            self._check_adapter(spec.adapter)
+            self.model.set_adapter(spec.adapter)
             prompts, field = self._prompts(spec, to_first_number=True)
             self._encode(prompts, field, 0)
             try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..model import CausalModel
-from .batcher import RequestError
+from .scheduler import RequestError
 
 
 @dataclass
