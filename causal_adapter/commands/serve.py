@@ -156,6 +156,28 @@ def serving_device(name: str):
     return device
 
 
+def keep_large_blocks() -> None:
+    """glibc's malloc gives the worker thread an arena of its own, whose large blocks (a [32, 151,936] score matrix is
+    19 MB) go back to the kernel when freed and are faulted in again at the next step: about 600,000 page faults per
+    1,000 tokens on CPU, a quarter of the time (measured; the main thread's arena keeps them). One arena for every
+    thread, blocks up to 32 MB from the heap and a heap that is not trimmed below 512 MB keep them, as the main thread
+    does. Linux with glibc only (elsewhere: nothing)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+    libc.mallopt(M_ARENA_MAX, 1)
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 512 << 20)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     args.torch_device = serving_device(args.device)
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-queue", args.max_queue, 1),
@@ -183,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.registry import Registry, load_adapters
 
     _check_args(args)
+    keep_large_blocks()  # before any thread starts
     adapters = parse_adapters(args.adapter)
     chat_template = chat_template_from_args(args)
     base, tokenizer, base_name = load_serving_base(args, adapters)

@@ -175,6 +175,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
     """The app serving `engine`'s adapters; its scheduler's worker starts and stops with the app (lifespan)."""
     registry = engine.registry
     worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler)
+    engine.set_scheduler(scheduler)
     metrics = engine.metrics = Metrics()
     metrics.watch(engine.waiting_requests, engine.running, lambda: len(engine.loop.rows),
                   lambda: engine.prefix.hit_tokens if engine.prefix is not None else 0)

@@ -122,9 +122,9 @@ class Engine:
                  metrics=None):
         self.model, self.tokenizer, self.registry, self.metrics = model, tokenizer, registry, metrics
         self.ntok = NumberTokenizer(tokenizer, model.num_token_id)
-        self.max_rows = max_batch_size
+        self.max_rows, self.join_running = max_batch_size, True
         self.prefix = PrefixCache() if prefix_cache else None
-        self.loop = StepLoop(model, max_rows=max_batch_size, prefix_cache=self.prefix)
+        self.loop = self._new_loop()
         self.chat_template, self.enable_thinking = chat_template, enable_thinking
         self.context = getattr(text_config(model.backbone), "max_position_embeddings", None)
         self.groups: dict[tuple, Group] = {}  # unseeded groups, by (adapter, decoding without its stops)
@@ -170,24 +170,32 @@ class Engine:
         """After an error inside a step: the requests of the batch (they fail), and a fresh batch."""
         jobs = list(self.requests)
         self.requests.clear()
-        self.loop = StepLoop(self.model, max_rows=self.max_rows, prefix_cache=self.prefix)
+        self.loop = self._new_loop()
         return jobs
+
+    def _new_loop(self) -> StepLoop:
+        return StepLoop(self.model, max_rows=self.max_rows, prefix_cache=self.prefix, join_running=self.join_running)
+
+    def set_scheduler(self, policy: str) -> None:
+        """"step": rows join the running batch at every step; "tick": only an empty one (batch after batch)."""
+        self.join_running = self.loop.join_running = policy == "step"
 
     # ------------------------------------------------------------------ a step
     def step(self) -> None:
         self._drop_cancelled()
         t0 = time.perf_counter()
-        stepped, finished = self.loop.step()
+        stepped, finished = self.loop.decide()
         now = time.perf_counter()
         self.steps += bool(stepped)
         self.mixed_steps += len({r.group.adapter for r in stepped}) > 1
-        self.step_s += now - t0
         if self.metrics is not None:
             self.metrics.tokens(len(stepped))
-        for r in stepped:
+        for r in stepped:  # the tokens go out before the backbone's pass for the next step
             self._wrote(r, now)
         for r in finished:
             self._finished(r)
+        self.loop.feed()
+        self.step_s += time.perf_counter() - t0
         self._calls()
 
     def _wrote(self, row: Row, now: float) -> None:

@@ -107,13 +107,16 @@ class PrefixCache:
     head): vLLM's automatic prefix caching, on the tensors of transformers' key/value layers.
 
     A prompt is cut in blocks of `block` tokens; block j is stored under a hash of every token and value up to its end
-    (and the adapter: its LoRA and its phi(values) change the keys), so a row reads the longest run of stored blocks its
+    and of what else changes its keys: the adapter's LoRA (`lora`: its name, None without LoRA: the base's keys) and,
+    from the first block holding a <NUM> on, the adapter itself (its phi(values) enters the embedding there). So
+    frozen-backbone adapters share the text before the first number. A row reads the longest run of stored blocks its
     prompt begins with (never its last token: its hidden state is needed). Least recently used blocks go first beyond
     `max_tokens` tokens. Only key/value caches: a hybrid model's recurrent state has no per-position keys to reuse.
 
         prefix = PrefixCache(block=16, max_tokens=16384)
-        n, layers = prefix.lookup("sunspots", ids, values)   # n tokens, [h, n, d] keys / values per layer
-        prefix.store("sunspots", ids, values, layers_of_the_whole_prompt)
+        key = PrefixKey(lora="sunspots", adapter="sunspots", num_token_id=151669)
+        n, layers = prefix.lookup(key, ids, values)    # n tokens, [h, n, d] keys / values per layer
+        prefix.store(key, ids, values, layers_of_the_whole_prompt)
     """
 
     def __init__(self, block: int = 16, max_tokens: int = 16384):
@@ -127,21 +130,24 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _hashes(self, adapter: Any, ids: list[int], values: list[float], n_tokens: int) -> list[bytes]:
-        """The chained hashes of the whole blocks among the first `n_tokens` tokens."""
-        out, digest = [], hashlib.sha256(repr(adapter).encode()).digest()
+    def _hashes(self, key: tuple, ids: list[int], values: list[float], n_tokens: int) -> list[bytes]:
+        """The chained hashes of the whole blocks among the first `n_tokens` tokens. key = (lora, adapter, <NUM> id)."""
+        lora, adapter, num_id = key
+        out, digest, numbers = [], hashlib.sha256(repr(lora).encode()).digest(), False
         for j in range(n_tokens // self.block):
             lo, hi = j * self.block, (j + 1) * self.block
+            if not numbers and num_id in ids[lo:hi]:
+                numbers, digest = True, hashlib.sha256(digest + repr(adapter).encode()).digest()
             digest = hashlib.sha256(digest + array("q", ids[lo:hi]).tobytes()
                                     + array("d", values[lo:hi]).tobytes()).digest()
             out.append(digest)
         return out
 
-    def lookup(self, adapter: Any, ids: list[int], values: list[float]) -> tuple[int, list[tuple[Tensor, Tensor]]]:
+    def lookup(self, key: tuple, ids: list[int], values: list[float]) -> tuple[int, list[tuple[Tensor, Tensor]]]:
         """(n, per layer (keys, values) [h, n, d]) of the longest stored prefix of the prompt, n < len(ids)."""
         self.lookups += 1
         found = []
-        for h in self._hashes(adapter, ids, values, len(ids) - 1):
+        for h in self._hashes(key, ids, values, len(ids) - 1):
             blocks = self._blocks.get(h)
             if blocks is None:
                 break
@@ -154,18 +160,18 @@ class PrefixCache:
         return n, [(torch.cat([f[i][0] for f in found], 1), torch.cat([f[i][1] for f in found], 1))
                    for i in range(len(found[0]))]
 
-    def store(self, adapter: Any, ids: list[int], values: list[float], layers: list[tuple[Tensor, Tensor]],
+    def store(self, key: tuple, ids: list[int], values: list[float], layers: list[tuple[Tensor, Tensor]],
               start: int = 0) -> None:
-        """Keep the blocks of a prompt whose keys / values `layers` ([h, len(ids), d] per layer) hold, from token
-        `start` on (the blocks before it are stored already)."""
-        for j, h in enumerate(self._hashes(adapter, ids, values, len(ids) - 1)):
+        """Keep the blocks of a prompt whose keys / values `layers` ([h, len(ids), d] per layer, tensors of their own:
+        the blocks are views of them) hold, from token `start` on (the blocks before it are stored already)."""
+        for j, h in enumerate(self._hashes(key, ids, values, len(ids) - 1)):
             lo = j * self.block
             if lo < start:
                 continue
             if h in self._blocks:
                 self._blocks.move_to_end(h)
                 continue
-            self._blocks[h] = [(k[:, lo:lo + self.block].clone(), v[:, lo:lo + self.block].clone()) for k, v in layers]
+            self._blocks[h] = [(k[:, lo:lo + self.block], v[:, lo:lo + self.block]) for k, v in layers]
             while len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
 

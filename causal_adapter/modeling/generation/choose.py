@@ -40,29 +40,55 @@ class Choice:
     eps: Tensor | None = None
 
 
-def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
-           steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
-           history: Callable[[], Tensor] | None = None) -> Choice:
-    """The group's rows: z [n, H] (its adapter active). prev / pending [n] (`place_number`); recent [n, K] the
-    numbers the value head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw
-    slots; shared_eps [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them)."""
-    s = g.settings
+@dataclass
+class Heads:
+    """The heads on n rows' last hidden states (their adapter active): loc_U, scale_U' [n, C], loc_Y, scale_Y [n]."""
+
+    loc_U: Tensor
+    scale_Up: Tensor
+    loc_Y: Tensor
+    scale_Y: Tensor
+
+
+def heads(model, g: Group, z: Tensor, recent: Tensor | None = None) -> Heads:
+    """The abduction and the value head on z [n, H]; recent [n, K] the numbers the value head reads."""
     loc_U, scale_U = model.abduction(z)
     scale_Up = model.action.noisy_scale(scale_U)
     if recent is not None:
+        recent = recent[:, :g.settings.recent_k].to(g.vdtype)
+    return Heads(loc_U, scale_Up, *model.action.regression(loc_U, scale_Up, recent))
+
+
+def reads_vocabulary_product(g: Group) -> bool:
+    """Whether the group's choice starts from W_cls loc_U (softmax, deterministic): rows of several adapters can then
+    share that product (W_cls is the base's lm_head, shared)."""
+    return g.opts.mode != "causal"
+
+
+def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
+           steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
+           history: Callable[[], Tensor] | None = None, done: Heads | None = None,
+           vocab: Tensor | None = None) -> Choice:
+    """The group's rows: z [n, H] (its adapter active, unless `done` holds its heads and the mode reads W_cls loc_U:
+    then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
+    head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
+    [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them); vocab [n, V] W_cls
+    loc_U computed with other groups' rows (one pass over W_cls for a step)."""
+    s = g.settings
+    h = done if done is not None else heads(model, g, z, recent)
+    if recent is not None:
         recent = recent[:, :s.recent_k].to(g.vdtype)
-    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up, recent)
     early = None
     if s.opts.min_new_tokens and s.eos and steps is not None:
         early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)
     eps = None
     if s.opts.mode == "causal":
         eps = shared_eps if s.opts.shared_individual else _eps(g, z.shape[0], slots)
-        tok, val, prob = _choose_causal(model, s, loc_U, scale_Up, eps, recent, early)
+        tok, val, prob = _choose_causal(model, s, h.loc_U, h.scale_Up, eps, recent, early)
     else:
-        tok, val, prob = _choose_by_scores(g, loc_U, scale_Up, loc_Y, early, slots, history)
-    tok, prob, pending = place_number(s, tok, prob, loc_U, scale_Up, prev, pending)
-    return Choice(tok, val, prob, loc_Y, scale_Y, pending, eps)
+        tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
+    tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
+    return Choice(tok, val, prob, h.loc_Y, h.scale_Y, pending, eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:
@@ -97,11 +123,14 @@ def _choose_causal(model, s: Settings, loc_U: Tensor, scale_Up: Tensor, eps: Ten
 
 
 def _choose_by_scores(g: Group, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, early: Tensor | None,
-                      slots: Tensor | None, history) -> tuple[Tensor, Tensor, Tensor]:
+                      slots: Tensor | None, history, vocab: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """deterministic mode (argmax of the OvR P_k) and softmax mode (greedy or sampled from loc_S [n, V])."""
     s = g.settings
     scorer = s.scorer
-    loc_S = scorer.loc_scores(loc_U)
+    if vocab is None:
+        loc_S = scorer.loc_scores(loc_U)
+    else:  # as OvRScorer.loc_scores, from W_cls loc_U computed for several groups at once
+        loc_S = scorer.action.override_num_column(vocab + scorer.action.b_cls, loc_U)
     _mask_eos(loc_S, s, early)
     if s.opts.mode == "deterministic":
         tok, prob = scorer.ovr_argmax(loc_S, scale_Up)

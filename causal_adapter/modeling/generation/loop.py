@@ -38,9 +38,9 @@ from torch import Tensor
 
 from ..._compat import cache_kwargs, output_cache
 from ...numbers import pad_batch
-from ..heads import full_precision
+from ..heads import full_precision, linear_in_dtype
 from .cache import PrefixCache, cache_from, key_value_only, merge_rows, movable, select_rows, trim_left
-from .choose import choose, draw_eps
+from .choose import choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
 from .record import Row, append_step, push_recent, recent_window, written_values
 from .stop import start_text, stop_after
@@ -50,10 +50,12 @@ log = logging.getLogger("causal_adapter.generation")
 
 class StepLoop:
     """The running batch of `model` (a CausalModel): at most `max_rows` rows (None: no cap); `prefix_cache` reuses
-    the keys and values of prompt prefixes (key/value caches only)."""
+    the keys and values of prompt prefixes (key/value caches only). join_running=False: rows join only an empty batch
+    (batch after batch, as a server that batches per tick: `causal-adapter serve --scheduler tick`)."""
 
-    def __init__(self, model, *, max_rows: int | None = None, prefix_cache: PrefixCache | None = None):
-        self.model, self.max_rows, self.prefix = model, max_rows, prefix_cache
+    def __init__(self, model, *, max_rows: int | None = None, prefix_cache: PrefixCache | None = None,
+                 join_running: bool = True):
+        self.model, self.max_rows, self.prefix, self.join_running = model, max_rows, prefix_cache, join_running
         self.rows: list[Row] = []  # the batch, in cache order
         self.waiting: deque[tuple[list[Row], tuple | None]] = deque()
         self.cache = self.mask = self.pos = self.z = None  # backbone state: cache, mask [B, L], position [B, 1], z [B, H]
@@ -62,6 +64,7 @@ class StepLoop:
         self.kv_only = False
         self.scorers: dict = {}
         self._lora = None
+        self._next: tuple[Tensor, Tensor] | None = None  # the tokens and values `feed` passes to the backbone
         self.steps = self.prefills = self.prefill_tokens = self.reused_tokens = 0
 
     # ------------------------------------------------------------------ the caller's side
@@ -94,6 +97,14 @@ class StepLoop:
 
     def step(self) -> tuple[list[Row], list[Row]]:
         """One decoding step: (rows that wrote a token, rows that are done now: finished, at their limit, cancelled)."""
+        out = self.decide()
+        self.feed()
+        return out
+
+    def decide(self) -> tuple[list[Row], list[Row]]:
+        """The first half of a step (join, decide, record, stop, leave): every row's token is known when it returns,
+        so a server can send it before `feed` runs the backbone for the next step."""
+        self.feed()  # the previous step's, if the caller did not run it
         self._join()
         if not self.rows:
             return [], []
@@ -105,15 +116,22 @@ class StepLoop:
         self.steps += 1
         keep = self._leave()
         if keep is not None and any(not r.done for r in self.rows):
-            self._feed(tok[keep] if len(keep) != tok.shape[0] else tok, fed[keep] if len(keep) != fed.shape[0] else fed)
+            self._next = (tok[keep] if len(keep) != tok.shape[0] else tok, fed[keep] if len(keep) != fed.shape[0] else fed)
         return stepped, [r for r in stepped if r.done]
+
+    def feed(self) -> None:
+        """The second half of a step: the rows that stay get their next hidden state (one backbone pass)."""
+        if self._next is not None:
+            tok, fed = self._next
+            self._next = None
+            self._feed(tok, fed)
 
     # ------------------------------------------------------------------ 1. join
     def _join(self) -> None:
         while self.waiting and all(r.cancelled for r in self.waiting[0][0]):
             for r in self.waiting.popleft()[0]:
                 r.done = True
-        if not self.waiting or (self.rows and self.fixed_reason is not None):
+        if not self.waiting or (self.rows and (self.fixed_reason is not None or not self.join_running)):
             return
         free = float("inf") if self.max_rows is None else self.max_rows - len(self.rows)
         take, batch = [], None
@@ -155,7 +173,7 @@ class StepLoop:
         dev = model.input_device
         hits = [(0, [])] * len(rows)
         if batch is None and self.prefix is not None and self.kv_only:
-            hits = [self.prefix.lookup(r.group.adapter, r.ids, r.values) for r in rows]
+            hits = [self.prefix.lookup(self._prefix_key(r), r.ids, r.values) for r in rows]
         if batch is not None:
             ids, values, mask = batch
             cache = None
@@ -208,12 +226,28 @@ class StepLoop:
         return ids, values, torch.cat([head, mask], 1), position_ids, cache_from(layers)
 
     def _store_prefixes(self, rows: list[Row], hits, cache, mask: Tensor) -> None:
+        """Keep the new rows' prompt blocks: a row's positions are its prefix read from the cache (right-aligned in the
+        first P columns) and its suffix (right-aligned in the rest), two slices copied once."""
+        P = max(n for n, _ in hits)
+        L = mask.shape[1]
         for b, (r, (n, _)) in enumerate(zip(rows, hits)):
             if len(r.ids) - 1 < self.prefix.block * (n // self.prefix.block + 1):
                 continue  # no new whole block
-            real = mask[b].bool().to(cache.layers[0].keys.device)
-            self.prefix.store(r.group.adapter, r.ids, r.values,
-                              [(layer.keys[b][:, real], layer.values[b][:, real]) for layer in cache.layers], start=n)
+            rest = len(r.ids) - n
+
+            def own(t: Tensor) -> Tensor:
+                return torch.cat([t[b, :, P - n:P], t[b, :, L - rest:]], 1) if n else t[b, :, L - rest:].clone()
+
+            self.prefix.store(self._prefix_key(r), r.ids, r.values,
+                              [(own(layer.keys), own(layer.values)) for layer in cache.layers], start=n)
+
+    def _prefix_key(self, row: Row) -> tuple:
+        """What besides the tokens changes a prompt's keys: its adapter's LoRA (None: none), the adapter (from the first
+        number on), the <NUM> id (`PrefixCache`)."""
+        adapter = row.group.adapter
+        config = self.model.causal_config if adapter is None else self.model.causal_configs[adapter]
+        name = adapter if adapter is not None else getattr(self.model, "active_adapter", None)
+        return (name if config.lora is not None else None, name, self.model.num_token_id)
 
     def _merge(self, rows: list[Row], cache, mask: Tensor, pos: Tensor, z: Tensor) -> None:
         """The prefilled rows join the batch: cache, mask, positions, z and each row's decoding state."""
@@ -290,23 +324,25 @@ class StepLoop:
         host = torch.zeros(5, B, dtype=torch.float64, device=hdev)  # written, exact, P_k, loc_Y, scale_Y
         pending = torch.zeros(B, dtype=torch.bool, device=hdev)
         eps = {}
+        index = {g: (None if len(at) == B else torch.tensor(at, device=hdev)) for g, at in groups.items()}
+
+        def take(g: Group, t: Tensor | None) -> Tensor | None:
+            return t if t is None or index[g] is None else t[index[g].to(t.device)]
+
+        done, vocab = self._heads(groups, take)
         for g, at in groups.items():
-            self._use_adapter(g.adapter)
-            whole = len(at) == B
-            idx = None if whole else torch.tensor(at, device=hdev)
-
-            def take(t: Tensor | None) -> Tensor | None:
-                return t if t is None or whole else t[idx.to(t.device)]
-
+            if g not in done:
+                self._use_adapter(g.adapter)
             mine = [rows[i] for i in at]
             with full_precision(self.z.device):  # the heads as in forward, whatever autocast is active
-                c = choose(model, g, take(self.z), prev=take(self.prev), pending=take(self.pending),
-                           recent=take(self.recent) if g.settings.recent_k else None,
+                c = choose(model, g, take(g, self.z), prev=take(g, self.prev), pending=take(g, self.pending),
+                           recent=take(g, self.recent) if g.settings.recent_k else None,
                            steps=torch.tensor([len(r.tokens) for r in mine]) if g.opts.min_new_tokens else None,
                            slots=torch.tensor([r.slot for r in mine], device=hdev) if g.fixed_slots else None,
-                           shared_eps=take(self.shared), history=lambda: _history(mine))
+                           shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
+                           vocab=vocab.get(g))
             exact, written = written_values(g, c.tok, c.val)
-            at_t = slice(None) if whole else idx
+            at_t = slice(None) if index[g] is None else index[g]
             tok[at_t], fed[at_t], pending[at_t] = c.tok, written.to(feed_dtype), c.pending
             hd = g.settings.hdtype
             host[:, at_t] = torch.stack([written.double(), exact.double(), c.prob.to(hd).double(),
@@ -324,6 +360,25 @@ class StepLoop:
             append_step(r, t, values[1][i], values[2][i], values[3][i], values[4][i], values[5][i], eps.get(r))
             stop_after(r, t, values[1][i], r.group.settings.eos_set)
         return tok, fed
+
+    def _heads(self, groups: dict, take) -> tuple[dict, dict]:
+        """With rows of several adapters whose choice starts from W_cls loc_U: every group's heads first (its adapter
+        active), then ONE product with W_cls (the base's lm_head, shared) for all their rows: a step reads the
+        vocabulary once, not once per adapter. Returns ({group: Heads}, {group: its rows' W_cls loc_U})."""
+        shared = [g for g in groups if reads_vocabulary_product(g)]
+        W = self.model.W_cls
+        if len(shared) < 2 or len({g.settings.hdtype for g in shared}) > 1:
+            return {}, {}
+        done = {}
+        for g in shared:
+            self._use_adapter(g.adapter)
+            with full_precision(self.z.device):
+                done[g] = heads(self.model, g, take(g, self.z),
+                                take(g, self.recent) if g.settings.recent_k else None)
+        with full_precision(self.z.device):
+            product = linear_in_dtype(torch.cat([done[g].loc_U for g in shared]), W)
+        vocab = dict(zip(shared, product.split([done[g].loc_U.shape[0] for g in shared])))
+        return done, vocab
 
     # ------------------------------------------------------------------ 4. leave
     def _leave(self) -> Tensor | None:
