@@ -1,37 +1,44 @@
-"""`causal-adapter serve` under load: dynamic batching against one request at a time, served tokens/s against
-in-process generation, and a 64-client load run.
+"""`causal-adapter serve` under load (issue 41): step-level scheduling (continuous batching) against tick batching
+(the scheduling before it, `--scheduler tick`), in one run, with the figures servers are judged by: throughput, TTFT
+(time to first token) p50 / p99 and ITL (inter-token latency) p50 / p99, measured by the clients on streamed answers.
 
-    python benchmarks/serving.py                        # embedded tiny Qwen2 (hidden 256, 4 layers), CPU
-    python benchmarks/serving.py --hidden-size 896 --layers 8 --device cuda   # where an accelerator is lent
+    python benchmarks/serving.py                                              # CPU: embedded tiny Qwen2, h256, 4 layers
+    python benchmarks/serving.py --hidden-size 896 --layers 8 --device cuda   # GPU (about 2 minutes on an H100)
 
-Two adapters (different seeds, made distinct, saved with `save_pretrained`) on one base; every request names one of
-them (alternating) and asks for a greedy completion (`temperature=0`: deterministic mode, what `causal-adapter
-generate` does) of --max-tokens tokens after a prompt of yearly sunspot counts (statsmodels' real data set; windows
-of 12 years). Two servers are started in turn, each in a process of its own on a free port:
+Two adapters (different heads, saved with `save_pretrained`) on one base; every request names one of them
+(alternating); prompts are windows of 12 yearly sunspot counts (statsmodels), each phase its own (no prompt shares
+a prefix cache block with another: the prefix cache is measured in phase 5 alone). Three servers, each a process of its own
+on a free port, `--max-batch-size 32`: ``step`` (the default scheduler), ``tick`` (`--scheduler tick`) and, for the
+last phase only, ``step`` with `--no-prefix-cache`. Phases:
 
-* ``batched``: `--max-batch-size 32` (requests that arrive together run as one generate call per adapter);
-* ``one_at_a_time``: `--max-batch-size 1` (the same server, one request per model call).
+1. idle: short requests (16 tokens) streamed one at a time to the step server: the TTFT of an idle server (p50, the
+   mean of two measures: before phase 2 and before phase 3).
+2. equal: 32 clients, each sending --requests greedy completions of 16 tokens one after the other, to each server,
+   then in-process `generate_batched` of the same requests at batch 32 (the two adapters mixed, as served), in turn
+   for --rounds rounds (new prompts each round), the best of each kept: served tokens/s over in-process tokens/s
+   (target >= 0.9 for step). The step server's capacity (requests/s of the mixed lengths below) follows from it.
+3. mixed lengths: streamed requests arriving as a Poisson process, output lengths mixed (half 16 tokens, half
+   log-uniform in 32..256; eos ignored, so every request writes exactly its length), the same arrivals and lengths
+   for both servers, at two rates: the latency run at --load times the capacity (--poisson-requests requests; target:
+   the short requests' TTFT p50 on step <= 2x the idle TTFT) and the throughput run at --burst times the capacity
+   (--burst-requests requests, more than either server can take: target step / tick throughput >= 1.5). Below its
+   capacity a server's throughput is the offered rate, whatever its scheduling; above it, the scheduling decides.
+   Throughput = tokens / (last answer - first request); TTFT of all and of the short requests; ITL between two
+   streamed chunks.
+4. load: 64 clients x 4 requests to the step server: every request must come back 200 (0 lost, 0 5xx).
+5. prefix: the bundled chat corpus' test conversations (up to their last user turn; 16 tokens each) as chat
+   completions to one adapter (a chat application), arriving at --chat-load times the capacity, to the step server with its prefix cache and to one without:
+   prompt tokens computed and read from the cache (/health), TTFT p50 / p99 with and without.
 
-Against each, --rounds rounds of 1, 8 and 32 concurrent clients (asyncio + httpx, each client sends its requests
-one after the other; --requests per client, at least 2), round robin across the two servers; per level the best
-round's requests/s is kept (the machine is shared: best-of-k) with that round's p50 / p99 latency. Then served
-tokens/s at 32 clients (completion tokens from `usage`) against in-process `generate_batched` of the same prompts
-in the benchmark's own process (batch 32 and batch 1), and a load run of 64 concurrent clients against the batched
-server: every request must come back 200 (lost = exceptions or no answer, 5xx counted apart).
-
-Per level also, from the server's /health counters over the level's run: rows per generate call (how full the batches
-were), the fraction of the wall time spent inside `generate` and the fraction the worker spent on generation jobs
-(encoding and results included): what is left is time the model waited for requests.
-
-Ends with ONE line ``RESULT key=value ...``: rps, p50/p99 ms, rows per call and the fraction in generate per server
-and level, batched_vs_one_at_a_time_32
-(the ratio of requests/s at 32 clients; the goal is >= 4 on CPU), served / in-process tokens/s, load_ok, load_lost,
-load_5xx.
+Ends with ``RESULT key=value ...`` and one ``TARGET`` line per target (PASS / FAIL).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
+import random
 import socket
 import statistics
 import subprocess
@@ -40,24 +47,41 @@ import tempfile
 import time
 from pathlib import Path
 
-LEVELS = (1, 8, 32)
+from causal_adapter.commands.serve import keep_large_blocks
+
+
+HEADERS = ("Yearly sunspot numbers.", "Sunspot counts by year:", "Annual mean sunspot number.", "Wolf numbers, yearly.",
+           "Sunspots per year (SILSO).")
 
 
 def sunspot_prompts(n: int) -> list[str]:
+    """n prompts (up to 1,480) that share no 16-token prefix: windows of 12 yearly counts (296 starts) under five
+    headers, so no phase reads another's prompts from the prefix cache."""
     import statsmodels.api as sm
 
     df = sm.datasets.sunspots.load_pandas().data
     years, values = df["YEAR"].astype(int).tolist(), df["SUNACTIVITY"].tolist()
+    starts = len(years) - 13
+    if n > len(HEADERS) * starts:
+        raise ValueError(f"at most {len(HEADERS) * starts} distinct prompts")
     prompts = []
     for i in range(n):
-        s = (i * 7) % (len(years) - 13)
+        s = (i * 7) % starts
         window = ", ".join(f"{years[j]}: {values[j]:.1f}" for j in range(s, s + 12))
-        prompts.append(f"Yearly sunspot numbers. {window}, {years[s + 12]}:")
+        prompts.append(f"{HEADERS[i // starts]} {window}, {years[s + 12]}:")
     return prompts
 
 
-def make_adapters(directory: Path, hidden_size: int, layers: int) -> tuple[list[Path], str]:
-    """Two saved adapters on the embedded tiny base; returns (paths, the base's recorded name)."""
+def chat_requests(n: int) -> list[list[dict]]:
+    """The chat corpus' test conversations up to their last user turn (what a client sends)."""
+    from causal_adapter.data.corpora import chat_corpus
+
+    rows = chat_corpus()["test"]["messages"][:n]
+    return [m[:max(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in rows]
+
+
+def make_adapters(directory: Path, hidden_size: int, layers: int) -> list[Path]:
+    """Two saved adapters on the embedded tiny base."""
     import torch
 
     from causal_adapter import CausalAdapterConfig, get_causal_model
@@ -72,7 +96,7 @@ def make_adapters(directory: Path, hidden_size: int, layers: int) -> tuple[list[
             g = torch.Generator().manual_seed(i)
             model.abduction.loc.weight.add_(0.02 * torch.randn(model.abduction.loc.weight.shape, generator=g))
         paths.append(model.save_pretrained(directory / f"adapter{i}"))
-    return paths, base.name_or_path
+    return paths
 
 
 def free_port() -> int:
@@ -81,18 +105,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(paths: list[Path], max_batch: int, args) -> tuple[subprocess.Popen, str]:
+def start_server(paths: list[Path], extra: list[str], args) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "causal_adapter", "serve", "--port", str(port), "--max-batch-size", str(max_batch),
-           "--max-queue", "1024", "--tiny-hidden-size", str(args.hidden_size), "--tiny-layers", str(args.layers)]
+    cmd = [sys.executable, "-m", "causal_adapter", "serve", "--port", str(port), "--max-batch-size", "32",
+           "--max-queue", "1024", "--tiny-hidden-size", str(args.hidden_size), "--tiny-layers", str(args.layers),
+           "--log-level", "warning", *extra]
     for i, p in enumerate(paths):
         cmd += ["--adapter", f"a{i}={p}"]
     if args.device:
         cmd += ["--device", args.device]
-    if args.batch_wait_ms is not None:
-        cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -109,110 +132,228 @@ def start_server(paths: list[Path], max_batch: int, args) -> tuple[subprocess.Po
     raise RuntimeError("the server did not come up in 600 s")
 
 
-async def drive(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
-    """`clients` concurrent clients, each sending `per_client` requests one after the other."""
+# ----------------------------------------------------------------------------- one request
+async def request(http, url: str, body: dict, chat: bool = False) -> dict:
+    """One streamed request: status, tokens, TTFT (s, from the send), the gaps between streamed chunks."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    t0 = time.perf_counter()
+    stamps, tokens, status = [], 0, None
+    try:
+        async with http.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                               json=body) as r:
+            status = r.status_code
+            if status != 200:
+                await r.aread()
+                return {"status": status, "tokens": 0, "ttft": None, "gaps": [], "end": time.perf_counter()}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", []):
+                    if c.get("text") or (c.get("delta") or {}).get("content"):
+                        stamps.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - counted as lost
+        return {"status": None, "error": repr(e), "tokens": 0, "ttft": None, "gaps": [], "end": time.perf_counter()}
+    return {"status": status, "tokens": tokens, "ttft": stamps[0] - t0 if stamps else None,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "end": time.perf_counter(), "start": t0}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return math.nan
+    return statistics.median(xs) if q == 0.5 else xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def client(timeout: float = 900):
     import httpx
 
-    latencies, tokens, ok, errors, status_5xx = [], 0, 0, 0, 0
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
 
-    async def client(c: int, http) -> None:
-        nonlocal tokens, ok, errors, status_5xx
+
+# ----------------------------------------------------------------------------- phases
+async def idle_ttft(url: str, prompts: list[str], n: int = 8) -> float:
+    async with client() as http:
+        out = [await request(http, url, {"model": f"a{i % 2}", "prompt": prompts[i], "max_tokens": 16,
+                                         "ignore_eos": True}) for i in range(n)]
+    return pct([r["ttft"] for r in out], 0.5)
+
+
+async def closed_loop(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    """`clients` clients, each sending `per_client` non-streamed requests one after the other."""
+    import httpx
+
+    results = []
+
+    async def one_client(c: int, http) -> None:
         for k in range(per_client):
             i = c * per_client + k
             body = {"model": f"a{i % 2}", "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": 0}
+                    "temperature": 0, "ignore_eos": True}
             t0 = time.perf_counter()
             try:
                 r = await http.post(url + "/v1/completions", json=body)
-            except httpx.HTTPError:
-                errors += 1
-                continue
-            latencies.append(time.perf_counter() - t0)
-            if r.status_code >= 500:
-                status_5xx += 1
-            elif r.status_code != 200:
-                errors += 1
-            else:
-                ok += 1
-                tokens += r.json()["usage"]["completion_tokens"]
+                tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
+                results.append({"status": r.status_code, "tokens": tokens, "latency": time.perf_counter() - t0})
+            except (httpx.HTTPError, ValueError) as e:
+                results.append({"status": None, "tokens": 0, "error": repr(e)})
 
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    async with client() as http:
         before = (await http.get(url + "/health")).json()
         t0 = time.perf_counter()
-        await asyncio.gather(*(client(c, http) for c in range(clients)))
+        await asyncio.gather(*(one_client(c, http) for c in range(clients)))
         wall = time.perf_counter() - t0
         after = (await http.get(url + "/health")).json()
-    work = {k: after[k] - before[k] for k in ("generate_calls", "generated_rows", "generate_seconds",
-                                               "generation_jobs_seconds")}
     n = clients * per_client
-    lat = sorted(latencies) or [float("nan")]
-    return {"rps": len(latencies) / wall, "p50_ms": 1000 * statistics.median(lat),
-            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "tokens_per_s": tokens / wall,
-            "rows_per_call": work["generated_rows"] / max(1, work["generate_calls"]),
-            "in_generate": work["generate_seconds"] / wall, "worker_busy": work["generation_jobs_seconds"] / wall,
-            "sent": n, "ok": ok, "errors": errors,
-            "status_5xx": status_5xx, "lost": n - len(latencies)}
+    rows = after["generated_rows"] - before["generated_rows"]
+    steps = max(1, after["steps"] - before["steps"])
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "rps": len(results) / wall,
+            "ok": sum(r["status"] == 200 for r in results), "lost": n - sum(r["status"] is not None for r in results),
+            "status_5xx": sum((r["status"] or 0) >= 500 for r in results), "sent": n,
+            "rows_per_step": sum(r["tokens"] for r in results) / steps, "rows": rows}
 
 
-def in_process_tokens_per_s(paths: list[Path], prompts: list[str], max_tokens: int, batch_size: int, args) -> float:
-    import torch
+def poisson_schedule(n: int, rate: float, seed: int = 0) -> tuple[list[float], list[int]]:
+    """(arrival times in s, output lengths): half 16 tokens, half log-uniform in 32..256."""
+    rng = random.Random(seed)
+    t, times, lengths = 0.0, [], []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+        lengths.append(16 if i % 2 == 0 else int(round(math.exp(rng.uniform(math.log(32), math.log(256))))))
+    return times, lengths
 
-    from causal_adapter import CausalModel
-    from causal_adapter.saving.assets import load_base
 
-    base, tokenizer = load_base(None, "qwen2", "float32", args.hidden_size, args.layers)
-    model = CausalModel.from_pretrained(base, paths[0], tokenizer=tokenizer,
-                                        device_map=args.device if args.device else None).eval()
-    with torch.no_grad():  # warm-up (first CUDA calls, allocator), as the servers get theirs
-        model.generate_batched(prompts[:batch_size], tokenizer, batch_size=batch_size, max_new_tokens=2)
-    best = 0.0
-    for _ in range(args.rounds):
+async def poisson(url: str, bodies: list[dict], times: list[float], chat: bool = False) -> dict:
+    async with client() as http:
+        before = (await http.get(url + "/health")).json()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            outs = model.generate_batched(prompts, tokenizer, batch_size=batch_size, max_new_tokens=max_tokens)
-        if args.device == "cuda":
+
+        async def at(t: float, body: dict) -> dict:
+            await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+            return await request(http, url, body, chat)
+
+        out = await asyncio.gather(*(at(t, b) for t, b in zip(times, bodies)))
+        after = (await http.get(url + "/health")).json()
+    ok = [r for r in out if r["status"] == 200]
+    span = max(r["end"] for r in out) - t0
+    short = [r for r, b in zip(out, bodies) if b.get("max_tokens") == 16 and r["status"] == 200]
+    gaps = [g for r in ok for g in r["gaps"]]
+    return {"tokens_per_s": sum(r["tokens"] for r in ok) / span, "ok": len(ok), "sent": len(out),
+            "ttft_p50": pct([r["ttft"] for r in ok], 0.5), "ttft_p99": pct([r["ttft"] for r in ok], 0.99),
+            "short_ttft_p50": pct([r["ttft"] for r in short], 0.5), "short_ttft_p99": pct([r["ttft"] for r in short], 0.99),
+            "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99),
+            "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
+            "reused_tokens": after["prefix_reused_tokens"] - before["prefix_reused_tokens"]}
+
+
+class InProcess:
+    """The same base and adapters in this process: generate_batched at batch 32, the two adapters alternating."""
+
+    def __init__(self, paths: list[Path], args):
+        import torch
+
+        from causal_adapter import CausalModel
+        from causal_adapter.saving.assets import load_base
+
+        base, self.tokenizer = load_base(None, "qwen2", "float32", args.hidden_size, args.layers)
+        self.model = CausalModel.from_pretrained(base, paths[0], tokenizer=self.tokenizer, adapter_name="a0")
+        self.model.load_adapter(paths[1], "a1", tokenizer=self.tokenizer)
+        self.model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+        self.tokens_per_s(["warm-up"] * 4, 2)
+
+    def tokens_per_s(self, prompts: list[str], max_tokens: int) -> float:
+        import torch
+
+        names = [f"a{i % 2}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = self.model.generate_batched(prompts, self.tokenizer, batch_size=32, adapter_names=names,
+                                           max_new_tokens=max_tokens, eos_token_id=[])
+        if self.model.device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, sum(int(o.lengths[0]) for o in outs) / (time.perf_counter() - t0))
-    return best
+        return sum(int(o.lengths[0]) for o in outs) / (time.perf_counter() - t0)
+
+
+def line(name: str, r: dict) -> str:
+    return " ".join([f"{name:22s}"] + [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=4, help="requests per client per round (at 32 clients: 128)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--device", default=None, help="the server's --device (default: its own default)")
-    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrent clients per level")
-    ap.add_argument("--batch-wait-ms", type=float, default=None, help="the servers' --batch-wait-ms (default: theirs)")
+    ap.add_argument("--device", default=None, help="the servers' --device (default: theirs)")
+    ap.add_argument("--requests", type=int, default=4, help="equal phase: requests per client (32 clients)")
+    ap.add_argument("--rounds", type=int, default=4, help="equal phase: rounds per server, the best kept")
+    ap.add_argument("--poisson-requests", type=int, default=64, help="latency run: requests")
+    ap.add_argument("--rate", type=float, default=None, help="latency run: arrivals per second (default: --load x "
+                                                               "the step server's capacity)")
+    ap.add_argument("--load", type=float, default=0.6, help="latency run: the rate as a fraction of the capacity")
+    ap.add_argument("--burst", type=float, default=2.5, help="throughput run: the rate as a multiple of the capacity")
+    ap.add_argument("--burst-requests", type=int, default=96)
+    ap.add_argument("--chat-requests", type=int, default=226, help="prefix phase: chat corpus test conversations")
+    ap.add_argument("--chat-load", type=float, default=0.3,
+                    help="prefix phase: the rate as a fraction of the capacity at 16 tokens per request (chat prompts "
+                         "are three times longer than the sunspot ones: their prefill is a larger part of the work)")
     args = ap.parse_args()
-    prompts = sunspot_prompts(256)
-    results: dict[tuple[str, int], dict] = {}
+    keep_large_blocks()  # the allocator settings of the servers (commands/serve.py), for the in-process baseline too
+    per_round = 32 * args.requests
+    pool = iter(sunspot_prompts(1480))  # each phase its own prompts: none reads another's from the prefix cache
+
+    def take(n: int) -> list[str]:
+        return [next(pool) for _ in range(n)]
+
+    res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        paths, _ = make_adapters(Path(tmp), args.hidden_size, args.layers)
+        paths = make_adapters(Path(tmp), args.hidden_size, args.layers)
         servers = {}
         try:
-            for name, max_batch in (("batched", 32), ("one_at_a_time", 1)):
-                servers[name] = start_server(paths, max_batch, args)
-            asyncio.run(drive(servers["batched"][1], prompts, 2, 1, args.max_tokens))  # warm-up
-            asyncio.run(drive(servers["one_at_a_time"][1], prompts, 2, 1, args.max_tokens))
-            for _ in range(args.rounds):
-                for level in args.levels:
-                    per_client = max(2, args.requests if level > 1 else 4 * args.requests)
-                    for name, (_, url) in servers.items():
-                        r = asyncio.run(drive(url, prompts, level, per_client, args.max_tokens))
-                        if (name, level) not in results or r["rps"] > results[name, level]["rps"]:
-                            results[name, level] = r
-                        print(f"{name:14s} clients={level:3d} rps={r['rps']:7.2f} p50={r['p50_ms']:8.1f} ms "
-                              f"p99={r['p99_ms']:8.1f} ms tokens/s={r['tokens_per_s']:8.1f} lost={r['lost']} "
-                              f"5xx={r['status_5xx']} rows/call={r['rows_per_call']:5.1f} "
-                              f"in_generate={r['in_generate']:.2f} worker_busy={r['worker_busy']:.2f}", flush=True)
-            servers.pop("one_at_a_time")[0].terminate()
-            load = asyncio.run(drive(servers["batched"][1], prompts, 64, 4, args.max_tokens))
-            print(f"load: 64 clients x 4 requests: ok={load['ok']} lost={load['lost']} 5xx={load['status_5xx']} "
-                  f"errors={load['errors']} rps={load['rps']:.2f}", flush=True)
+            servers["step"] = start_server(paths, [], args)
+            servers["tick"] = start_server(paths, ["--scheduler", "tick"], args)
+            local = InProcess(paths, args)
+            for name in servers:  # warm-up
+                asyncio.run(closed_loop(servers[name][1], take(4), 4, 1, 4))
+            idle = asyncio.run(idle_ttft(servers["step"][1], take(8)))
+            print(f"idle                   ttft_p50={idle * 1000:.1f} ms", flush=True)
+            for k in range(args.rounds):  # step, tick and in-process in turn: the machine's noise hits them alike
+                batch = take(per_round)
+                for name in ("step", "tick"):
+                    r = asyncio.run(closed_loop(servers[name][1], batch, 32, args.requests, 16))
+                    print(line(f"equal {name}", r), flush=True)
+                    if f"equal_{name}" not in res or r["tokens_per_s"] > res[f"equal_{name}"]["tokens_per_s"]:
+                        res[f"equal_{name}"] = r
+                inproc = max(res.get("in_process", {}).get("tokens_per_s", 0.0), local.tokens_per_s(batch, 16))
+                res["in_process"] = {"tokens_per_s": inproc}
+                print(f"equal in-process       tokens_per_s={inproc:.1f} (best so far)", flush=True)
+            del local
+            again = asyncio.run(idle_ttft(servers["step"][1], take(8)))  # the idle TTFT again, just before: drift
+            print(f"idle (again)           ttft_p50={again * 1000:.1f} ms", flush=True)
+            idle = (idle + again) / 2
+            capacity = res["equal_step"]["tokens_per_s"] / statistics.mean(poisson_schedule(1000, 1.0)[1])  # req/s
+            for seed, (phase, load, n) in enumerate((("latency", args.load, args.poisson_requests),
+                                                     ("throughput", args.burst, args.burst_requests))):
+                rate = args.rate if args.rate and phase == "latency" else load * capacity
+                times, lengths = poisson_schedule(n, rate, seed=seed)
+                bodies = [{"model": f"a{i % 2}", "prompt": p, "max_tokens": m, "ignore_eos": True}
+                          for i, (p, m) in enumerate(zip(take(n), lengths))]
+                for name in ("step", "tick"):
+                    res[f"{phase}_{name}"] = r = asyncio.run(poisson(servers[name][1], bodies, times))
+                    print(line(f"{phase} {name}", r) + f" rate={rate:.3g}/s", flush=True)
+            servers.pop("tick")[0].terminate()
+            res["load"] = asyncio.run(closed_loop(servers["step"][1], take(256), 64, 4, 16))
+            print(line("load 64x4", res["load"]), flush=True)
+            if args.chat_requests:
+                chats = chat_requests(args.chat_requests)
+                chat_rate = args.chat_load * res["equal_step"]["tokens_per_s"] / 16  # 16 tokens each
+                chat_times = poisson_schedule(len(chats), chat_rate, seed=2)[0]
+                chat_bodies = [{"model": "a0", "messages": m, "max_tokens": 16, "ignore_eos": True} for m in chats]
+                servers["no_prefix"] = start_server(paths, ["--no-prefix-cache"], args)
+                asyncio.run(closed_loop(servers["no_prefix"][1], take(4), 4, 1, 4))
+                for name, key in (("step", "prefix_on"), ("no_prefix", "prefix_off")):
+                    res[key] = asyncio.run(poisson(servers[name][1], chat_bodies, chat_times, chat=True))
+                    print(line(f"chat {key}", res[key]) + f" rate={chat_rate:.3g}/s", flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -220,25 +361,47 @@ def main() -> None:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-        inproc_32 = in_process_tokens_per_s(paths, prompts[:32], args.max_tokens, 32, args)
-        inproc_1 = in_process_tokens_per_s(paths, prompts[:32], args.max_tokens, 1, args)
-    fields = {}
-    for (name, level), r in sorted(results.items()):
-        fields[f"{name}_{level}_rps"] = f"{r['rps']:.2f}"
-        fields[f"{name}_{level}_p50_ms"] = f"{r['p50_ms']:.0f}"
-        fields[f"{name}_{level}_p99_ms"] = f"{r['p99_ms']:.0f}"
-        fields[f"{name}_{level}_rows_per_call"] = f"{r['rows_per_call']:.1f}"
-        fields[f"{name}_{level}_in_generate"] = f"{r['in_generate']:.2f}"
-    top = max(args.levels)
-    served = results["batched", top]["tokens_per_s"]
-    fields.update({
-        "batched_vs_one_at_a_time_32": f"{results['batched', top]['rps'] / results['one_at_a_time', top]['rps']:.2f}",
-        "served_tokens_per_s_32": f"{served:.1f}", "in_process_tokens_per_s_batch32": f"{inproc_32:.1f}",
-        "in_process_tokens_per_s_batch1": f"{inproc_1:.1f}", "served_vs_in_process_batch32": f"{served / inproc_32:.2f}",
-        "load_ok": load["ok"], "load_lost": load["lost"], "load_5xx": load["status_5xx"],
-        "load_errors": load["errors"], "device": args.device or "default",
-    })
+    report(res, idle, res["in_process"]["tokens_per_s"], args)
+
+
+def report(res: dict, idle: float, inproc: float, args) -> None:
+    """The RESULT line and one TARGET line per target."""
+    fields = {
+        "device": args.device or "default", "idle_ttft_ms": f"{idle * 1000:.1f}",
+        "equal_step_tokens_per_s": f"{res['equal_step']['tokens_per_s']:.1f}",
+        "equal_tick_tokens_per_s": f"{res['equal_tick']['tokens_per_s']:.1f}",
+        "in_process_tokens_per_s_batch32": f"{inproc:.1f}",
+        "served_vs_in_process": f"{res['equal_step']['tokens_per_s'] / inproc:.2f}",
+        "equal_step_rows_per_step": f"{res['equal_step']['rows_per_step']:.1f}",
+        "equal_tick_rows_per_step": f"{res['equal_tick']['rows_per_step']:.1f}",
+    }
+    for phase in ("latency", "throughput"):
+        for name in ("step", "tick"):
+            r = res[f"{phase}_{name}"]
+            fields.update({f"{phase}_{name}_tokens_per_s": f"{r['tokens_per_s']:.1f}",
+                           f"{phase}_{name}_ttft_p50_ms": f"{r['ttft_p50'] * 1000:.0f}",
+                           f"{phase}_{name}_ttft_p99_ms": f"{r['ttft_p99'] * 1000:.0f}",
+                           f"{phase}_{name}_short_ttft_p50_ms": f"{r['short_ttft_p50'] * 1000:.0f}",
+                           f"{phase}_{name}_itl_p50_ms": f"{r['itl_p50'] * 1000:.1f}",
+                           f"{phase}_{name}_itl_p99_ms": f"{r['itl_p99'] * 1000:.1f}"})
+    thr_s, thr_t = res["throughput_step"], res["throughput_tick"]
+    fields.update({"throughput_step_vs_tick": f"{thr_s['tokens_per_s'] / thr_t['tokens_per_s']:.2f}",
+                   "short_ttft_vs_idle": f"{res['latency_step']['short_ttft_p50'] / idle:.2f}",
+                   "load_ok": res["load"]["ok"], "load_lost": res["load"]["lost"], "load_5xx": res["load"]["status_5xx"]})
+    if "prefix_on" in res:
+        on, off = res["prefix_on"], res["prefix_off"]
+        fields.update({"chat_prefill_tokens_on": on["prefill_tokens"], "chat_prefill_tokens_off": off["prefill_tokens"],
+                       "chat_reused_tokens": on["reused_tokens"],
+                       "chat_prefill_saved": f"{on['reused_tokens'] / max(1, on['reused_tokens'] + on['prefill_tokens']):.2f}",
+                       "chat_ttft_p50_ms_on": f"{on['ttft_p50'] * 1000:.0f}", "chat_ttft_p50_ms_off": f"{off['ttft_p50'] * 1000:.0f}",
+                       "chat_ttft_p99_ms_on": f"{on['ttft_p99'] * 1000:.0f}", "chat_ttft_p99_ms_off": f"{off['ttft_p99'] * 1000:.0f}"})
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()))
+    for target, ok in (("served tokens/s >= 0.9x in-process generate_batched at 32", float(fields["served_vs_in_process"]) >= 0.9),
+                       ("short requests' TTFT p50 <= 2x idle TTFT", float(fields["short_ttft_vs_idle"]) <= 2.0),
+                       ("mixed-length throughput >= 1.5x tick batching", float(fields["throughput_step_vs_tick"]) >= 1.5),
+                       ("64 clients x 4: 0 lost, 0 5xx", res["load"]["lost"] == 0 and res["load"]["status_5xx"] == 0
+                        and res["load"]["ok"] == 256)):
+        print(f"TARGET {'PASS' if ok else 'FAIL'}: {target}")
 
 
 if __name__ == "__main__":
