@@ -12,6 +12,7 @@ that rows join and leave at every decoding step. The modules are the steps, in o
              and its Settings (eos / pad ids, devices, the OvR scorer, logits warpers, the number layout)
     loop     the step loop: join (prefill, merge), decide, leave, feed
     cache    the backbone's cache row by row (transformers' DynamicCache), and the prefix cache
+    adapters rows of several adapters in one backbone pass (peft's mixed batch)
     choose   choose a token: the heads on each row's last hidden state, the mode's choice
     place    place a number: the number layout of training (a prefix before <NUM>)
     record   record: what each row wrote (Row), values rounded as written, the value head's recent numbers

@@ -28,9 +28,7 @@ and leave together (`fixed_reason` says why).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 from collections import deque
 
 import torch
@@ -39,6 +37,7 @@ from torch import Tensor
 from ..._compat import cache_kwargs, output_cache
 from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
+from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
 from .cache import PrefixCache, cache_from, key_value_only, merge_rows, movable, select_rows, trim_left
 from .choose import choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
@@ -417,36 +416,16 @@ class StepLoop:
 
     # ------------------------------------------------------------------ adapters
     def _use_adapter(self, adapter: str | None) -> None:
-        if adapter is not None and self.model.active_adapter != adapter:
-            self.model.set_adapter(adapter)
+        use_adapter(self.model, adapter)
 
     def _embed(self, rows: list[Row], ids: Tensor, values: Tensor) -> Tensor:
-        """inputs_embeds [B, s, H], each row's phi its adapter's. The adapters are taken last to first: the heads
-        then run first to last, so each switch of adapter is made once, not twice."""
-        names = [r.group.adapter for r in rows]
-        order = list(dict.fromkeys(names))
-        if len(order) == 1:
-            self._use_adapter(order[0])
-            return self.model.embed(ids, values)
-        embeds = None
-        for a in reversed(order):
-            self._use_adapter(a)
-            at = torch.tensor([i for i, n in enumerate(names) if n == a], device=ids.device)
-            e = self.model.embed(ids[at], values[at])
-            if embeds is None:
-                embeds = e.new_empty(ids.shape + e.shape[-1:])
-            embeds[at.to(e.device)] = e
-        return embeds
+        return embed_rows(self.model, [r.group.adapter for r in rows], ids, values)
 
     def _lora_rows(self, names: list[str | None]):
-        """With rows of several adapters: every peft LoRA layer runs each row's own adapter (peft's mixed batch, the
-        `adapter_names` argument of its layers) during the backbone call."""
-        if len(set(names)) < 2:
-            return contextlib.nullcontext()
         key = tuple(self.model.adapter_names)
-        if self._lora is None or self._lora[0] != key:
-            self._lora = (key, _tuner_layers(self.model))
-        return _pass_adapter_names(self._lora[1], names) if self._lora[1] else contextlib.nullcontext()
+        if self._lora is None or self._lora[0] != key:  # the LoRA layers change when an adapter is loaded
+            self._lora = (key, tuner_layers(self.model))
+        return lora_rows(self._lora[1], names)
 
 
 def _left_pad(mask: Tensor, length: int) -> Tensor:
@@ -461,24 +440,3 @@ def _history(rows: list[Row]) -> Tensor:
     seqs = [r.ids + r.tokens for r in rows]
     L = max(len(q) for q in seqs)
     return torch.tensor([[q[0] if first else s.pad_id] * (L - len(q)) + q for q in seqs], dtype=torch.long)
-
-
-def _tuner_layers(model) -> list:
-    if "peft" not in sys.modules:
-        return []
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for m in model.backbone.modules() if isinstance(m, BaseTunerLayer)]
-
-
-@contextlib.contextmanager
-def _pass_adapter_names(layers: list, names: list[str | None]):
-    def pass_names(module, args, kwargs):
-        return args, {**kwargs, "adapter_names": names}
-
-    hooks = [m.register_forward_pre_hook(pass_names, with_kwargs=True) for m in layers]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
