@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, registry, max_batch_size=args.max_batch_size, chat_template=chat_template,
                     enable_thinking=args.enable_thinking, prefix_cache=not args.no_prefix_cache)
     app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root, max_queue=args.max_queue,
-                     batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler)
+                     batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler, worker_thread=False)
     logger = logging.getLogger("causal_adapter.serving")
     logger.setLevel(args.log_level.upper())
     if not logger.handlers:
@@ -233,5 +233,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"causal-adapter serve: ready on {url} (OpenAI base_url {url}/v1; adapters: {', '.join(adapters)})",
           flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
-    server.run(sockets=[sock])
+    serve_in_threads(server, sock, app.state.scheduler)
     return 0
+
+
+def serve_in_threads(server, sock, scheduler) -> None:
+    """uvicorn in a thread, the worker (the model's steps) in the main thread: torch's CPU steps run faster there.
+    SIGINT / SIGTERM go to uvicorn's own handler (its graceful shutdown: no new connections, the requests accepted
+    finished, then the app's shutdown closes the scheduler, which ends the worker); a second SIGINT forces the exit."""
+    import signal
+    import threading
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            scheduler.close()  # uvicorn stopped (or never started): the worker ends once its jobs are done
+
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="causal-adapter-http")
+    thread.start()
+    try:
+        scheduler.run()
+    finally:
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -171,10 +171,13 @@ ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/comp
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str | None = None,
-               max_queue: int = 256, batch_wait_s: float = 0.005, scheduler: str = "step") -> FastAPI:
-    """The app serving `engine`'s adapters; its scheduler's worker starts and stops with the app (lifespan)."""
+               max_queue: int = 256, batch_wait_s: float = 0.005, scheduler: str = "step",
+               worker_thread: bool = True) -> FastAPI:
+    """The app serving `engine`'s adapters; its scheduler's worker starts (in a thread of its own; worker_thread=False:
+    the caller runs `app.state.scheduler.run()` in a thread of its choice) and stops with the app (lifespan)."""
     registry = engine.registry
-    worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler)
+    worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler,
+                       run_by_caller=not worker_thread)
     engine.set_scheduler(scheduler)
     metrics = engine.metrics = Metrics()
     metrics.watch(engine.waiting_requests, engine.running, lambda: len(engine.loop.rows),
@@ -182,7 +185,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
 
     @asynccontextmanager
     async def lifespan(app):
-        worker.start()
+        if worker_thread:
+            worker.start()
         yield
         await asyncio.to_thread(worker.close)  # accepted requests were finished by the server: stop the worker
 

@@ -181,6 +181,7 @@ class Engine:
         self.join_running = self.loop.join_running = policy == "step"
 
     # ------------------------------------------------------------------ a step
+    @torch.no_grad()
     def step(self) -> None:
         self._drop_cancelled()
         t0 = time.perf_counter()
@@ -351,7 +352,7 @@ class Engine:
             numbers = self._numbers_before(row, numbers, cut)
             text, finished = text[:cut], True
         return {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
-                "values": [_value(x, levels, calibration) for x in numbers], "completion_tokens": len(row.tokens)}
+                "values": _values(numbers, levels, calibration), "completion_tokens": len(row.tokens)}
 
     def _numbers_before(self, row: Row, numbers: list[dict], cut: int) -> list[dict]:
         """The numbers whose text ends before character `cut` of the row's text."""
@@ -384,17 +385,21 @@ class Engine:
         job.done(rows)
 
 
-def _value(number: dict, levels: tuple[float, ...], calibration: dict | None) -> dict:
-    """A generated number with its intervals per level: calibrated by its adapter's map (as
-    `CausalModel.value_interval`) and raw."""
-    loc = torch.tensor(number["loc"], dtype=torch.float64)
-    scale = torch.tensor(number["scale"], dtype=torch.float64)
-    cal, raw = {}, {}
+def _values(numbers: list[dict], levels: tuple[float, ...], calibration: dict | None) -> list[dict]:
+    """The generated numbers with their intervals per level: calibrated by their adapter's map (as
+    `CausalModel.value_interval`) and raw, all numbers at once (float64, elementwise)."""
+    if not numbers:
+        return []
+    loc = torch.tensor([x["loc"] for x in numbers], dtype=torch.float64)
+    scale = torch.tensor([x["scale"] for x in numbers], dtype=torch.float64)
+    cal = [{} for _ in numbers]
+    raw = [{} for _ in numbers]
     for q in levels:
-        for table, cal_map in ((cal, calibration), (raw, None)):
+        for tables, cal_map in ((cal, calibration), (raw, None)):
             lo, hi = interval(loc, scale, q, cal_map)
-            table[level_name(q)] = (float(lo), float(hi))
-    return value_entry(number, cal, raw)
+            for table, a, b in zip(tables, lo.tolist(), hi.tolist()):
+                table[level_name(q)] = (a, b)
+    return [value_entry(x, c, r) for x, c, r in zip(numbers, cal, raw)]
 
 
 def _text_messages(messages: Any, i: int) -> Any:

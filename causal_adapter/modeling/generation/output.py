@@ -71,18 +71,21 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
     reported intervals (calibrated with `calibration`, as `CausalModel.value_interval`), raw_interval_* the raw
     Cauchy ones."""
     num_id = row.group.settings.num_id
+    at = [t for t, tok in enumerate(row.tokens) if tok == num_id]
     out = []
-    for t, tok in enumerate(row.tokens):
-        if tok != num_id:
-            continue
-        loc, scale, v = row.loc_Y[t], row.scale_Y[t], row.fed_values[t]
-        d = {"position": t, "index": prompt_length + t, "value": v, "text": _format(v) if math.isfinite(v) else str(v),
-             "loc": loc, "scale": scale, "exact": row.exact[t]}
+    for t in at:
+        v = row.fed_values[t]
+        out.append({"position": t, "index": prompt_length + t, "value": v,
+                    "text": _format(v) if math.isfinite(v) else str(v), "loc": row.loc_Y[t], "scale": row.scale_Y[t],
+                    "exact": row.exact[t]})
+    if out:  # every number's intervals at once (float64, elementwise: what one number alone gives)
+        loc = torch.tensor([d["loc"] for d in out], dtype=torch.float64)
+        scale = torch.tensor([d["scale"] for d in out], dtype=torch.float64)
         for q in (0.5, 0.9):
             for prefix, cal in (("", calibration), ("raw_", None)):
-                lo, hi = interval(torch.tensor(loc, dtype=torch.float64), torch.tensor(scale, dtype=torch.float64), q, cal)
-                d[f"{prefix}interval_{round(100 * q)}"] = (float(lo), float(hi))
-        out.append(d)
+                lo, hi = interval(loc, scale, q, cal)
+                for d, a, b in zip(out, lo.tolist(), hi.tolist()):
+                    d[f"{prefix}interval_{round(100 * q)}"] = (a, b)
     return out
 
 
