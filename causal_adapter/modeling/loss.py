@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
 from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
+from .heads import full_precision
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 
@@ -432,8 +433,9 @@ def _triton_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     blocks = _triton_sweep().default_blocks()
     if plan.scratch_mb:
         blocks = dataclasses.replace(blocks, scratch_bytes=int(plan.scratch_mb * 2**20))
-    total, grads = _triton_sweep().ovr_sweep(lu.to(plan.dtype).contiguous(), su.to(plan.dtype).contiguous(), W, b,
-                                             thr, y, plan.floor, plan.gemm, needs, blocks)
+    with full_precision(lu.device):  # (cuBLAS's products keep the dtypes chosen here under a caller's autocast)
+        total, grads = _triton_sweep().ovr_sweep(lu.to(plan.dtype).contiguous(), su.to(plan.dtype).contiguous(), W,
+                                                 b, thr, y, plan.floor, plan.gemm, needs, blocks)
     if grads is None:
         return total, None
     g_lu, g_su, g_W, g_b, g_thr = grads
