@@ -20,6 +20,30 @@ head needs exactly twice CE's matmul flops, so at 100% of sgemm it takes
     python benchmarks/ovr_loss.py            # N in 512, 2048, 8192 (~15 min on 2 cores)
     python benchmarks/ovr_loss.py --quick    # small V and N, ~1 min
 Prints a table and ends with one line "RESULT key=value ...".
+
+On a GPU (issue 40), one process, every variant in turn (`device_main`):
+
+    python benchmarks/ovr_loss.py --device cuda      # N = 8,192 and 65,536; ~1 min on an H100
+
+  ce               F.cross_entropy on bf16 logits, as plain LoRA computes it under autocast (transformers'
+                   loss: logits = h @ W.T in bf16 under torch.autocast, upcast to float32, cross-entropy)
+  liger            Liger's fused linear cross-entropy (liger-kernel), bf16 h and W
+  cce              Apple's Cut Cross-Entropy (cut-cross-entropy), bf16 h and W
+  ovr_triton_bf16  fused_ovr_loss(backend="triton", gemm_precision="bf16"); float32 inputs, W float32
+                   (--w-dtype bf16: W in bf16, as on a base held in bf16)
+  ovr_triton_tf32  the same with gemm_precision="tf32"
+  ovr_torch_tf32   fused_ovr_loss(backend="torch", gemm_precision="tf32"): the chunked loop (reference;
+                   only N <= --torch-max-n, run after the others)
+W frozen (LoRA: loc_U, scale_U' and b_cls get gradients) and W trainable. Forward + backward, best of
+--repeats after --warmup, CUDA-synchronised. Extra memory: torch.cuda.max_memory_allocated() after
+reset_peak_memory_stats() (reset once the inputs exist and the warm-ups ran), minus the allocation at the
+reset. "grads" is the size of the gradients the variant returned; issue 40's limit for the OvR loss is
+extra <= grads + 32 MiB. Ratios to Liger and to CE are from this one run. A variant that cannot be
+installed, imported or fitted in memory is reported and skipped. The table and the RESULT line are printed
+once before the reference (``complete=0``: what a timeout during its compile leaves) and again at the end
+(``complete=1``). Extras: ``pip install liger-kernel==0.8.5 cut-cross-entropy==25.1.1`` (GPU: their wheels,
+see docs/benchmarks.md). `--device cpu` runs the same path on the
+CPU (tiny shapes, a smoke test: no memory figures; Liger runs there only under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -155,12 +179,215 @@ def estimate_peak_mib(variant: str, N: int, V: int, C: int, trainable: bool, see
     return per * N * V * 4 / MIB + V * C * 4 / MIB
 
 
+# --------------------------------------------------------------------------- GPU (one process)
+DEVICE_VARIANTS = ["ce", "liger", "cce", "ovr_triton_bf16", "ovr_triton_tf32", "ovr_torch_tf32"]
+OVR_LIMIT_SLACK_MIB = 32  # issue 40: extra memory <= the gradients returned + 32 MiB
+
+
+def _device_inputs(N: int, V: int, C: int, trainable: bool, device, bf16_copies: bool, w_dtype=None):
+    """The problem of the CPU children, on `device`: W [V, C] (x0.02, in `w_dtype`, default float32), loc_U [N, C] (x3),
+    scale_U' = 10 + U(0, 1), b_cls = 0 (trains), threshold 100, labels; bf16 leaf copies of loc_U and W for
+    the bf16 peers."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    W = (torch.randn(V, C, generator=g, device=device) * 0.02).to(w_dtype or torch.float32)
+    x = dict(W=W.requires_grad_(trainable),
+             loc_U=(torch.randn(N, C, generator=g, device=device) * 3).requires_grad_(),
+             scale_Up=(10.0 + torch.rand(N, C, generator=g, device=device)).requires_grad_(),
+             b=torch.zeros(V, device=device, requires_grad=True),
+             thr=torch.tensor(100.0, device=device),
+             labels=torch.randint(0, V, (N,), generator=g, device=device))
+    if bf16_copies:
+        x["h16"] = x["loc_U"].detach().bfloat16().requires_grad_()
+        x["W16"] = x["W"].detach().bfloat16().requires_grad_(trainable)
+    return x
+
+
+def _device_step(variant: str, x: dict, device):
+    """(step function, the leaves that get gradients) of one variant."""
+    import torch
+    import torch.nn.functional as F
+
+    W, y = x["W"], x["labels"]
+    if variant == "ce":
+        def step():  # transformers' ForCausalLMLoss inside an autocast forward: bf16 logits, upcast, CE
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                logits = F.linear(x["loc_U"], W)
+            F.cross_entropy(logits.float(), y).backward()
+        return step, [x["loc_U"], W]
+    if variant == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss_fn = LigerFusedLinearCrossEntropyLoss()
+        return (lambda: loss_fn(x["W16"], x["h16"], y).backward()), [x["h16"], x["W16"]]
+    if variant == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return (lambda: linear_cross_entropy(x["h16"], x["W16"], y).backward()), [x["h16"], x["W16"]]
+    if variant.startswith("ovr_"):
+        from causal_adapter.modeling.loss import fused_ovr_loss
+        from device_bench import ovr_loss_kwargs
+
+        _, backend, gemm = variant.split("_")
+        kw = ovr_loss_kwargs(backend, gemm)
+
+        def step():
+            fused_ovr_loss(x["loc_U"], x["scale_Up"], W, x["b"], x["thr"], y, **kw).backward()
+        return step, [x["loc_U"], x["scale_Up"], x["b"], W]
+    raise ValueError(f"unknown variant {variant!r}; choose from {DEVICE_VARIANTS}")
+
+
+def _ce_need_bytes(N: int, V: int) -> int:
+    """CE's extra memory, about 12 bytes per logit (bf16 logits, their float32 copy, log-softmax, grads;
+    issue 40 measured 14.2 GiB at N = 8,192)."""
+    return 12 * N * V
+
+
+def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, device, warmup: int,
+                       repeats: int, w_dtype=None) -> dict:
+    import torch
+
+    from device_bench import PeakMemory, best_time, free_device_memory, is_oom
+
+    if variant == "ce" and torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if _ce_need_bytes(N, V) > 0.95 * free:
+            return dict(skip=f"needs ~{_ce_need_bytes(N, V) / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
+    try:
+        x = _device_inputs(N, V, C, trainable, device, variant in ("liger", "cce"), w_dtype)
+        step, leaves = _device_step(variant, x, device)
+
+        def drop_grads():
+            for t in leaves:
+                t.grad = None
+
+        mem = PeakMemory(device)
+        for _ in range(warmup):  # before the reset: one-time workspaces and autotuning are not the loss's
+            drop_grads()
+            step()
+        drop_grads()
+        mem.start()
+        best, times = best_time(step, device, warmup=0, repeats=repeats, before_each=drop_grads)
+        extra = mem.extra()
+        grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+        res = dict(time=best, times=[round(t * 1e3, 2) for t in times], grads_mib=grads / MIB,
+                   extra_mib=None if extra is None else extra / MIB)
+    except ImportError as e:
+        res = dict(skip=f"not installed ({e.name or e})")
+    except Exception as e:  # OOM, a kernel that fails to compile, a missing backend: reported, not fatal
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        res = dict(skip="out of memory" if is_oom(e) else f"{type(e).__name__}: {first}")
+    x = step = leaves = None  # noqa: F841 (free the inputs before the next variant)
+    free_device_memory(device)
+    return res
+
+
+def device_main(args) -> None:
+    import torch
+
+    from device_bench import machine_line, triton_status
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if device.type == "cpu":
+        torch.set_num_threads(2)
+    C, V = 896, args.vocab or 151936
+    sizes = args.sizes or [8192, 65536]
+    variants = args.variants or DEVICE_VARIANTS
+    print(f"OvR loss on {device.type}: C={C} V={V} N={sizes}, W {args.w_dtype} (ce / ovr); best of {args.repeats} "
+          f"after {args.warmup} warm-ups", flush=True)
+    print(machine_line(device), flush=True)
+    why = triton_status(device)
+    if why:
+        print(f"triton backend: {why}", flush=True)
+    # the reference (the chunked torch loop, compiled on first use) goes last, after a first report: a
+    # compile that outlasts the caller's timeout then leaves the main comparison printed (complete=0)
+    main_jobs = [(N, mode, v) for N in sizes for mode in args.modes for v in variants if not v.startswith("ovr_torch")]
+    ref_jobs = [(N, mode, v) for N in sizes for mode in args.modes for v in variants
+                if v.startswith("ovr_torch") and N <= args.torch_max_n]
+    seen = {}
+    for i, (N, mode, variant) in enumerate(main_jobs + ref_jobs):
+        if i == len(main_jobs) and ref_jobs and main_jobs:
+            device_report(seen, sizes, args.modes, variants, device, complete=False)
+        res = run_device_variant(variant, N, V, C, mode == "trainable", device, args.warmup, args.repeats,
+                                 torch.bfloat16 if args.w_dtype == "bf16" else torch.float32)
+        seen[(variant, N, mode)] = res
+        if "time" in res:
+            mem = "" if res["extra_mib"] is None else f", extra {res['extra_mib']:.0f} MiB"
+            print(f"  N={N} {mode} {variant}: {res['time'] * 1e3:.2f} ms{mem}, grads {res['grads_mib']:.0f} MiB "
+                  f"(ms: {res['times']})", flush=True)
+        else:
+            print(f"  N={N} {mode} {variant}: skipped ({res['skip']})", flush=True)
+    device_report(seen, sizes, args.modes, variants, device, complete=True)
+
+
+def device_report(seen: dict, sizes, modes, variants, device, complete: bool) -> None:
+    hdr = f"{'N':>6} {'W':>9} {'variant':>16} {'ms':>9} {'x Liger':>8} {'x CE':>6} {'extra MiB':>10} " \
+          f"{'grads MiB':>10} {'limit':>6}"
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    result = {"device": device.type, "complete": int(complete)}
+    for N in sizes:
+        for mode in modes:
+            liger, ce = seen.get(("liger", N, mode), {}), seen.get(("ce", N, mode), {})
+            for variant in variants:
+                r = seen.get((variant, N, mode))
+                if r is None:
+                    continue
+                if "time" not in r:
+                    print(f"{N:>6} {mode:>9} {variant:>16}   skipped: {r['skip']}")
+                    result[f"{variant}_{mode}_N{N}"] = "skipped"
+                    continue
+                x_liger = r["time"] / liger["time"] if "time" in liger else float("nan")
+                x_ce = r["time"] / ce["time"] if "time" in ce else float("nan")
+                tag = f"{variant}_{mode}_N{N}"
+                result[f"{tag}_ms"] = round(r["time"] * 1e3, 2)
+                if variant != "liger" and "time" in liger:
+                    result[f"{tag}_x_liger"] = round(x_liger, 3)
+                if variant != "ce" and "time" in ce:
+                    result[f"{tag}_x_ce"] = round(x_ce, 3)
+                limit = ""
+                if r["extra_mib"] is not None:
+                    result[f"{tag}_extra_mib"] = round(r["extra_mib"], 1)
+                    if variant.startswith("ovr_"):  # issue 40's memory limit
+                        ok = r["extra_mib"] <= r["grads_mib"] + OVR_LIMIT_SLACK_MIB
+                        limit = "ok" if ok else "OVER"
+                        result[f"{tag}_mem_ok"] = int(ok)
+                extra = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
+                print(f"{N:>6} {mode:>9} {variant:>16} {r['time'] * 1e3:>9.2f} {x_liger:>8.2f} {x_ce:>6.2f} "
+                      f"{extra:>10} {r['grads_mib']:>10.0f} {limit:>6}")
+    print(f"\nlimit: extra <= grads + {OVR_LIMIT_SLACK_MIB} MiB (issue 40, OvR variants); x Liger / x CE: time ratios "
+          "in this run")
+    for variant in (v for v in variants if v.startswith("ovr_triton")):  # issue 40's targets, per variant
+        for mode in modes:
+            ratios = [(N, result.get(f"{variant}_{mode}_N{N}_x_liger")) for N in sizes]
+            ratios = [(N, x) for N, x in ratios if x is not None]
+            if not ratios:
+                continue
+            (n0, x0), mem = ratios[0], [result.get(f"{variant}_{mode}_N{N}_mem_ok") for N, _ in ratios]
+            growth = "; ".join(f"N={N}: {x:.2f}x ({x / x0:.2f} of N={n0}'s ratio)" for N, x in ratios[1:])
+            print(f"target {variant} {mode}: N={n0}: {x0:.2f}x Liger ({'met' if x0 <= 1.0 else 'MISSED'}, goal <= 1.0)"
+                  + (f"; {growth}" if growth else "")
+                  + f"; memory limit {'n/a' if None in mem else 'met' if all(mem) else 'MISSED'}")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="V=16384, N in 256, 1024")
     ap.add_argument("--sizes", type=int, nargs="*", help="override the N values")
-    ap.add_argument("--variants", nargs="*", default=["naive", "fused", "compiled", "ce"])
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="CPU: naive fused compiled ce (default all); with --device: " + " ".join(DEVICE_VARIANTS))
     ap.add_argument("--modes", nargs="*", default=["frozen", "trainable"])
+    ap.add_argument("--device", default=None, help="cuda (or cpu): the in-process GPU comparison (see the top)")
+    ap.add_argument("--vocab", type=int, default=None, help="with --device: V (default 151,936)")
+    ap.add_argument("--warmup", type=int, default=2, help="with --device: untimed calls before the timed ones")
+    ap.add_argument("--repeats", type=int, default=5, help="with --device: timed calls (the fastest is kept)")
+    ap.add_argument("--w-dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="with --device: W of the ce / ovr variants (bf16: a base held in bf16; Liger / CCE: always bf16)")
+    ap.add_argument("--torch-max-n", type=int, default=8192,
+                    help="with --device: the ovr_torch reference only up to this N (it is ~10x slower)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (best kept)")
     ap.add_argument("--vocab-chunk", type=int, default=None)
     ap.add_argument("--token-chunk", type=int, default=None)
@@ -170,6 +397,11 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
+    if args.device:
+        sys.path.append(_HERE)  # device_bench.py (appended: a sibling never shadows a stdlib module)
+        device_main(args)
+        return
+    args.variants = args.variants or ["naive", "fused", "compiled", "ce"]
 
     C = 896
     V = 16384 if args.quick else 151936

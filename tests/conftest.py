@@ -11,7 +11,16 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (README: `-n 2`) the workers share the cores: each takes its share of intra-op threads,
+# and so do the processes its tests launch, not 2 threads per process on 2 cores. Oversubscribed, torch's
+# threads wait on each other: test_trl.py took 89 s instead of 14 beside another suite (measured). The test
+# models are tiny: 1 thread ran test_artifacts + test_mixed_precision as fast as 2 on idle cores. An
+# OMP_NUM_THREADS already set is the choice (.ci/run sets 1 where two suites run at once).
+if "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_THREADS)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 # Early warning of the next rename (issue 25): a FutureWarning or DeprecationWarning that transformers,
 # peft, accelerate or datasets raises because of a call made by causal_adapter is an error here, while

@@ -3,6 +3,7 @@
 `causal-adapter train` (python -m causal_adapter train) on the embedded tiny base. docs/multinode.md."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,8 +61,15 @@ def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S, outs: dic
     return codes, [(tmp_path / f"node{k}.log").read_text() for k in ranks], out
 
 
-def test_two_nodes_one_process_each_train_save_once_and_reload(tmp_path):
-    codes, logs, out = launch_nodes(tmp_path)
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """One run of 2 nodes x 1 process: (return codes, logs, node 0's output dir). The tests read it; one that
+    launches more nodes on it copies the output dir first."""
+    return launch_nodes(tmp_path_factory.mktemp("two_nodes"))
+
+
+def test_two_nodes_one_process_each_train_save_once_and_reload(two_nodes):
+    codes, logs, out = two_nodes
     assert codes == [0, 0], "\n\n".join(log[-4000:] for log in logs)
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["num_processes"] == 2 and final["global_step"] == 3
@@ -86,11 +94,13 @@ def test_two_nodes_one_process_each_train_save_once_and_reload(tmp_path):
     assert not torch.equal(trained["action.b_cls"], init["action.b_cls"])  # it trained
 
 @pytest.mark.slow
-def test_resume_where_a_node_lacks_the_checkpoint_is_refused_on_every_node_not_a_hang(tmp_path):
+def test_resume_where_a_node_lacks_the_checkpoint_is_refused_on_every_node_not_a_hang(tmp_path, two_nodes):
     """Node 1 resumes in an output dir without the checkpoint node 0 has (an unshared filesystem): before, node 0
-    resumed at step 3, node 1 started at 0, and both hung in their collectives. Now both stop with the reason."""
-    codes, logs, out = launch_nodes(tmp_path)
-    assert codes == [0, 0] and (out / "checkpoint-3").is_dir(), "\n\n".join(log[-3000:] for log in logs)
+    resumed at step 3, node 1 started at 0, and both hung in their collectives. Now both stop with the reason.
+    Node 0 resumes in a copy of the module's finished 2-node run (the same launch this test made before)."""
+    codes, logs, first = two_nodes
+    assert codes == [0, 0] and (first / "checkpoint-3").is_dir(), "\n\n".join(log[-3000:] for log in logs)
+    shutil.copytree(first, tmp_path / "out")  # launch_nodes' default output dir: node 0's
     empty = tmp_path / "node1_out"
     codes, logs, _ = launch_nodes(tmp_path, outs={1: empty}, extra=("--max-steps", "6", "--resume-from-checkpoint",
                                                                     "latest"))

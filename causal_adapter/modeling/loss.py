@@ -16,6 +16,7 @@ The total L = L_cls + lambda * L_reg is formed in one place, `total_loss`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from ..config import DEFAULT_SCALE_FLOOR, IGNORE_INDEX
 from .cauchy import cauchy_nll, ovr_log_probs, ovr_log_probs_grads
+from .heads import full_precision
 
 RowOverride = tuple[Tensor, Tensor]  # (indices LongTensor [R], rows [R, C])
 
@@ -42,6 +44,13 @@ COMPILE_ENV = "CAUSAL_ADAPTER_COMPILE_LOSS"  # "0": never compile the block kern
 # "bf16" bf16-rounded operands with float32 accumulation.
 GEMM_PRECISIONS = ("fp32", "tf32", "bf16")
 GEMM_ENV = "CAUSAL_ADAPTER_LOSS_GEMM"  # overrides the default gemm_precision
+# The sweep's implementation: "triton" (modeling/ovr_triton.py: tiles on chip, CUDA; Triton's interpreter
+# on CPU for tests) or "torch" (the chunked loop below: CPU, float64, or CUDA without Triton).
+BACKENDS = ("torch", "triton")
+BACKEND_ENV = "CAUSAL_ADAPTER_LOSS_BACKEND"
+# On CUDA without Triton the torch loop takes GPU-sized blocks: 1 GiB of working memory, 4,096-token chunks
+# (issue 40, H200: 47 ms vs 175 ms at the CPU-sized default for N = 8,192 at the 0.5B head)
+CUDA_MEMORY_BUDGET_MB, CUDA_MAX_TOKEN_CHUNK = 1024, 4096
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +132,16 @@ class _Plan:
     exclude: Tensor | None  # W rows that get no gradient (replaced by row_override)
     compiled: bool = False  # elementwise part of a block as one torch.compile'd kernel
     gemm: str = "fp32"  # GEMM_PRECISIONS
+    backend: str = "torch"  # BACKENDS
+    scratch_mb: float | None = None  # the Triton sweep's scratch (None: its default)
 
 
-def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb):
+def chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb,
+                max_token_chunk=MAX_TOKEN_CHUNK):
     """(T, Vc): a [T, Vc] block needs 6 float buffers + 1 bool; each W chunk row needs
     `w_temps` [C] temporaries (|W|, a cast copy, trainable-W accumulators)."""
     budget = (memory_budget_mb or DEFAULT_MEMORY_BUDGET_MB) * 2**20
-    T = token_chunk or max(1, min(n, MAX_TOKEN_CHUNK))
+    T = token_chunk or max(1, min(n, max_token_chunk))
 
     def cols(T):
         per_col = T * (6 * esize + 1) + w_temps * C * esize
@@ -245,13 +257,49 @@ def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: 
     return True
 
 
-def resolve_gemm_precision(gemm_precision: str | None) -> str:
-    """The argument, else $CAUSAL_ADAPTER_LOSS_GEMM, else "fp32"; a ValueError names the choices."""
-    value = gemm_precision or os.environ.get(GEMM_ENV) or "fp32"
+# The default operand precision of the Triton sweep on CUDA, chosen by measurement (docs/mixed_precision.md)
+CUDA_TRITON_GEMM = "bf16"
+
+
+def resolve_gemm_precision(gemm_precision: str | None, backend: str = "torch", device_type: str = "cpu") -> str:
+    """The argument, else $CAUSAL_ADAPTER_LOSS_GEMM, else CUDA_TRITON_GEMM for the Triton sweep on CUDA, "tf32"
+    for the torch loop on CUDA, "fp32" elsewhere; a ValueError names the choices."""
+    default = "fp32"
+    if device_type == "cuda":
+        default = CUDA_TRITON_GEMM if backend == "triton" else "tf32"
+    value = gemm_precision or os.environ.get(GEMM_ENV) or default
     if value not in GEMM_PRECISIONS:
         source = "gemm_precision" if gemm_precision else GEMM_ENV
         raise ValueError(f"{source} must be one of {GEMM_PRECISIONS}, got {value!r}")
     return value
+
+
+def resolve_backend(backend: str | None, dt: torch.dtype, device_type: str) -> str:
+    """The argument, else $CAUSAL_ADAPTER_LOSS_BACKEND, else "triton" for float32 on CUDA when Triton imports,
+    else "torch". A ValueError says why an asked-for Triton sweep cannot run."""
+    source = "backend" if backend else BACKEND_ENV
+    value = backend or os.environ.get(BACKEND_ENV)
+    if value is None:
+        return "triton" if device_type == "cuda" and dt == torch.float32 and _triton_sweep() is not None else "torch"
+    if value not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {value!r}")
+    if value == "triton":
+        if _triton_sweep() is None:
+            raise ValueError(f"{source}='triton' needs the triton package (pip install triton)")
+        if dt != torch.float32:
+            raise ValueError(f"{source}='triton' computes in float32; float64 activations take backend='torch'")
+        if device_type != "cuda" and not _triton_sweep().INTERPRETED:
+            raise ValueError(f"{source}='triton' runs on CUDA tensors (got {device_type}); Triton's interpreter "
+                             "runs it on CPU when TRITON_INTERPRET=1 is set before the first use (tests)")
+    return value
+
+
+def _triton_sweep():
+    """modeling.ovr_triton, imported on first use (so that TRITON_INTERPRET set by a test applies), or None
+    without Triton."""
+    from . import ovr_triton  # lazy: Triton is optional, and its interpreter is chosen at import
+
+    return ovr_triton if ovr_triton.available() else None
 
 
 def use_compiled(compile: bool | None, dt: torch.dtype, n: int, V: int, device_type: str) -> bool:
@@ -322,6 +370,8 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     column is then corrected with an O(n C) gather (term log P - log(1 - P)). One host sync in all
     (`_floor_bounds`): the block sums accumulate on the device.
     """
+    if plan.backend == "triton":
+        return _triton_pass(lu, su, W, b, thr, y, plan, needs)
     need_W = needs[2]
     grads = any(needs)
     n, C = lu.shape
@@ -376,6 +426,23 @@ def _ovr_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
     if not grads:
         return total, None
     return total, _mean_loss_grads(lu, su, b, thr, plan, needs, (g_lu, g_su, g_W, colsum, gz_total))
+
+
+def _triton_pass(lu, su, W, b, thr, y, plan: _Plan, needs):
+    """`_ovr_pass` by the Triton sweep (modeling/ovr_triton.py), the same contract."""
+    blocks = _triton_sweep().default_blocks()
+    if plan.scratch_mb:
+        blocks = dataclasses.replace(blocks, scratch_bytes=int(plan.scratch_mb * 2**20))
+    with full_precision(lu.device):  # (cuBLAS's products keep the dtypes chosen here under a caller's autocast)
+        total, grads = _triton_sweep().ovr_sweep(lu.to(plan.dtype).contiguous(), su.to(plan.dtype).contiguous(), W,
+                                                 b, thr, y, plan.floor, plan.gemm, needs, blocks)
+    if grads is None:
+        return total, None
+    g_lu, g_su, g_W, g_b, g_thr = grads
+    if g_W is not None and plan.exclude is not None:
+        g_W[plan.exclude] = 0  # those rows are replaced: their gradient goes to the override
+    return total, (None if g_lu is None else g_lu.to(lu.dtype), None if g_su is None else g_su.to(su.dtype),
+                   g_W, g_b, g_thr)
 
 
 def _grad_accumulators(lu_c: Tensor, su_c: Tensor, W: Tensor, thr: Tensor, needs) -> tuple:
@@ -559,6 +626,7 @@ def fused_ovr_loss(
     recompute: bool = False,
     compile: bool | None = None,
     gemm_precision: str | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """Same value and gradients as `reference_ovr_loss`, never materialising [N, V].
 
@@ -577,10 +645,14 @@ def fused_ovr_loss(
     the environment variable CAUSAL_ADAPTER_COMPILE_LOSS=0/1 overrides the default.
     gemm_precision: the block GEMMs of a float32 loss, one of GEMM_PRECISIONS: "fp32" (true float32),
     "tf32" (TF32 tensor cores on CUDA; elsewhere emulated by rounding the operands: the accuracy, not the
-    speed), "bf16" (operands rounded to bf16, float32 accumulation; emulated: the accuracy cost only).
-    None: $CAUSAL_ADAPTER_LOSS_GEMM, else "fp32" (the speed default awaits a GPU measurement).
-    Computes in float32 (float64 for float64 activations, always exact GEMMs). Returns a 0-dim tensor
-    on the device, with no host sync beyond one per sweep.
+    speed), "bf16" (bf16 operands, float32 accumulation; in the torch loop emulated: the accuracy cost only).
+    None: $CAUSAL_ADAPTER_LOSS_GEMM, else CUDA_TRITON_GEMM for the Triton sweep on CUDA, "tf32" for the
+    torch loop on CUDA, "fp32" elsewhere (docs/mixed_precision.md has the measurements).
+    backend: "triton" (modeling/ovr_triton.py: on-chip tiles, two launches per [2048, 2048] super-block;
+    vocab_chunk / token_chunk / compile do not apply, memory_budget_mb bounds its scratch) or "torch";
+    None: $CAUSAL_ADAPTER_LOSS_BACKEND, else "triton" for float32 on CUDA when Triton imports.
+    Computes in float32 (float64 for float64 activations, always exact GEMMs and the torch loop). Returns a
+    0-dim tensor on the device, with no host sync beyond one per sweep (none in the Triton sweep).
     """
     lu, su, y = _flatten_rows(loc_U, scale_Up, labels, ignore_index)
     dt = _compute_dtype(lu, su)
@@ -590,12 +662,18 @@ def fused_ovr_loss(
     want_grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (lu, su, W, b_cls, thr)
     )
+    device_type = lu.device.type
+    backend = resolve_backend(backend, dt, device_type)
     esize = torch.finfo(dt).bits // 8
     w_temps = 1 + (W.dtype != dt) + 3 * bool(want_grads and W.requires_grad)
-    T, Vc = chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk, memory_budget_mb)
+    on_gpu = device_type == "cuda" and backend == "torch"
+    T, Vc = chunk_sizes(n, V, C, esize, w_temps, vocab_chunk, token_chunk,
+                        memory_budget_mb or (CUDA_MEMORY_BUDGET_MB if on_gpu else None),
+                        CUDA_MAX_TOKEN_CHUNK if on_gpu else MAX_TOKEN_CHUNK)
     idx = None if row_override is None else row_override[0].to(lu.device)
     plan = _Plan(dt, float(scale_floor), T, Vc, recompute or not want_grads, idx,
-                 use_compiled(compile, dt, n, V, lu.device.type), resolve_gemm_precision(gemm_precision))
+                 backend == "torch" and use_compiled(compile, dt, n, V, device_type),
+                 resolve_gemm_precision(gemm_precision, backend, device_type), backend, memory_budget_mb)
     loss = _FusedOvR.apply(lu, su, W, b_cls, thr, y, plan)
     if row_override is not None:
         corr = _override_correction(lu, su, W, b_cls, thr, y, idx, row_override[1], scale_floor, dt)
