@@ -58,7 +58,9 @@ def launch(config: Path, out: Path, job: str, timeout: float = 240, worker: Path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, **(env if env is not None else {"ACCELERATE_USE_CPU": "1"}), "OMP_NUM_THREADS": "1",
+    # PYTHONFAULTHANDLER: a worker that dies of a signal prints every thread's Python stack (in the failure's stderr)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env if env is not None else {"ACCELERATE_USE_CPU": "1"}),
+           "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
            str(port), str(worker), "--out", str(out), "--job", job]
