@@ -86,6 +86,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
 
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
     from causal_adapter.saving.fsdp import finish_fsdp_wrap, full_adapter_state_dict, save_fsdp_adapter, set_lora_wrap_policy
+    from causal_adapter.saving.process_groups import exit_without_teardown
 
     accelerator = Accelerator()
     use_fsdp_on_cpu(accelerator)
@@ -121,6 +122,7 @@ def worker(out: Path, dtype: torch.dtype, lora: str) -> None:
             "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version,
             "head_dtype": str(inner.action.b_cls.dtype), "base_dtype": str(inner.W_cls.dtype)}))
     accelerator.end_training()
+    exit_without_teardown()  # no teardown to race gloo's threads (docs/distributed.md, "Exit")
 
 
 def launch(config: Path, dtype: str, out: Path, lora: str = "none", timeout: float = 300

@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_train_worker import KILL_AT, config, datasets_, exit_without_teardown, model  # noqa: E402
+from fsdp_train_worker import KILL_AT, config, datasets_, model  # noqa: E402
 
 
 def main() -> None:
     from accelerate import PartialState
 
+    from causal_adapter.saving.process_groups import exit_without_teardown
     from causal_adapter.training.loop import train
 
     ap = argparse.ArgumentParser()
@@ -45,7 +46,7 @@ def main() -> None:
               train_dataset=train_ds, eval_dataset=eval_ds)
 
     PartialState().destroy_process_group()  # as accelerate's end_training(); the gloo group itself lives to the end (saving/process_groups.py)
-    exit_without_teardown()  # see tests/fsdp_train_worker.py
+    exit_without_teardown()  # no teardown to race gloo's threads (saving/process_groups.py)
 
 
 if __name__ == "__main__":

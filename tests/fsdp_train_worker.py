@@ -90,6 +90,7 @@ def config(out: Path, batch: int, **kw):
 def main() -> None:
     from accelerate import PartialState
 
+    from causal_adapter.saving.process_groups import exit_without_teardown
     from causal_adapter.training.loop import train
 
     ap = argparse.ArgumentParser()
@@ -118,19 +119,7 @@ def main() -> None:
         trainer_run(args.out / "trainer_resumed", args.batch, train_ds, args.out / "trainer" / "checkpoint-2")
 
     PartialState().destroy_process_group()  # as accelerate's end_training(); the gloo group itself lives to the end (saving/process_groups.py)
-    exit_without_teardown()
-
-
-def exit_without_teardown() -> None:
-    """End the worker once its files are written, without the interpreter's and C++'s teardown. With the gloo
-    group kept to the end (issue 36), a worker still aborted now and then after all its work (CI: 1 run in
-    dozens, rank 1 of the FSDP2 resume launch, "terminate called without an active exception"; 0 in 24 launches
-    of tools/launch_stress.py): the group's threads outlive the static destructors `exit()` runs while the other
-    rank closes its sockets. What these launches check is in their files; the exit path itself is tested by
-    tests/test_distributed.py and by the launches of `causal-adapter train` (tests/test_train.py)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # no teardown to race gloo's threads (saving/process_groups.py)
 
 
 def trainer_run(out: Path, batch: int, train_ds, resume_from: Path | None = None, lora: bool = True) -> None:

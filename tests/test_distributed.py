@@ -262,3 +262,19 @@ def test_gloo_groups_torch_still_holds_are_never_destroyed_during_interpreter_ex
     # two references more: the run's record (dropped when the interpreter clears its modules) and the one taken
     # at exit and never given back
     assert refs["keep"] == refs["plain"] + 2, outs
+
+
+def test_exit_without_teardown_flushes_and_ends_with_the_code_skipping_atexit(tmp_path):
+    """The end of a multi-process script whose exit status matters (docs/distributed.md, "Exit"): what was printed
+    reaches the pipe (unterminated lines too), the code is the process's status, and nothing of the teardown runs
+    (an atexit handler is the Python-visible part of it)."""
+    script = tmp_path / "exit_now.py"
+    script.write_text("import atexit, sys\n"
+                      "from causal_adapter.saving.process_groups import exit_without_teardown\n"
+                      "atexit.register(lambda: print('TEARDOWN RAN', flush=True))\n"
+                      "print('out, no newline', end='')\nsys.stderr.write('err, no newline')\n"
+                      "exit_without_teardown(3)\nprint('after')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONUNBUFFERED"}  # pipes block-buffered
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**env, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out, no newline", "err, no newline")

@@ -456,8 +456,11 @@ save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/full_rank{rank}.
 save_fsdp_adapter(model, f"{out}/adapter")
 sharded = [n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"]
 if rank == 0:
-    json.dump({"losses": losses, "world": world, "sharded": sharded}, open(f"{out}/result.json", "w"))
+    with open(f"{out}/result.json", "w") as f:
+        json.dump({"losses": losses, "world": world, "sharded": sharded}, f)
 dist.destroy_process_group()
+from causal_adapter.saving.process_groups import exit_without_teardown
+exit_without_teardown()  # no teardown to race gloo's threads (docs/distributed.md, "Exit")
 """
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .artifacts import atomic_write_dir, write_adapter_files
 from .peft_lora import LORA_PREFIX
+from .process_groups import keep_gloo_groups_to_process_end
 from .unwrap import unwrap_causal_model
 
 # The heads stay outside FSDP (replicated on every process, in their own dtype): their parameters are
@@ -72,7 +73,8 @@ def finish_fsdp_wrap(model) -> None:
     """What a CausalModel needs after `accelerator.prepare` under FSDP (FSDP1 or FSDP2, the heads ignored
     as `FSDP_IGNORED_MODULES` says): head gradients averaged over the processes
     (`average_replicated_grads`) and the values kept in their dtype (`keep_input_dtypes`). Refuses a
-    wrap whose heads FSDP manages (a missing `fsdp_ignored_modules`)."""
+    wrap whose heads FSDP manages (a missing `fsdp_ignored_modules`). On CPUs the process's gloo groups are kept to
+    its end (`process_groups.keep_gloo_groups_to_process_end`): no teardown during the interpreter's exit."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
@@ -83,6 +85,7 @@ def finish_fsdp_wrap(model) -> None:
                          "the accelerate config (see examples/accelerate_configs/fsdp.yaml)")
     average_replicated_grads(model)
     keep_input_dtypes(model)
+    keep_gloo_groups_to_process_end()  # FSDP2 holds the gloo group past destroy_process_group (issue 36)
 
 
 def set_lora_wrap_policy(accelerator, model) -> None:
