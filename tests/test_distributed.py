@@ -1,6 +1,7 @@
 """FSDP through accelerate (2 gloo processes on CPU) for your own loop, the launchers causal_adapter.training.loop refuses,
 1-element scalars (and adapters saved with 0-d ones), placement on several devices."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -253,7 +254,7 @@ def test_gloo_groups_torch_still_holds_are_never_destroyed_during_interpreter_ex
     outs = {}
     for mode in ("keep", "plain"):
         proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=240,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[mode] = proc.stdout
     # what makes the fix necessary: destroy_process_group leaves the group's threads running under FSDP2
@@ -274,7 +275,7 @@ def test_exit_without_teardown_flushes_and_ends_with_the_code_skipping_atexit(tm
                       "atexit.register(lambda: print('TEARDOWN RAN', flush=True))\n"
                       "print('out, no newline', end='')\nsys.stderr.write('err, no newline')\n"
                       "exit_without_teardown(3)\nprint('after')\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONUNBUFFERED"}  # pipes block-buffered
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # pipes block-buffered
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           env={**env, "PYTHONPATH": str(REPO)})
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out, no newline", "err, no newline")
