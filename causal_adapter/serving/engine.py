@@ -27,7 +27,7 @@ from ..data.conversations import inference_prompt
 from ..modeling.families import text_config
 from ..modeling.generation.cache import PrefixCache
 from ..modeling.generation.loop import StepLoop
-from ..modeling.generation.options import decoding_options
+from ..modeling.generation.api import batched_options
 from ..modeling.generation.output import row_output
 from ..modeling.generation.prepare import Group, make_generator
 from ..modeling.generation.record import Row
@@ -57,12 +57,10 @@ class Decoding:
     ignore_eos: bool = False
 
     def options(self):
-        given = dict.fromkeys(("max_new_tokens", "max_length", "min_new_tokens", "pad_token_id", "stop_strings",
-                               "top_k", "repetition_penalty"))
         sampling = self.mode == "softmax" and self.do_sample
-        given.update(eos_token_id=[] if self.ignore_eos else None, do_sample=sampling,
-                     temperature=self.temperature if sampling else None, top_p=self.top_p if sampling else None)
-        return decoding_options(self.mode, None, {}, None, False, False, given)
+        return batched_options(dict(mode=self.mode, eos_token_id=[] if self.ignore_eos else None, do_sample=sampling,
+                                    temperature=self.temperature if sampling else None,
+                                    top_p=self.top_p if sampling else None))[0]
 
 
 @dataclass
@@ -331,8 +329,7 @@ class Engine:
             job.fail(e)
             return
         group = self._group(spec, len(encoded) * spec.n)
-        eos = frozenset() if spec.decoding.ignore_eos else None
-        rows = [Row(ids, vals, group, spec.max_tokens, spec.decoding.stop, eos, tag=Choice(job, i * spec.n + j),
+        rows = [Row(ids, vals, group, spec.max_tokens, spec.decoding.stop, tag=Choice(job, i * spec.n + j),
                     keep_text=job.stream, slot=i * spec.n + j)
                 for i, (ids, vals) in enumerate(encoded) for j in range(spec.n)]
         prompt_tokens = sum(len(ids) for ids, _ in encoded)

@@ -125,7 +125,6 @@ class PrefixCache:
         self.block, self.max_blocks = block, max_tokens // block
         self._blocks: OrderedDict[bytes, list[tuple[Tensor, Tensor]]] = OrderedDict()
         self.hit_tokens = 0  # prompt tokens read from here (prefill saved)
-        self.lookups = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -145,7 +144,6 @@ class PrefixCache:
 
     def lookup(self, key: tuple, ids: list[int], values: list[float]) -> tuple[int, list[tuple[Tensor, Tensor]]]:
         """(n, per layer (keys, values) [h, n, d]) of the longest stored prefix of the prompt, n < len(ids)."""
-        self.lookups += 1
         found = []
         for h in self._hashes(key, ids, values, len(ids) - 1):
             blocks = self._blocks.get(h)

@@ -64,7 +64,7 @@ class StepLoop:
         self.scorers: dict = {}
         self._lora = None
         self._next: tuple[Tensor, Tensor] | None = None  # the tokens and values `feed` passes to the backbone
-        self.steps = self.prefills = self.prefill_tokens = self.reused_tokens = 0
+        self.prefills = self.prefill_tokens = self.reused_tokens = 0
 
     # ------------------------------------------------------------------ the caller's side
     def add(self, rows: list[Row], batch: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
@@ -112,7 +112,6 @@ class StepLoop:
                 r.done = True
         stepped = [r for r in self.rows if not r.done]
         tok, fed = self._decide()
-        self.steps += 1
         keep = self._leave()
         if keep is not None and any(not r.done for r in self.rows):
             self._next = (tok[keep] if len(keep) != tok.shape[0] else tok, fed[keep] if len(keep) != fed.shape[0] else fed)

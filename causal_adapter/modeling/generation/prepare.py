@@ -132,7 +132,6 @@ class Settings:
     `hdev` / `hdtype` the heads'; C the causal size."""
 
     opts: DecodingOptions
-    ntok: Any
     eos: list[int]
     eos_set: frozenset
     eos_t: Tensor  # [len(eos)] on hdev
@@ -191,7 +190,7 @@ def prepare(model, g: Group, scorers: dict | None = None) -> Settings:
     cfg = model.causal_config
     warpers = _warpers(opts, model.num_token_id)
     return Settings(
-        opts=opts, ntok=g.ntok, eos=eos, eos_set=frozenset(eos), eos_t=torch.tensor(eos, dtype=torch.long, device=hdev),
+        opts=opts, eos=eos, eos_set=frozenset(eos), eos_t=torch.tensor(eos, dtype=torch.long, device=hdev),
         pad_id=pad_id, num_id=model.num_token_id, device=model.input_device, hdev=hdev, hdtype=scorer.dtype,
         scorer=scorer, warpers=warpers, reads_history=_reads_history(warpers), decimals=cfg.value_decimals,
         C=model.abduction.loc.weight.shape[0], recent_k=int(model.action.recent_values or 0),

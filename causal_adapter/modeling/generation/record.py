@@ -25,7 +25,6 @@ class Row:
     group: Group
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
-    eos: frozenset | None = None  # None: the group's eos ids
     tag: Any = None
     keep_text: bool = False
     # written by the step loop
@@ -42,10 +41,6 @@ class Row:
     done: bool = False  # written its last token (finished, max_new_tokens) or cancelled
     cancelled: bool = False
     reused_tokens: int = 0  # prompt tokens read from the prefix cache
-
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.finished else "cancelled" if self.cancelled else "length"
 
 
 def written_values(g: Group, tok: Tensor, val: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ def start_text(row: Row, ntok) -> None:
 def stop_after(row: Row, tok: int, value: float, eos: frozenset) -> None:
     """Mark `row` finished (an eos id, a stop string completed) and done (finished, at its max_new_tokens, or
     cancelled) after it wrote `tok` with `value`."""
-    if tok in (row.eos if row.eos is not None else eos):
+    if tok in eos:
         row.finished = True
     elif row.text is not None:
         text = row.text.add(tok, value)
