@@ -1,14 +1,20 @@
 """The CLI as a new user meets it (issue 15): every user mistake ends in one or two lines that
 name the problem and the fix, with a non-zero exit status; the traceback only with --debug.
 
-Each test runs the real `causal-adapter` command in a subprocess on real files. The error paths
-stop before any model is built where they can; none trains more than one step of the tiny base."""
+The commands run on real files through `main(argv)`, the function the `causal-adapter` console script calls, in
+this process (`cli`): its stdout and stderr are read at the file descriptors, with the warnings Python would
+print, so a stray line still breaks the one-or-two-line rule. A launch costs 2-5 s of imports (issue 42: 40 of
+them were a third of the suite's launch time), so a real process runs only where only a process shows it: stderr
+or stdin on a terminal (a pty), the hub variables read at import time, and one `--help` of the installed module.
+The error paths stop before any model is built where they can; none trains more than one step of the tiny base."""
+import io
 import json
 import os
 import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +35,41 @@ def run_cli(*args, cwd=None, env=None, stdin=subprocess.DEVNULL, umask=None, tim
                        stdin=stdin, capture_output=True, text=True, timeout=timeout,
                        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
+
+
+#: warnings a fresh interpreter does not print (Python's default filters), unless raised in __main__
+_SILENT_BY_DEFAULT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """`cli(*ARGS, cwd=, env=, umask=)` -> (returncode, stdout, stderr): `causal-adapter ARGS` in this process,
+    through the console script's `main`. stderr holds what the file descriptors got (progress bars, logging) and
+    the warnings a fresh interpreter would print, formatted as it prints them."""
+    from causal_adapter.commands.main import main
+
+    def run(*args, cwd=None, env=None, umask=None):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v) if v is not None else monkeypatch.delenv(k, raising=False)
+        capfd.readouterr()
+        previous_umask = os.umask(umask) if umask is not None else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # once per place, as a fresh process
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as e:  # argparse: --help (0), a bad flag (2)
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+            finally:
+                if previous_umask is not None:
+                    os.umask(previous_umask)
+        out, err = capfd.readouterr()
+        shown = [w for w in caught if not issubclass(w.category, _SILENT_BY_DEFAULT)]
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in shown)
+        return rc, out, err
+
+    return run
 
 
 def run_cli_on_terminal(*args, cwd=None, timeout=180):
@@ -86,17 +127,17 @@ TINY32 = ("--tiny-hidden-size", "32", "--tiny-layers", "1")
 
 # --------------------------------------------------------------------------- base model
 @pytest.mark.parametrize("command", ["demo", "train", "verify"])
-def test_missing_base_folder_says_so_and_leaves_nothing(tmp_path, command):
+def test_missing_base_folder_says_so_and_leaves_nothing(tmp_path, cli, command):
     out = tmp_path / "out"
     extra = ["--output-dir", out] if command in ("demo", "train") else []
-    rc, _, err, _ = run_cli(command, "--base", "/tmp/no/such/qwen", *extra)
+    rc, _, err = cli(command, "--base", "/tmp/no/such/qwen", *extra)
     lines = assert_short_error(rc, err, "--base '/tmp/no/such/qwen': no such folder", "config.json")
     assert lines[0].startswith(f"causal-adapter {command}: error:")
     assert not out.exists()  # demo/train leave no empty output folder behind
 
 
-def test_base_folder_without_config(tmp_path):
-    rc, _, err, _ = run_cli("verify", "--base", tmp_path)
+def test_base_folder_without_config(tmp_path, cli):
+    rc, _, err = cli("verify", "--base", tmp_path)
     assert_short_error(rc, err, "is a folder without config.json")
 
 
@@ -114,7 +155,7 @@ def test_hub_name_without_network_fails_fast(tmp_path, env, needle):
 
 
 # --------------------------------------------------------------------------- data files
-def test_broken_jsonl_one_line_and_debug_traceback(tmp_path):
+def test_broken_jsonl_one_line_and_debug_traceback(tmp_path, cli, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a 1", "completion": " 2"}\n{"prompt": "b 1", "completion": \n')
     out = tmp_path / "run"
@@ -123,54 +164,61 @@ def test_broken_jsonl_one_line_and_debug_traceback(tmp_path):
     lines = assert_short_error(rc, err, "bad.jsonl: line 2: not valid JSON")
     assert lines[-1].startswith("causal-adapter train: error:")
     assert not out.exists()
-    rc, _, err, _ = run_cli(*args, "--debug")
-    assert rc == 1 and "Traceback" in err and "line 2: not valid JSON" in err
-    rc, _, err, _ = run_cli(*args, env={"CAUSAL_ADAPTER_DEBUG": "1"})
-    assert rc == 1 and "Traceback" in err
+    # --debug / CAUSAL_ADAPTER_DEBUG=1: main lets the exception through (the interpreter prints its traceback).
+    # The file is read before the base loads: the error comes in seconds, not after the model build.
+    def base_loaded_first(*_args, **_kwargs):
+        raise AssertionError("the base was loaded before the data files were read")
+
+    monkeypatch.setattr("causal_adapter.training.loop.load_base_and_tokenizer", base_loaded_first)
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        cli(*args, "--debug")
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        cli(*args, env={"CAUSAL_ADAPTER_DEBUG": "1"})
+    assert not out.exists()
 
 
-def test_csv_numeric_completions_are_read_as_text(tmp_path, adapter32):
+def test_csv_numeric_completions_are_read_as_text(tmp_path, cli, adapter32):
     csv = tmp_path / "num.csv"
     csv.write_text('prompt,completion\nThe value was 1 then,"12.5"\nNext 3 then, 13\nAfter 4 then,14\n')
-    rc, out, err, _ = run_cli("eval", adapter32, *TINY32, "--data-file", csv)
+    rc, out, err = cli("eval", adapter32, *TINY32, "--data-file", csv)
     assert rc == 0, err[-3000:]
     assert "n=3" in out  # three <NUM> targets: quoted and unquoted numbers are all text
     # own column names: the data-column flags of eval
     csv2 = tmp_path / "own.csv"
     csv2.write_text("question,answer\nThe value was 1 then,12.5\n")
-    rc, out, err, _ = run_cli("eval", adapter32, *TINY32, "--data-file", csv2, "--prompt-column", "question",
+    rc, out, err = cli("eval", adapter32, *TINY32, "--data-file", csv2, "--prompt-column", "question",
                               "--completion-column", "answer")
     assert rc == 0 and "n=1" in out, err[-3000:]
 
 
-def test_jsonl_numeric_completion_and_wrong_columns_name_the_fix(tmp_path, adapter32):
+def test_jsonl_numeric_completion_and_wrong_columns_name_the_fix(tmp_path, cli, adapter32):
     data = tmp_path / "num.jsonl"
     data.write_text(json.dumps({"prompt": "The value was", "completion": 12.5}) + "\n")
     rc, err = run_cli_on_terminal("eval", adapter32, *TINY32, "--data-file", data)
     assert_short_error(rc, err, "column 'completion' must be a string, got float", "JSON string")
     body = tmp_path / "body.jsonl"
     body.write_text(json.dumps({"body": "The value was 12.5 then 13"}) + "\n")
-    rc, err = run_cli_on_terminal("eval", adapter32, *TINY32, "--data-file", body)
+    rc, _, err = cli("eval", adapter32, *TINY32, "--data-file", body)
     assert_short_error(rc, err, "columns present: ['body']", "--text-column")
-    rc, out, err, _ = run_cli("eval", adapter32, *TINY32, "--data-file", body, "--text-column", "body")
+    rc, out, err = cli("eval", adapter32, *TINY32, "--data-file", body, "--text-column", "body")
     assert rc == 0, err[-3000:]
 
 
 # --------------------------------------------------------------------------- adapters
-def test_adapter_file_instead_of_directory(adapter32):
-    rc, _, err, _ = run_cli("eval", adapter32 / WEIGHTS_NAME, *TINY32)
+def test_adapter_file_instead_of_directory(cli, adapter32):
+    rc, _, err = cli("eval", adapter32 / WEIGHTS_NAME, *TINY32)
     assert_short_error(rc, err, "is a file", f"give {str(adapter32)!r}")
     assert "does not exist" not in err
 
 
-def test_adapter_of_another_tiny_size_names_the_flag(adapter32):
-    rc, _, err, _ = run_cli("eval", "--adapter", adapter32)
+def test_adapter_of_another_tiny_size_names_the_flag(cli, adapter32):
+    rc, _, err = cli("eval", "--adapter", adapter32)
     assert_short_error(rc, err, "hidden_size=32", "pass --tiny-hidden-size 32")
-    rc, _, err, _ = run_cli("eval")
+    rc, _, err = cli("eval")
     assert_short_error(rc, err, "give the adapter directory once")
-    rc, _, err, _ = run_cli("generate", "--adapter", adapter32, "The price was 99.9 and", "--max-new-tokens", "1")
+    rc, _, err = cli("generate", "--adapter", adapter32, "The price was 99.9 and", "--max-new-tokens", "1")
     assert_short_error(rc, err, "pass --tiny-hidden-size 32")
-    rc, out, err, _ = run_cli("generate", "--adapter", adapter32, *TINY32, "The price was 99.9 and",
+    rc, out, err = cli("generate", "--adapter", adapter32, *TINY32, "The price was 99.9 and",
                               "--max-new-tokens", "1")
     assert rc == 0 and out.startswith("The price was 99.9 and"), err[-3000:]
 
@@ -184,17 +232,19 @@ def test_adapter_of_another_tiny_size_names_the_flag(adapter32):
     (["train", "--max-steps", "abc"], ["argument --max-steps", "invalid int value: 'abc'"]),
     (["train", "--max-steps", "0", "--num-train-epochs", "0"], ["give num_train_epochs > 0 or max_steps > 0"]),
 ])
-def test_bad_flags_two_lines_no_abbreviations(tmp_path, args, needles):
-    rc, out, err, _ = run_cli(*args, cwd=tmp_path)
+def test_bad_flags_two_lines_no_abbreviations(tmp_path, cli, args, needles):
+    rc, out, err = cli(*args, cwd=tmp_path)
     assert_short_error(rc, err, *needles, code=2)
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
-def test_one_flag_vocabulary_across_commands():
-    """Also the help of every command in a fresh process (`--help` exits 0 with a usage line; was
-    tests/test_cli.py::test_help_of_every_command, which launched the same 7 processes again)."""
+def test_one_flag_vocabulary_across_commands(cli):
+    """Also the help of every command (`--help` exits 0 with a usage line; was tests/test_cli.py::
+    test_help_of_every_command), and once in a fresh process: the module the console script runs."""
+    rc, out, err, _ = run_cli("train", "--help")
+    assert rc == 0 and out.startswith("usage: causal-adapter train") and not err, err[-500:]
     for cmd in ("demo", "eval", "generate", "predict", "verify", "train"):
-        rc, out, err, _ = run_cli(cmd, "--help")
+        rc, out, err = cli(cmd, "--help")
         assert rc == 0 and "usage:" in out, (cmd, err[-500:])
         for flag in ("--base", "--tiny-arch", "--tiny-hidden-size", "--tiny-layers", "--debug"):
             assert flag in out, (cmd, flag)
@@ -203,16 +253,16 @@ def test_one_flag_vocabulary_across_commands():
                 assert flag in out, (cmd, flag)
         if cmd in ("demo", "train"):
             assert "--overwrite" in out
-    rc, out, _, _ = run_cli("data", "--help")
+    rc, out, _ = cli("data", "--help")
     assert rc == 0 and out.startswith("usage: causal-adapter data")
 
 
 # --------------------------------------------------------------------------- outputs
-def test_demo_and_train_refuse_to_overwrite_a_previous_run(tmp_path):
+def test_demo_and_train_refuse_to_overwrite_a_previous_run(tmp_path, cli):
     demo = tmp_path / "demo"
     (demo / "train" / "adapter").mkdir(parents=True)
     (demo / "demo_metrics.json").write_text('{"steps": 300}\n')
-    rc, _, err, _ = run_cli("demo", "--output-dir", demo)
+    rc, _, err = cli("demo", "--output-dir", demo)
     assert_short_error(rc, err, "already holds the outputs of a previous run", "--overwrite")
     assert (demo / "demo_metrics.json").read_text() == '{"steps": 300}\n'
 
@@ -222,18 +272,18 @@ def test_demo_and_train_refuse_to_overwrite_a_previous_run(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 99}\n')
     args = ("train", "--output-dir", run, *TINY32, "--max-steps", "1", "--per-device-train-batch-size", "2",
             "--max-eval-samples", "2", "--no-plot", "--no-progress")
-    rc, _, err, _ = run_cli(*args)
+    rc, _, err = cli(*args)
     assert_short_error(rc, err, "already holds the outputs", "--overwrite", "--resume-from-checkpoint latest")
     assert (run / "metrics.jsonl").read_text() == '{"step": 99}\n'
     # --overwrite: one real step; the stale checkpoint is gone; files get the umask's permissions
-    rc, out, err, _ = run_cli(*args, "--overwrite", umask=0o022)
+    rc, out, err = cli(*args, "--overwrite", umask=0o022)
     assert rc == 0, err[-3000:]
     assert not (run / "checkpoint-99").exists() and "steps: 1" in out
     for f in (run / "adapter").iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 
 
-def test_generate_without_prompt_does_not_wait(tmp_path):
+def test_generate_without_prompt_does_not_wait(tmp_path, cli, monkeypatch):
     import pty
 
     primary, secondary = pty.openpty()  # a terminal on stdin: nothing is piped in
@@ -243,12 +293,13 @@ def test_generate_without_prompt_does_not_wait(tmp_path):
         os.close(primary)
         os.close(secondary)
     assert_short_error(rc, err, "no prompt", "causal-adapter generate \"The price was\"")
-    rc, _, err, _ = run_cli("generate")  # stdin empty (/dev/null)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # stdin empty (as /dev/null)
+    rc, _, err = cli("generate")
     assert_short_error(rc, err, "no prompt: stdin was empty")
 
 
-def test_written_files_get_the_umask_permissions(tmp_path):
-    rc, _, err, _ = run_cli("data", "nile", tmp_path / "c", umask=0o027)
+def test_written_files_get_the_umask_permissions(tmp_path, cli):
+    rc, _, err = cli("data", "nile", tmp_path / "c", umask=0o027)
     assert rc == 0, err
     files = sorted((tmp_path / "c").iterdir())
     assert len(files) == 3
@@ -287,7 +338,7 @@ def test_train_config_parses_with_the_real_hf_argument_parser(tmp_path):
         ap.parse_args(["--max-step", "3"])  # no abbreviations
 
 
-def test_train_config_file_and_command_line_overrides(tmp_path):
+def test_train_config_file_and_command_line_overrides(tmp_path, cli):
     from causal_adapter.commands.train import parse_train_args
 
     js = tmp_path / "run.json"
@@ -305,7 +356,7 @@ def test_train_config_file_and_command_line_overrides(tmp_path):
     with pytest.raises(ValueError, match="not valid YAML"):
         parse_train_args(["--config", str(tmp_path / "bad.yaml")])
     (tmp_path / "bad.json").write_text('{"max_steps": 9,\n}')
-    rc, _, err, _ = run_cli("train", "--config", tmp_path / "bad.json")
+    rc, _, err = cli("train", "--config", tmp_path / "bad.json")
     assert_short_error(rc, err, "bad.json': line 2: not valid JSON", code=2)
-    rc, _, err, _ = run_cli("train", "--config", tmp_path / "missing.yaml")
+    rc, _, err = cli("train", "--config", tmp_path / "missing.yaml")
     assert_short_error(rc, err, "missing.yaml': no such file", code=2)

@@ -65,26 +65,32 @@ def _feature_columns(ds, config: TrainConfig):
     return ds.select_columns(keep)
 
 
+def read_datasets(config: TrainConfig, train_dataset=None, eval_dataset=None):
+    """(train, validation or None), raw: the datasets given, else `config`'s files or built-in corpus.
+    Nothing here needs the model: `train()` reads them before it loads the base, so a bad file fails in seconds."""
+    if train_dataset is not None:
+        return train_dataset, eval_dataset
+    if config.train_file:
+        columns = (config.text_column, config.prompt_column, config.completion_column)  # CSV: read as text
+        train_dataset = load_text_dataset(config.train_file, file_type=config.file_type, string_columns=columns)
+        if config.validation_file:
+            eval_dataset = load_text_dataset(config.validation_file, file_type=config.file_type,
+                                             string_columns=columns)
+        return train_dataset, eval_dataset
+    kw = {} if config.corpus_window is None else {"window": config.corpus_window}
+    dd = build_corpus(config.dataset, **kw)
+    return dd["train"], dd["validation"]
+
+
 def prepare_datasets(config: TrainConfig, number_tokenizer, train_dataset=None, eval_dataset=None,
                      accelerator=None):
     """(train, validation or None, train targets or None): tokenised, columns selected.
 
     Datasets passed in are used as they are when they already have ``input_ids`` (pre-tokenised),
-    else tokenised; otherwise the files or built-in corpus of `config` are loaded."""
+    else tokenised; otherwise the files or built-in corpus of `config` are loaded (`read_datasets`)."""
     import datasets
 
-
-    if train_dataset is None:
-        if config.train_file:
-            columns = (config.text_column, config.prompt_column, config.completion_column)  # CSV: read as text
-            train_dataset = load_text_dataset(config.train_file, file_type=config.file_type, string_columns=columns)
-            if config.validation_file:
-                eval_dataset = load_text_dataset(config.validation_file, file_type=config.file_type,
-                                                 string_columns=columns)
-        else:
-            kw = {} if config.corpus_window is None else {"window": config.corpus_window}
-            dd = build_corpus(config.dataset, **kw)
-            train_dataset, eval_dataset = dd["train"], dd["validation"]
+    train_dataset, eval_dataset = read_datasets(config, train_dataset, eval_dataset)
     train_dataset, eval_dataset = materialize_streams(config, train_dataset, eval_dataset, accelerator)
     for ds in (train_dataset, eval_dataset):
         if ds is not None and not isinstance(ds, datasets.Dataset):

@@ -23,15 +23,15 @@ def evaluate_adapter(adapter_dir: str, base: str | None = None, arch: str = "qwe
     """Metrics of a saved adapter on a corpus split (or files), with the baselines; a markdown table.
     Files of conversations (`messages_column`) are read as training reads them (`tokenize_dataset`: the chat
     template, a jinja file `chat_template` or the tokenizer's, scored on the assistant turns)."""
-    base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
-    model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    if data_files:
+    if data_files:  # the data first: a bad file fails before the base loads
         columns = (text_column, prompt_column, completion_column)
         raw, train_targets = load_text_dataset(data_files, string_columns=columns), None
     else:
         dd = build_corpus(corpus)
         raw, train_targets = dd[split], list(dd["train"]["target"])
+    base_model, tokenizer = load_base(base, arch, dtype, tiny_hidden_size, tiny_layers)
+    model = CausalModel.from_pretrained(base_model, adapter_dir, tokenizer=tokenizer)
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
     template = read_chat_template(chat_template) if chat_template else None
     rows = tokenize_dataset(raw, ntok, text_column, prompt_column, completion_column, messages_column=messages_column,
                             chat_template=template, enable_thinking=enable_thinking)

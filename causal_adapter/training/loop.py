@@ -81,7 +81,7 @@ from .checkpoints import (
     write_checkpoint,
 )
 from .config import PARAMETER_GROUPS, TrainConfig
-from .data import EpochSampler, loader_rows, pad_token_id, prepare_datasets, rows_at, step_plan
+from .data import EpochSampler, loader_rows, pad_token_id, prepare_datasets, read_datasets, rows_at, step_plan
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, train_median
 from .plotting import plot_training
 from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
@@ -247,6 +247,7 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     """The CausalModel (built from the config unless given; frozen parts, checkpointing), the datasets,
     the constant baseline, the collator and, for a fresh run, the value head's warm start."""
     config = run.config
+    train_dataset, eval_dataset = read_datasets(config, train_dataset, eval_dataset)  # a bad file: before the base
     if model is None:
         base, loaded_tok = load_base_and_tokenizer(config)
         tokenizer = tokenizer or loaded_tok
