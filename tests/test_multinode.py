@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S, outs: dict | None = None, extra=()):
-    """One `accelerate launch` per node rank, started together; (return codes, logs, node 0's output dir). A node
-    still running after `timeout` seconds is killed (return code None). outs: a node rank's own output dir
-    (default: one shared dir); extra: more `train` flags."""
+def start_nodes(tmp_path: Path, ranks=(0, 1), outs: dict | None = None, extra=()):
+    """One `accelerate launch` per node rank, started together -> (processes, node 0's output dir). outs: a node
+    rank's own output dir (default: one shared dir); extra: more `train` flags."""
     port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "HF_HUB_OFFLINE": "1"}
@@ -46,25 +46,49 @@ def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S, outs: dic
                "--num_processes", "2", "--machine_rank", str(k), "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", *TRAIN, *extra,
                "--output-dir", str((outs or {}).get(k, out))]
-        log = open(tmp_path / f"node{k}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
-                                       start_new_session=True), log))
+        with open(tmp_path / f"node{k}.log", "w") as log:
+            procs.append((k, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+                                              start_new_session=True)))
+    return procs, out
+
+
+def wait_nodes(tmp_path: Path, procs, deadline: float):
+    """(return codes, logs) of `start_nodes`' processes; a node still running at `deadline` (time.monotonic()) is
+    killed (return code None)."""
     codes = []
-    for p, log in procs:
+    for k, p in procs:
         try:
-            codes.append(p.wait(timeout=timeout))
+            codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, 9)  # the launcher and the worker it started
             p.wait()
             codes.append(None)
-        log.close()
-    return codes, [(tmp_path / f"node{k}.log").read_text() for k in ranks], out
+    return codes, [(tmp_path / f"node{k}.log").read_text() for k, _ in procs]
+
+
+def launch_nodes(tmp_path: Path, ranks=(0, 1), timeout=NODE_TIMEOUT_S, outs: dict | None = None, extra=()):
+    """`start_nodes`, then `wait_nodes` at most `timeout` s -> (return codes, logs, node 0's output dir)."""
+    procs, out = start_nodes(tmp_path, ranks, outs, extra)
+    return (*wait_nodes(tmp_path, procs, time.monotonic() + timeout), out)
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def lone_node(tmp_path_factory):
+    """Node 0 of 2 started alone, before the module's other launches (`two_nodes` asks for it first), so that
+    its wait overlaps them: (processes, output dir, tmp dir, when it started)."""
+    tmp = tmp_path_factory.mktemp("lone_node")
+    procs, out = start_nodes(tmp, ranks=(0,))
+    yield procs, out, tmp, time.monotonic()
+    for _, p in procs:  # the test did not run (deselected): no node left behind
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, lone_node):
     """One run of 2 nodes x 1 process: (return codes, logs, node 0's output dir). The tests read it; one that
-    launches more nodes on it copies the output dir first."""
+    launches more nodes on it copies the output dir first. (`lone_node` only starts first.)"""
     return launch_nodes(tmp_path_factory.mktemp("two_nodes"))
 
 
@@ -110,10 +134,12 @@ def test_resume_where_a_node_lacks_the_checkpoint_is_refused_on_every_node_not_a
 
 
 @pytest.mark.slow
-def test_a_missing_node_fails(tmp_path):
-    """Node 0 alone: the rendezvous never completes, the run does not finish (killed at the timeout)."""
-    codes, logs, out = launch_nodes(tmp_path, ranks=(0,), timeout=25)
-    assert codes != [0]
+def test_a_missing_node_fails(lone_node):
+    """Node 0 alone: the rendezvous never completes, the run does not finish (killed 25 s after its start; the
+    2-node runs take about 14 s here, 3 steps included)."""
+    procs, out, tmp, started = lone_node
+    codes, logs = wait_nodes(tmp, procs, started + 25)
+    assert codes != [0], logs
     assert not (out / "final_metrics.json").exists()
 
 
