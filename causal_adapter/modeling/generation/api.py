@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from ...numbers import pad_batch
 from .loop import StepLoop
 from .options import decoding_options, new_token_budget
 from .output import GenerationOutput, row_output, rows_output
@@ -230,10 +231,8 @@ def check_prompts(model, prompt_rows: list[tuple[list[int], list[float]]], chunk
     """`CausalModel.check_inputs` on encoded prompts (ids in the vocabulary, finite values), a chunk at a time."""
     for i in range(0, len(prompt_rows), chunk):
         part = prompt_rows[i:i + chunk]
-        n = max(len(ids) for ids, _ in part)
-        ids = torch.tensor([ids + [0] * (n - len(ids)) for ids, _ in part], dtype=torch.long)
-        values = torch.tensor([v + [0.0] * (n - len(v)) for _, v in part], dtype=torch.float32)
-        model.check_inputs(ids, values, None, None)
+        enc = pad_batch([ids for ids, _ in part], [v for _, v in part], 0)
+        model.check_inputs(enc["input_ids"], enc["numeric_values"], None, None)
 
 
 def _adapter_names(model, adapter_names: Sequence[str] | None, B: int) -> list[str | None]:

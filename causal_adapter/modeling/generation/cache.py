@@ -48,12 +48,15 @@ def select_rows(cache: Any, rows: Tensor) -> None:
     cache.reorder_cache(rows)
 
 
-def _left_pad(t: Tensor, length: int) -> Tensor:
-    """[B, h, L, d] -> [B, h, length, d], zeros on the left (masked: the attention mask has 0 there)."""
-    extra = length - t.shape[-2]
+def left_pad(t: Tensor, length: int, dim: int = -2) -> Tensor:
+    """`t` widened to `length` along `dim` with zeros on the left: keys / values [B, h, L, d] (dim -2), attention
+    masks [B, L] (dim -1; 0 = masked, so the zeros of the keys and values are never read)."""
+    extra = length - t.shape[dim]
     if extra == 0:
         return t
-    return torch.cat([t.new_zeros(t.shape[:-2] + (extra, t.shape[-1])), t], -2)
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim)
 
 
 def _states(layer, name: str) -> dict:
@@ -69,8 +72,8 @@ def merge_rows(cache: Any, new: Any) -> None:
     for a, b in zip(cache.layers, new.layers):
         if getattr(a, "keys", None) is not None and getattr(b, "keys", None) is not None and a.keys.numel():
             length = max(a.keys.shape[-2], b.keys.shape[-2])
-            a.keys = torch.cat([_left_pad(a.keys, length), _left_pad(b.keys.to(a.keys.device), length)])
-            a.values = torch.cat([_left_pad(a.values, length), _left_pad(b.values.to(a.values.device), length)])
+            a.keys = torch.cat([left_pad(a.keys, length), left_pad(b.keys.to(a.keys.device), length)])
+            a.values = torch.cat([left_pad(a.values, length), left_pad(b.values.to(a.values.device), length)])
         for name in _STATES:
             if not hasattr(a, name):
                 continue

@@ -38,7 +38,7 @@ from ..._compat import cache_kwargs, output_cache
 from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
 from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
-from .cache import PrefixCache, cache_from, key_value_only, merge_rows, movable, select_rows, trim_left
+from .cache import PrefixCache, cache_from, key_value_only, left_pad, merge_rows, movable, select_rows, trim_left
 from .choose import choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
 from .record import Row, append_step, push_recent, recent_window, written_values
@@ -263,7 +263,7 @@ class StepLoop:
         else:
             merge_rows(self.cache, cache)
             L = max(self.mask.shape[1], mask.shape[1])
-            self.mask = torch.cat([_left_pad(self.mask, L), _left_pad(mask, L)])
+            self.mask = torch.cat([left_pad(self.mask, L, -1), left_pad(mask, L, -1)])
             self.pos, self.z = torch.cat([self.pos, pos]), torch.cat([self.z, z])
             self.prev, self.pending = torch.cat([self.prev, prev]), torch.cat([self.pending, pending])
             if k != k_old:  # a row whose value head reads more numbers joined: every window read again
@@ -425,10 +425,6 @@ class StepLoop:
         if self._lora is None or self._lora[0] != key:  # the LoRA layers change when an adapter is loaded
             self._lora = (key, tuner_layers(self.model))
         return lora_rows(self._lora[1], names)
-
-
-def _left_pad(mask: Tensor, length: int) -> Tensor:
-    return torch.cat([mask.new_zeros(mask.shape[0], length - mask.shape[1]), mask], 1)
 
 
 def _history(rows: list[Row]) -> Tensor:
