@@ -21,6 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_train_worker import KILL_AT, config, datasets_, model  # noqa: E402
 
 
+def skip_the_shared_memory_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm: two C++ files, 80 s
+    of g++ each in a fresh install, 2 x 112 s of a CI run's 2 cores) when a process group opens. Only
+    `inference_all_reduce` calls it, never ZeRO training, and a GPU's accelerator has no such op: marked not
+    compatible (DeepSpeed's own table, which it keeps for edits), DeepSpeed skips the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def main() -> None:
     from accelerate import PartialState
 
@@ -32,6 +42,7 @@ def main() -> None:
     ap.add_argument("--job", choices=["first", "resume"], required=True)
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
+    skip_the_shared_memory_op()
     train_ds, eval_ds = datasets_()
     if args.job == "first":
         train(model(), config(args.out / "full", args.batch), train_dataset=train_ds, eval_dataset=eval_ds)
