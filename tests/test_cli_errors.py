@@ -24,16 +24,15 @@ from causal_adapter.saving.artifacts import WEIGHTS_NAME
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, cwd=None, env=None, stdin=subprocess.DEVNULL, umask=None, timeout=180):
-    """Run `python -m causal_adapter ARGS` (this checkout) -> (returncode, stdout, stderr, seconds)."""
+def run_cli(*args, env=None, stdin=subprocess.DEVNULL, timeout=180):
+    """Run `python -m causal_adapter ARGS` (this checkout) in a new process -> (returncode, stdout, stderr, seconds)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     for k, v in list(full_env.items()):
         if v is None:
             del full_env[k]
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)], cwd=cwd, env=full_env,
-                       stdin=stdin, capture_output=True, text=True, timeout=timeout,
-                       preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    r = subprocess.run([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)], env=full_env,
+                       stdin=stdin, capture_output=True, text=True, timeout=timeout)
     return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
 
 
@@ -72,12 +71,12 @@ def cli(capfd, monkeypatch):
     return run
 
 
-def run_cli_on_terminal(*args, cwd=None, timeout=180):
+def run_cli_on_terminal(*args, timeout=180):
     """Like `run_cli` with stderr on a terminal (a pty), as a person sees it -> (returncode, stderr)."""
     import pty
 
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "causal_adapter.commands.main", *map(str, args)],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=secondary)
     os.close(secondary)
