@@ -22,6 +22,37 @@ if "OMP_NUM_THREADS" not in os.environ:
     if "PYTEST_XDIST_WORKER" in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
+# The real Qwen tokenizer takes 0.6 s to load (transformers 5 parses its 7 MB tokenizer.json in Python); the
+# commands called in-process and the fixtures loaded the bundled one ~70 times per run (48 s, measured). Here each
+# load of that folder returns a copy of the one this process loaded first: the same real tokenizer, its Python
+# attributes (chat template, padding side, special tokens) its own, its Rust backend and vocabulary shared (nothing in
+# the product or the tests adds tokens to them). Other folders (saved adapters, tokenizer files) load as usual.
+import copy  # noqa: E402
+
+from causal_adapter.saving import assets as _assets  # noqa: E402
+
+_load_tokenizer_from_disk, _loaded_tokenizers = _assets._load_tokenizer, {}
+
+
+def _load_tokenizer_once(name: str):
+    key = os.path.realpath(name) if os.path.isdir(name) else None
+    try:
+        bundled = os.path.realpath(_assets.qwen_tokenizer_dir())
+    except ImportError:
+        bundled = None
+    if key is None or key != bundled:
+        return _load_tokenizer_from_disk(name)
+    if key not in _loaded_tokenizers:
+        _loaded_tokenizers[key] = _load_tokenizer_from_disk(name)
+    tok = copy.copy(_loaded_tokenizers[key])
+    for attr, value in vars(tok).items():
+        if isinstance(value, (dict, list)) and attr not in ("_vocab", "_merges"):
+            setattr(tok, attr, copy.copy(value))
+    return tok
+
+
+_assets._load_tokenizer = _load_tokenizer_once
+
 # Early warning of the next rename (issue 25): a FutureWarning or DeprecationWarning that transformers,
 # peft, accelerate or datasets raises because of a call made by causal_adapter is an error here, while
 # the old name still works. A warning filter cannot say who called (a deprecated forward keyword warns

@@ -20,11 +20,11 @@ CONFIGS = REPO / "examples" / "accelerate_configs"
 
 
 def run_fsdp_wrap(config: Path, dtype: str, out: Path) -> dict:
-    """benchmarks/fsdp_wrap.py: `accelerate launch --config_file <config>` (its CPU copy) of 2 workers that
-    prepare, train 4 steps and save the adapter; returns the rank-0 result."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fsdp_wrap.py"), "--config", str(config),
-                           "--dtype", dtype, "--out", str(out)], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "RESULT fsdp_accelerate_wrap=ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    """benchmarks/fsdp_wrap.py's check, called here (the script's launching process would only import what this one
+    has): `accelerate launch --config_file <config>` (its CPU copy) of 2 workers that prepare, train 4 steps and save
+    the adapter, then its verdict on their files; returns the rank-0 result."""
+    ok, why = _fsdp_wrap().check(config, dtype, out)
+    assert ok, why
     return json.loads((out / "result.json").read_text())
 
 
@@ -39,11 +39,16 @@ def check_replicas_and_reload(out: Path, dtype: torch.dtype) -> None:
     assert sorted(p.name for p in (out / "adapter").iterdir()) == ["causal_adapter_config.json", WEIGHTS_NAME]
 
 
-def _fsdp_base(dtype):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from fsdp_wrap import tiny_base
+def _fsdp_wrap():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import fsdp_wrap
 
-    return tiny_base(dtype)
+    return fsdp_wrap
+
+
+def _fsdp_base(dtype):
+    return _fsdp_wrap().tiny_base(dtype)
 
 
 @pytest.mark.slow  # ~25-50 s: two interpreters importing transformers
