@@ -154,8 +154,8 @@ def check(config: Path, dtype: str, out: Path, lora: str = "none") -> tuple[bool
     proc = launch(config, dtype, out, lora)
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "Error:" in line and "ChildFailedError" not in line]
-        errors = errors or proc.stderr.splitlines()[-1:]
-        return False, "launch failed: " + errors[-1][:300]
+        errors = errors or proc.stderr.splitlines()[-1:] or ["(no output)"]
+        return False, f"launch failed: {errors[-1][:300]}\n--- the launch's stderr, last lines:\n{proc.stderr[-3000:]}"
     res = json.loads((out / "result.json").read_text())
     a, b = (load_file(str(out / f"full_rank{r}.safetensors")) for r in (0, 1))
     loaded = CausalModel.from_pretrained(tiny_base(getattr(torch, dtype)), out / "adapter").adapter_state_dict()
