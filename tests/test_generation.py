@@ -277,6 +277,60 @@ def test_pruned_ovr_argmax_equals_full_argmax(spread):
     torch.testing.assert_close(p.double(), p_full, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", range(8))
+def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(case):
+    """`_candidates` bounds only the rows a test on z alone lets through. Whatever it skips, bounding every row of
+    the vocabulary would have skipped too: rows whose best t is positive (z > 0) and negative, scalar and vector
+    thresholds, zero rows of W_cls (norm 0: the loosest LO), even and uneven scale_U'."""
+    g = torch.Generator().manual_seed(case)
+    V, H, B = 4000, 32, 12
+    model = get_causal_model(small_vocab_qwen(vocab_size=V, hidden_size=H, seed=case % 3),
+                             CausalAdapterConfig(num_token_id=V - 7, threshold_mode="vector" if case % 2 else "scalar"))
+    with torch.no_grad():
+        if case % 4 == 1:
+            model.W_cls[torch.randperm(V, generator=g)[:40]] = 0
+        model.action.b_cls.add_(torch.randn(V, generator=g) * (case % 3))
+        if case % 2:
+            model.action.thresholds.add_(torch.randn(V, generator=g))
+    heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
+    loc_U = torch.randn(B, H, generator=g) * (2 + case)
+    loc_U[: B // 3] *= 300  # rows with z > 0 for some classes (bar >= 0) beside rows without (bar < 0)
+    spread = (0.0, 0.05, 0.5, 3.0)[case % 4]
+    scale_Up = (torch.rand(B, 1, generator=g) * 10 + 0.1) * torch.exp(torch.randn(B, H, generator=g) * spread)
+    with torch.no_grad():
+        z = heads.loc_scores(loc_U) - heads.thresholds
+        got = heads._candidates(z, scale_Up)
+        t_lo, t_hi = heads._t_bounds(z, heads._row_norms(), *heads._bound_coefficients(scale_Up))
+    every = (t_hi >= t_lo.amax(-1, keepdim=True)).any(0).nonzero().squeeze(1)
+    assert (z.amax(-1) > 0).any() and (z.amax(-1) < 0).any()
+    if got is None:  # more than V/8 candidates: the full product decides, as it would have
+        assert every.numel() > max(64, V // 8)
+    else:
+        assert set(every.tolist()) <= set(got.tolist())
+
+
+def test_prefilter_leaves_few_rows_to_bound_in_the_usual_case(bases, tok):
+    """The heads of a real-vocabulary model on real prompts, as generation meets them: the test on z alone leaves a
+    small part of the 151,936 rows to bound one by one, and the argmax is the unpruned one."""
+    model = perturb(get_causal_model(bases["qwen3"], CausalAdapterConfig(gamma0=3.0), tokenizer=tok), seed=6)
+    enc = NumberTokenizer(tok)(["In 1749 the sunspot number was 80.9", "Price: 99.9 yuan", "The Nile at Aswan"],
+                              padding_side="left")
+    with torch.no_grad():
+        out = model(enc["input_ids"], enc["numeric_values"].float(), attention_mask=enc["attention_mask"],
+                    position_ids=positions(enc["attention_mask"]))
+    loc_U, scale_Up = out.loc_U[:, -1], model.action.noisy_scale(out.scale_U[:, -1])
+    heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
+    bounded = []
+    t_bounds = heads._t_bounds
+    heads._t_bounds = lambda z, *a: bounded.append(z.shape[1]) or t_bounds(z, *a)
+    with torch.no_grad():
+        loc_S = heads.loc_scores(loc_U)
+        pruned, _ = heads.ovr_argmax(loc_S, scale_Up)
+        full, _ = OvRScorer(model, ovr_pruning=False, cache_abs_weight=False).ovr_argmax(loc_S, scale_Up)
+    assert torch.equal(pruned, full)
+    assert bounded[-1] < heads.V // 100, bounded
+
+
 # --------------------------------------------------------------------------- causal mode
 def test_causal_seeds_and_shared_individual():
     model = small_model(num_bias=2.0, gamma0=0.5)
