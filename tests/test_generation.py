@@ -279,9 +279,9 @@ def test_pruned_ovr_argmax_equals_full_argmax(spread):
 
 @pytest.mark.parametrize("case", range(8))
 def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(case):
-    """`_candidates` bounds only the rows a test on z alone lets through. Whatever it skips, bounding every row of
-    the vocabulary would have skipped too: rows whose best t is positive (z > 0) and negative, scalar and vector
-    thresholds, zero rows of W_cls (norm 0: the loosest LO), even and uneven scale_U'."""
+    """`_candidates` bounds only the rows its cheap test of z against a bar lets through. Whatever it skips, bounding
+    every row of the vocabulary would have skipped too: rows whose best t is positive (z > 0) and negative, scalar and
+    vector thresholds, zero rows of W_cls (norm 0: the bound is the floor), even and uneven scale_U'."""
     g = torch.Generator().manual_seed(case)
     V, H, B = 4000, 32, 12
     model = get_causal_model(small_vocab_qwen(vocab_size=V, hidden_size=H, seed=case % 3),
@@ -297,6 +297,9 @@ def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(cas
     loc_U[: B // 3] *= 300  # rows with z > 0 for some classes (bar >= 0) beside rows without (bar < 0)
     spread = (0.0, 0.05, 0.5, 3.0)[case % 4]
     scale_Up = (torch.rand(B, 1, generator=g) * 10 + 0.1) * torch.exp(torch.randn(B, H, generator=g) * spread)
+    bounded = []
+    t_bounds = heads._t_bounds
+    heads._t_bounds = lambda z, *a: bounded.append(z.shape[1]) or t_bounds(z, *a)
     with torch.no_grad():
         z = heads.loc_scores(loc_U) - heads.thresholds
         got = heads._candidates(z, scale_Up)
@@ -307,11 +310,13 @@ def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(cas
         assert every.numel() > max(64, V // 8)
     else:
         assert set(every.tolist()) <= set(got.tolist())
+    if spread <= 0.05:  # the cases where the bounds prune: the cheap test ran and kept few rows
+        assert bounded[1] < V // 8, bounded
 
 
 def test_prefilter_leaves_few_rows_to_bound_in_the_usual_case(bases, tok):
-    """The heads of a real-vocabulary model on real prompts, as generation meets them: the test on z alone leaves a
-    small part of the 151,936 rows to bound one by one, and the argmax is the unpruned one."""
+    """The heads of a real-vocabulary model on real prompts, as generation meets them: the cheap test leaves a small
+    part of the 151,936 rows to bound one by one, and the argmax is the unpruned one."""
     model = perturb(get_causal_model(bases["qwen3"], CausalAdapterConfig(gamma0=3.0), tokenizer=tok), seed=6)
     enc = NumberTokenizer(tok)(["In 1749 the sunspot number was 80.9", "Price: 99.9 yuan", "The Nile at Aswan"],
                               padding_side="left")
