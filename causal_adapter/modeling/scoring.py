@@ -191,7 +191,7 @@ class OvRScorer:
         if self._extremes is None:  # the rows of smallest and largest ||W_k||_1 (fixed for the call)
             k = min(self._TOP_Z, self.V)
             self._extremes = torch.cat([norms[0].topk(k).indices, norms[0].topk(k, largest=False).indices])
-        probe = torch.cat([z.argmax(-1), self._extremes]).unique()
+        probe = torch.cat([z.argmax(-1), self._extremes])  # repeats are harmless (no unique: no sync on CUDA)
         t_lo, _ = self._t_bounds(z.index_select(1, probe), norms.index_select(1, probe), coef_lo, coef_hi)
         bar = t_lo.amax(-1, keepdim=True)
         # z_k >= bar * bound_k with bound_k = max(coef . n_k, floor), bounded below by bar (coef . n_k) (bar >= 0)
