@@ -17,6 +17,8 @@ shows where the time of the deterministic mode goes:
     scale_S cached   from a |W_cls| copy kept for the call (cache_abs_weight=True: +V*H memory)
     prune bounds     the per-step bound test of ovr_pruning=True (O(V) elementwise) + exact rows
     row norms        ||W_k||_1, ||W_k||_2 for the bounds: one pass over W_cls, cached across calls
+    loc_S bf16       W_cls loc_U + b_cls from a bfloat16 product (the deterministic mode, where bf16 is cheap), and
+                     the pruned argmax after it (exact rows for the bar and the survivors) against after loc_S
 The output ends with one line `RESULT key=value ...`.
 """
 from __future__ import annotations
@@ -83,8 +85,12 @@ def head_breakdown(model, batch: int, iters: int) -> dict[str, float]:
         if idx is not None:
             heads.abs_scores(s, idx)
 
+    approx = heads.approx_loc_scores(loc_U)
     pieces = {
         "loc_S": lambda: heads.loc_scores(loc_U),
+        "loc_S_bf16": lambda: heads.approx_loc_scores(loc_U),
+        "argmax_from_f32": lambda: heads.ovr_argmax(loc_S, s),
+        "argmax_from_bf16": lambda: heads.ovr_argmax(approx, s, loc_U),
         "scale_S_naive": lambda: torch.nn.functional.linear(s, W.abs()),
         "scale_S_chunked": lambda: chunked.abs_scores(s),
         "scale_S_cached": lambda: torch.nn.functional.linear(s, cached_abs),
@@ -170,7 +176,11 @@ def main() -> None:
         print(f"{B:>5}  " + "".join(f"{hb[k]:>18.2f}" for k in ("loc_S", "scale_S_naive", "scale_S_chunked",
                                                                    "scale_S_cached", "prune_bounds"))
               + f"{hb['prune_candidates']:>18.0f}")
-        for k in ("loc_S", "scale_S_naive", "scale_S_chunked", "scale_S_cached", "prune_bounds"):
+        print(f"{'':>5}  bf16 product (scoring.fast_bf16_product here: {scoring.fast_bf16_product(model.W_cls)}): "
+              f"loc_S {hb['loc_S_bf16']:.2f} ms; the pruned argmax after it {hb['argmax_from_bf16']:.2f} ms "
+              f"(from the float32 loc_S: {hb['argmax_from_f32']:.2f} ms)")
+        for k in ("loc_S", "scale_S_naive", "scale_S_chunked", "scale_S_cached", "prune_bounds", "loc_S_bf16",
+                  "argmax_from_f32", "argmax_from_bf16"):
             result[f"b{B}_head_{k}_ms"] = round(hb[k], 2)
         result[f"b{B}_prune_candidates"] = int(hb["prune_candidates"])
         if B == args.batches[0]:

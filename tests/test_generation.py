@@ -320,6 +320,89 @@ def test_prefilter_keeps_every_row_the_bounds_over_the_whole_vocabulary_keep(cas
         assert bounded[1] < V // 8, bounded
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_the_bf16_product_prefilter_finds_the_float32_argmax(case):
+    """The deterministic mode's pruning from a bfloat16 W_cls loc_U (`approx_loc_scores`, where bf16 products are
+    cheap): every entry's error is within `_approx_error`, and the argmax and its P are those of the float32 loc_S
+    over the whole vocabulary: with eos masked for some rows (their float32 argmax among the masked), a trained <NUM>
+    row, rows whose best t is positive and negative, scalar and vector thresholds, even and uneven scale_U', and a
+    twin of a row's argmax that bfloat16 cannot tell from it (either of the two winning in float32)."""
+    g = torch.Generator().manual_seed(case)
+    V, H, B = 4000, 32, 12
+    model = get_causal_model(small_vocab_qwen(vocab_size=V, hidden_size=H, seed=case % 3),
+                             CausalAdapterConfig(num_token_id=V - 7, threshold_mode="vector" if case % 2 else "scalar"))
+    with torch.no_grad():
+        model.action.b_cls.add_(torch.randn(V, generator=g) * (case % 3))
+        model.action.num_row.mul_(3.0)
+        if case % 2:
+            model.action.thresholds.add_(torch.randn(V, generator=g))
+    loc_U = torch.randn(B, H, generator=g) * (2 + case)
+    loc_U[: B // 3] *= 300  # rows with z > 0 for some classes beside rows without
+    spread = (0.0, 0.05, 0.5)[case % 3]
+    scale_Up = (torch.rand(B, 1, generator=g) * 10 + 0.1) * torch.exp(torch.randn(B, H, generator=g) * spread)
+    loc_U[1], scale_Up[1] = loc_U[0], scale_Up[0]  # row 1 masks the argmax it shares with row 0, which keeps it
+    # batch rows whose eos ids (their float32 argmax, as found first) are masked
+    masked = (torch.tensor([1, B - 1]), torch.tensor([], dtype=torch.long))
+
+    def full_argmax():
+        """(token, P) from P over all V rows of the float32 loc_S (pruning off), eos masked."""
+        exact = OvRScorer(model, ovr_pruning=False, cache_abs_weight=False)
+        loc_S = exact.loc_scores(loc_U)
+        loc_S[masked[0].unsqueeze(1), masked[1]] = -math.inf
+        return exact.ovr_argmax(loc_S, scale_Up)
+
+    def approximate():
+        heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
+        approx = heads.approx_loc_scores(loc_U)
+        approx[masked[0].unsqueeze(1), masked[1]] = -math.inf
+        return heads, approx, heads.ovr_argmax(approx, scale_Up, loc_U)
+
+    with torch.no_grad():
+        best = full_argmax()[0]
+        masked = (masked[0], best[masked[0]].unique())
+        for sign in (1.0, -1.0):
+            k = int(full_argmax()[0][0])
+            twin = (k + 1 + case) % (V - 8)
+            W = model.W_cls
+            W[k, 0] = W[k, 0].bfloat16().float()  # bf16-exact: the twin's column 0 rounds back to it
+            W[twin] = W[k]
+            W[twin, 0] = W[k, 0] * (1 + sign * 2.0 ** -12)
+            model.action.b_cls[twin] = model.action.b_cls[k]
+            if case % 2:
+                model.action.thresholds[twin] = model.action.thresholds[k]
+            assert torch.equal(W[k].bfloat16(), W[twin].bfloat16()) and not torch.equal(W[k], W[twin])
+            tok, p = full_argmax()
+            heads, approx, (got, got_p) = approximate()
+            exact_loc = heads.loc_scores(loc_U)
+            finite = torch.isfinite(approx)
+            assert ((approx - exact_loc).abs() <= heads._approx_error(loc_U, approx))[finite].all()
+            assert torch.equal(got, tok), (got, tok)
+            torch.testing.assert_close(got_p, p, rtol=1e-6, atol=0)
+    assert not torch.isin(tok[masked[0]], masked[1]).any()  # the masked argmax was not chosen
+
+
+def test_the_bf16_product_prefilter_gives_the_same_generation(bases, tok, monkeypatch):
+    """Deterministic generation with the bfloat16 product forced on and off (whatever this CPU has): the same tokens,
+    values and probabilities; the bf16 product ran."""
+    import causal_adapter.modeling.scoring as scoring
+
+    model = perturb(get_causal_model(bases["qwen3"], CausalAdapterConfig(gamma0=3.0), tokenizer=tok), seed=6)
+    enc = NumberTokenizer(tok)(["In 1749 the sunspot number was 80.9", "Price: 99.9 yuan", "The Nile at Aswan"],
+                               padding_side="left")
+    calls = []
+    approx_vocab = scoring.OvRScorer.approx_vocab
+    monkeypatch.setattr(scoring.OvRScorer, "approx_vocab", lambda self, x: calls.append(1) or approx_vocab(self, x))
+    outs = []
+    for fast in (True, False):
+        monkeypatch.setattr(scoring, "fast_bf16_product", lambda W, fast=fast: fast)
+        calls.clear()
+        outs.append(model.generate(enc, mode="deterministic", max_new_tokens=8, eos_token_id=[]))
+        assert bool(calls) == fast
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].numeric_values, outs[1].numeric_values)
+    torch.testing.assert_close(outs[0].token_probs, outs[1].token_probs, rtol=1e-6, atol=0)
+
+
 def test_prefilter_leaves_few_rows_to_bound_in_the_usual_case(bases, tok):
     """The heads of a real-vocabulary model on real prompts, as generation meets them: the cheap test leaves a small
     part of the 151,936 rows to bound one by one, and the argmax is the unpruned one."""

@@ -65,6 +65,12 @@ def reads_vocabulary_product(g: Group) -> bool:
     return g.opts.mode != "causal"
 
 
+def approximate_product(g: Group) -> bool:
+    """Whether the group's W_cls loc_U is the bfloat16 one (`OvRScorer.approx_vocab`: the deterministic mode where a
+    bf16 product is cheap; its argmax stays that of the float32 product)."""
+    return g.opts.mode == "deterministic" and g.settings.scorer.approximate
+
+
 def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
            steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
            history: Callable[[], Tensor] | None = None, done: Heads | None = None,
@@ -73,7 +79,8 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
     head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
     [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them); vocab [n, V] W_cls
-    loc_U computed with other groups' rows (one pass over W_cls for a step)."""
+    loc_U computed with other groups' rows (one pass over W_cls for a step; the bf16 one where
+    `approximate_product(g)`)."""
     s = g.settings
     h = done if done is not None else heads(model, g, z, recent)
     if recent is not None:
@@ -127,13 +134,14 @@ def _choose_by_scores(g: Group, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, 
     """deterministic mode (argmax of the OvR P_k) and softmax mode (greedy or sampled from loc_S [n, V])."""
     s = g.settings
     scorer = s.scorer
+    approx = approximate_product(g)
     if vocab is None:
-        loc_S = scorer.loc_scores(loc_U)
-    else:  # as OvRScorer.loc_scores, from W_cls loc_U computed for several groups at once
+        loc_S = scorer.approx_loc_scores(loc_U) if approx else scorer.loc_scores(loc_U)
+    else:  # as OvRScorer.(approx_)loc_scores, from W_cls loc_U computed for several groups at once
         loc_S = scorer.action.override_num_column(vocab + scorer.action.b_cls, loc_U)
     _mask_eos(loc_S, s, early)
     if s.opts.mode == "deterministic":
-        tok, prob = scorer.ovr_argmax(loc_S, scale_Up)
+        tok, prob = scorer.ovr_argmax(loc_S, scale_Up, loc_U if approx else None)
         return tok, loc_Y, prob
     scores = loc_S
     if s.warpers is not None and len(s.warpers):

@@ -39,7 +39,7 @@ from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
 from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
 from .cache import PrefixCache, cache_from, key_value_only, left_pad, merge_rows, movable, select_rows, trim_left
-from .choose import choose, draw_eps, heads, reads_vocabulary_product
+from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
 from .record import Row, append_step, push_recent, recent_window, written_values
 from .stop import start_text, stop_after
@@ -362,20 +362,24 @@ class StepLoop:
     def _heads(self, groups: dict, take) -> tuple[dict, dict]:
         """With rows of several adapters whose choice starts from W_cls loc_U: every group's heads first (its adapter
         active), then ONE product with W_cls (the base's lm_head, shared) for all their rows: a step reads the
-        vocabulary once, not once per adapter. Returns ({group: Heads}, {group: its rows' W_cls loc_U})."""
-        shared = [g for g in groups if reads_vocabulary_product(g)]
-        W = self.model.W_cls
-        if len(shared) < 2 or len({g.settings.hdtype for g in shared}) > 1:
-            return {}, {}
-        done = {}
-        for g in shared:
-            self._use_adapter(g.adapter)
+        vocabulary once, not once per adapter (once per kind: the float32 product, the bf16 one of the deterministic
+        mode where it is cheap). Returns ({group: Heads}, {group: its rows' W_cls loc_U})."""
+        done, vocab = {}, {}
+        reading = [g for g in groups if reads_vocabulary_product(g)]
+        for approx in (False, True):
+            shared = [g for g in reading if approximate_product(g) == approx]
+            if len(shared) < 2 or len({g.settings.hdtype for g in shared}) > 1:
+                continue
+            for g in shared:
+                self._use_adapter(g.adapter)
+                with full_precision(self.z.device):
+                    done[g] = heads(self.model, g, take(g, self.z),
+                                    take(g, self.recent) if g.settings.recent_k else None)
             with full_precision(self.z.device):
-                done[g] = heads(self.model, g, take(g, self.z),
-                                take(g, self.recent) if g.settings.recent_k else None)
-        with full_precision(self.z.device):
-            product = linear_in_dtype(torch.cat([done[g].loc_U for g in shared]), W)
-        vocab = dict(zip(shared, product.split([done[g].loc_U.shape[0] for g in shared])))
+                loc_U = torch.cat([done[g].loc_U for g in shared])
+                product = shared[0].settings.scorer.approx_vocab(loc_U) if approx else \
+                    linear_in_dtype(loc_U, self.model.W_cls)
+            vocab.update(zip(shared, product.split([done[g].loc_U.shape[0] for g in shared])))
         return done, vocab
 
     # ------------------------------------------------------------------ 4. leave
