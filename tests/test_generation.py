@@ -336,8 +336,13 @@ def test_the_bf16_product_prefilter_finds_the_float32_argmax(case):
         model.action.num_row.mul_(3.0)
         if case % 2:
             model.action.thresholds.add_(torch.randn(V, generator=g))
+        if case == 3:  # <NUM> the argmax of every row: it repeats among the bar's rows, where num_row must stand in
+            model.action.b_cls[V - 7] += 1e4  # for W_cls's own <NUM> row, here far above it for every row
+            model.W_cls[V - 7] = model.W_cls[V - 7].abs() * 50
     loc_U = torch.randn(B, H, generator=g) * (2 + case)
     loc_U[: B // 3] *= 300  # rows with z > 0 for some classes beside rows without
+    if case == 3:
+        loc_U = loc_U.abs()
     spread = (0.0, 0.05, 0.5)[case % 3]
     scale_Up = (torch.rand(B, 1, generator=g) * 10 + 0.1) * torch.exp(torch.randn(B, H, generator=g) * spread)
     loc_U[1], scale_Up[1] = loc_U[0], scale_Up[0]  # row 1 masks the argmax it shares with row 0, which keeps it
@@ -362,6 +367,7 @@ def test_the_bf16_product_prefilter_finds_the_float32_argmax(case):
         masked = (masked[0], best[masked[0]].unique())
         for sign in (1.0, -1.0):
             k = int(full_argmax()[0][0])
+            k = k if k != V - 7 else 11  # the twin of a plain row
             twin = (k + 1 + case) % (V - 8)
             W = model.W_cls
             W[k, 0] = W[k, 0].bfloat16().float()  # bf16-exact: the twin's column 0 rounds back to it
@@ -376,6 +382,10 @@ def test_the_bf16_product_prefilter_finds_the_float32_argmax(case):
             exact_loc = heads.loc_scores(loc_U)
             finite = torch.isfinite(approx)
             assert ((approx - exact_loc).abs() <= heads._approx_error(loc_U, approx))[finite].all()
+            rows = torch.tensor([V - 7, k, V - 7, twin, V - 7])  # the bar's rows repeat: <NUM> (num_row) each time
+            got_rows = heads._exact_loc(loc_U, rows, approx)
+            kept = finite.index_select(1, rows)
+            torch.testing.assert_close(got_rows[kept], exact_loc.index_select(1, rows)[kept], rtol=1e-5, atol=1e-3)
             assert torch.equal(got, tok), (got, tok)
             torch.testing.assert_close(got_p, p, rtol=1e-6, atol=0)
     assert not torch.isin(tok[masked[0]], masked[1]).any()  # the masked argmax was not chosen

@@ -145,9 +145,8 @@ class OvRScorer:
         """The float32 loc_S of the rows idx (None: all), -inf where `masked` (loc_S~) is: [B, C] -> [B, n]."""
         if idx is None:
             loc = self.loc_scores(loc_U)
-        else:
-            loc = linear_in_dtype(loc_U, self.W_cls.index_select(0, idx)) + self.action.b_cls.index_select(0, idx)
-            loc = self.action.override_num_column(loc, loc_U, ids=idx)
+        else:  # idx may repeat a row (the bar's rows): effective_rows puts num_row at every <NUM> among them
+            loc = F.linear(loc_U, self.action.effective_rows(idx, self.W_cls)) + self.action.b_cls.index_select(0, idx)
             masked = masked.index_select(1, idx)
         return torch.where(torch.isneginf(masked), masked, loc)
 
