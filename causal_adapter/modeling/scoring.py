@@ -278,26 +278,20 @@ class OvRScorer:
     def ovr_argmax(self, loc_S: Tensor, scale_Up: Tensor, loc_U: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(argmax_k P_k, its P) per row: [B, V], [B, C] -> [B], [B]. loc_U: loc_S is `approx_loc_scores(loc_U)`
         (eos-masked or not); the argmax and P are those of the float32 loc_S all the same."""
-        exact = None
-        if loc_U is not None:
-            def exact_loc(idx):
-                return self._exact_loc(loc_U, idx, loc_S)
         if self.ovr_pruning:
             z = loc_S - self.thresholds
-            z_up = None
+            exact_z = z_up = None
             if loc_U is not None:
                 z_up = z + self._approx_error(loc_U, loc_S)
-
-                def exact(idx):
-                    return exact_loc(idx) - self._thresholds_at(idx)
-            idx = self._candidates(z, scale_Up, exact, z_up)
+                exact_z = lambda idx: self._exact_loc(loc_U, idx, loc_S) - self._thresholds_at(idx)  # noqa: E731
+            idx = self._candidates(z, scale_Up, exact_z, z_up)
             if idx is not None:
-                loc = loc_S.index_select(1, idx) if loc_U is None else exact_loc(idx)
+                loc = loc_S.index_select(1, idx) if loc_U is None else self._exact_loc(loc_U, idx, loc_S)
                 P = ovr_probability(loc, self.abs_scores(scale_Up, idx), self._thresholds_at(idx))
                 j = P.argmax(-1)
                 return idx[j], P.gather(1, j.unsqueeze(1)).squeeze(1)
-        if loc_U is not None:
-            loc_S = exact_loc(None)
+        if loc_U is not None:  # no pruning, or the bounds kept too many rows: the float32 product after all
+            loc_S = self._exact_loc(loc_U, None, loc_S)
         P = ovr_probability(loc_S, self.abs_scores(scale_Up), self.thresholds)
         tok = P.argmax(-1)
         return tok, P.gather(1, tok.unsqueeze(1)).squeeze(1)
