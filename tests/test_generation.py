@@ -391,9 +391,11 @@ def test_the_bf16_product_prefilter_finds_the_float32_argmax(case):
     assert not torch.isin(tok[masked[0]], masked[1]).any()  # the masked argmax was not chosen
 
 
-def test_the_bf16_product_prefilter_gives_the_same_generation(bases, tok, monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_bf16_product_prefilter_gives_the_same_generation(bases, tok, monkeypatch, autocast):
     """Deterministic generation with the bfloat16 product forced on and off (whatever this CPU has): the same tokens,
-    values and probabilities; the bf16 product ran."""
+    values and probabilities; the bf16 product ran. Under a bf16 CPU autocast too (the backbone in bf16, the heads,
+    the bf16 product and the float32 rows as without it)."""
     import causal_adapter.modeling.scoring as scoring
 
     model = perturb(get_causal_model(bases["qwen3"], CausalAdapterConfig(gamma0=3.0), tokenizer=tok), seed=6)
@@ -406,7 +408,8 @@ def test_the_bf16_product_prefilter_gives_the_same_generation(bases, tok, monkey
     for fast in (True, False):
         monkeypatch.setattr(scoring, "fast_bf16_product", lambda W, fast=fast: fast)
         calls.clear()
-        outs.append(model.generate(enc, mode="deterministic", max_new_tokens=8, eos_token_id=[]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs.append(model.generate(enc, mode="deterministic", max_new_tokens=8, eos_token_id=[]))
         assert bool(calls) == fast
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert torch.equal(outs[0].numeric_values, outs[1].numeric_values)
