@@ -1,4 +1,4 @@
-"""Inference through the chat template and batched generation (issue 34, item 2): `generate_batched` equal to
+"""Inference through the chat template and batched generation (docs/chat.md): `generate_batched` equal to
 generating one prompt at a time, conversations in `generate` / `predict` / `eval` (the command line in-process),
 with the real Qwen3 tokenizer (its chat template) and the embedded tiny base."""
 import json
@@ -243,10 +243,10 @@ def test_generate_input_file_rows_equal_one_by_one(tmp_path, saved, monkeypatch,
         assert len(r["values"]) == len(one.numbers[0])
         for v, n in zip(r["values"], one.numbers[0]):
             n_values += 1
-            assert set(v) == {"text", "value", "loc", "scale", "lower_50", "upper_50", "lower_90", "upper_90",
-                              "raw_lower_50", "raw_upper_50", "raw_lower_90", "raw_upper_90"}
+            assert set(v) == {"text", "value", "loc", "scale", "p_num", "lower_50", "upper_50", "lower_90",
+                              "upper_90", "raw_lower_50", "raw_upper_50", "raw_lower_90", "raw_upper_90"}
             assert v["text"] == n["text"] and v["text"] in r["completion"]
-            for k in ("value", "loc", "scale"):
+            for k in ("value", "loc", "scale", "p_num"):
                 assert v[k] == pytest.approx(n[k], rel=RTOL[torch.float32])
             assert (v["lower_90"], v["upper_90"]) == pytest.approx(n["interval_90"], rel=RTOL[torch.float32])
             assert v["lower_90"] < v["lower_50"] < v["loc"] < v["upper_50"] < v["upper_90"]

@@ -105,11 +105,11 @@ def conversation_prompts(tokenizer, conversations: list[Any], chat_template: str
 def output_row(row: int, out: GenerationOutput) -> dict:
     """One json row: ``row`` (the input's index), ``completion`` (the generated text, numbers rendered),
     ``values`` (per generated number: ``text``, ``value`` as written, ``loc`` / ``scale`` (loc_Y, scale_Y),
-    ``lower_50`` ... ``upper_90`` (the adapter's intervals, as `predict` names them) and ``raw_lower_50`` ...
-    (raw Cauchy)), ``finished`` (stopped on eos rather than at --max-new-tokens)."""
+    ``p_num`` (P(<NUM>) at that step), ``lower_50`` ... ``upper_90`` (the adapter's intervals, as `predict` names
+    them) and ``raw_lower_50`` ... (raw Cauchy)), ``finished`` (stopped on eos rather than at --max-new-tokens)."""
     values = []
     for n in out.numbers[0]:
-        v = {"text": n["text"], "value": n["value"], "loc": n["loc"], "scale": n["scale"]}
+        v = {"text": n["text"], "value": n["value"], "loc": n["loc"], "scale": n["scale"], "p_num": n["p_num"]}
         for prefix in ("", "raw_"):
             for level in (50, 90):
                 v[f"{prefix}lower_{level}"], v[f"{prefix}upper_{level}"] = n[f"{prefix}interval_{level}"]

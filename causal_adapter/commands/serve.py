@@ -66,6 +66,9 @@ def add_parser(sub, **fmt) -> None:
     p.add_argument("--runtime-adapter-root", default=None, metavar="DIR",
                    help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter, reading adapters under DIR only "
                         "(default: off)")
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the playground page at / (default: served, no key needed to load it; its "
+                        "requests to /v1 send the key typed into it)")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -222,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, registry, max_batch_size=args.max_batch_size, chat_template=chat_template,
                     enable_thinking=args.enable_thinking, prefix_cache=not args.no_prefix_cache)
     app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root, max_queue=args.max_queue,
-                     batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler, worker_thread=False)
+                     batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler, worker_thread=False,
+                     ui=not args.no_ui)
     logger = logging.getLogger("causal_adapter.serving")
     logger.setLevel(args.log_level.upper())
     if not logger.handlers:
@@ -232,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    print(f"causal-adapter serve: ready on {url} (OpenAI base_url {url}/v1; adapters: {', '.join(adapters)})",
+    page = "" if args.no_ui else f"; playground {url}/"
+    print(f"causal-adapter serve: ready on {url} (OpenAI base_url {url}/v1{page}; adapters: {', '.join(adapters)})",
           flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
     serve_in_threads(server, sock, app.state.scheduler)

@@ -1,5 +1,6 @@
 """The HTTP app (`create_app`): OpenAI's routes for causal adapters, the API key, OpenAI-shaped errors.
 
+    GET  /                             open: the playground page (static/playground.html; --no-ui: 404)
     GET  /health                       open (no key): {"status": "ok", "adapters": [...], queue and batch figures}
     GET  /metrics                      open: Prometheus text format (queue depth, running rows, TTFT / ITL, ...)
     GET  /v1/models, /v1/models/{id}   the adapters, by name (OpenAI's model list)
@@ -33,11 +34,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from importlib.resources import files
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.adapters import check_adapter_name
@@ -166,15 +168,16 @@ def _route(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/predict",
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/predict",
           "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str | None = None,
                max_queue: int = 256, batch_wait_s: float = 0.005, scheduler: str = "step",
-               worker_thread: bool = True) -> FastAPI:
+               worker_thread: bool = True, ui: bool = True) -> FastAPI:
     """The app serving `engine`'s adapters; its scheduler's worker starts (in a thread of its own; worker_thread=False:
-    the caller runs `app.state.scheduler.run()` in a thread of its choice) and stops with the app (lifespan)."""
+    the caller runs `app.state.scheduler.run()` in a thread of its choice) and stops with the app (lifespan).
+    ui: serve the playground page at ``GET /`` (`playground_page`)."""
     registry = engine.registry
     worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler,
                        run_by_caller=not worker_thread)
@@ -305,6 +308,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
                 worker.cancel(job)
 
     # ------------------------------------------------------------------ routes
+    if ui:
+        page = playground_page()
+
+        @app.get("/", include_in_schema=False)
+        async def playground():
+            return HTMLResponse(page, headers=PAGE_HEADERS)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "adapters": registry.names(), **worker.stats(), **engine.stats()}
@@ -433,6 +443,24 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     return app
+
+
+#: The page may talk to its own origin only: its script and style are inline, it loads nothing from elsewhere, and the
+#: browser refuses any request it would make to another host (the machine may be offline; nothing leaks).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def playground_page() -> str:
+    """The playground (``GET /``): one static page, no template: it holds nothing of the server's (the API key is
+    typed into it, never written into it), and reads the adapters from ``v1/models`` (relative URLs: it works behind
+    a reverse proxy's path prefix)."""
+    return files(__package__).joinpath("static", "playground.html").read_text(encoding="utf-8")
 
 
 async def _disconnected(request: Request) -> None:

@@ -141,9 +141,11 @@ def model_card(name: str, created: int, root: str, parent: str | None, max_model
 
 def value_entry(number: dict, intervals: dict[str, tuple[float, float]], raw: dict[str, tuple[float, float]]) -> dict:
     """One generated number as `causal-adapter generate --output` writes it: ``text``, ``value`` (as written and
-    fed back), ``loc`` / ``scale`` (loc_Y, scale_Y), ``lower_<L>`` / ``upper_<L>`` per level (the adapter's
-    calibrated interval) and ``raw_lower_<L>`` / ``raw_upper_<L>`` (raw Cauchy); L as `prediction.level_name`."""
-    out = {"text": number["text"], "value": number["value"], "loc": number["loc"], "scale": number["scale"]}
+    fed back), ``loc`` / ``scale`` (loc_Y, scale_Y), ``p_num`` (P(<NUM>) at the step that wrote it), ``lower_<L>`` /
+    ``upper_<L>`` per level (the adapter's calibrated interval) and ``raw_lower_<L>`` / ``raw_upper_<L>`` (raw
+    Cauchy); L as `prediction.level_name`."""
+    out = {"text": number["text"], "value": number["value"], "loc": number["loc"], "scale": number["scale"],
+           "p_num": number["p_num"]}
     for prefix, table in (("", intervals), ("raw_", raw)):
         for name, (lo, hi) in table.items():
             out[f"{prefix}lower_{name}"], out[f"{prefix}upper_{name}"] = lo, hi

@@ -29,7 +29,8 @@ class GenerationOutput:
     numbers: per row, one dict per generated <NUM>: position (index in new_tokens), index (in
         sequences), value (what was emitted and fed back: rounded to `config.value_decimals`
         when the adapter has them), exact (the value before rounding), text (as rendered), loc /
-        scale (loc_Y, scale_Y of that step), interval_50 / interval_90 (the central intervals the adapter
+        scale (loc_Y, scale_Y of that step), p_num (P(<NUM>): the OvR probability of <NUM> at that step, as
+        `predict_values`' p_num), interval_50 / interval_90 (the central intervals the adapter
         reports: calibrated when it has a calibration map, as `CausalModel.value_interval`) and
         raw_interval_50 / raw_interval_90 (the raw Cauchy ones).
     texts: decoded generated text per row (numbers rendered), when a tokenizer was available.
@@ -77,7 +78,7 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
         v = row.fed_values[t]
         out.append({"position": t, "index": prompt_length + t, "value": v,
                     "text": _format(v) if math.isfinite(v) else str(v), "loc": row.loc_Y[t], "scale": row.scale_Y[t],
-                    "exact": row.exact[t]})
+                    "exact": row.exact[t], "p_num": float(row.probs[t])})
     if out:  # every number's intervals at once (float64, elementwise: what one number alone gives)
         loc = torch.tensor([d["loc"] for d in out], dtype=torch.float64)
         scale = torch.tensor([d["scale"] for d in out], dtype=torch.float64)

@@ -1,0 +1,330 @@
+"""The playground page of `causal-adapter serve` (GET /) in a real browser: Debian's chromium and chromium-driver
+driven by Selenium, against a live server (with --api-key) on two toy adapters. The page's numbers, intervals and
+plot are compared with what the API returns for the same requests (deterministic decoding: the same text and
+values). The browser tests skip without selenium, chromium or chromedriver (CI installs them: .ci/run).
+
+CAUSAL_ADAPTER_PLAYGROUND_SHOTS=docs/images: also writes the two screenshots docs/serving.md shows there."""
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'causal_adapter[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra: pip install 'causal_adapter[serve]'")
+httpx = pytest.importorskip("httpx")
+
+from serve_fixtures import Server, make_adapter  # noqa: E402
+
+try:
+    from selenium import webdriver
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+except ImportError:  # the tests that need no browser still run
+    webdriver = None
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+CHROMEDRIVER = shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    webdriver is None or CHROMIUM is None or CHROMEDRIVER is None,
+    reason="no browser to drive: " + ("selenium is not installed (pip install selenium; the dev extra has it)"
+                                      if webdriver is None else "no chromium / chromedriver on PATH (Debian: apt-get "
+                                      "install chromium chromium-driver; .ci/run installs them)"))
+
+KEY = "playground-key"
+PROMPT = "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971:"
+MAX_TOKENS = 8
+SHOTS = os.environ.get("CAUSAL_ADAPTER_PLAYGROUND_SHOTS")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, qwen_tokenizer):
+    """a (finite intervals) and b (too few calibration rows: an unbounded 90% interval) behind --api-key."""
+    d = tmp_path_factory.mktemp("playground")
+    a = make_adapter(d / "a", qwen_tokenizer, seed=2, value_loc=39.0, value_scale=38.0)
+    b = make_adapter(d / "b", qwen_tokenizer, seed=6, value_loc=500.0, value_scale=100.0, calibration_rows=8)
+    s = Server(["--adapter", f"a={a}", "--adapter", f"b={b}", "--api-key", KEY], d / "server.log")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,900",
+                "--no-first-run", "--disable-extensions", "--disable-background-networking", "--disable-sync",
+                "--disable-component-update", "--disable-default-apps", "--hide-scrollbars"):
+        opts.add_argument(arg)
+    # the performance log: every request the page's tab makes (Network.requestWillBeSent)
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def api(server, path, body):
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def wait(driver, predicate, what, timeout=60):
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: predicate(d))
+    except TimeoutException:
+        err = driver.find_element(By.ID, "error").text
+        raise AssertionError(f"timed out waiting for {what} (the page's error box: {err!r})") from None
+
+
+def open_page(d, server, adapter="a"):
+    """The page loaded afresh, the key typed into the form it shows, `adapter` picked."""
+    d.get(server.url + "/")
+    wait(d, lambda d: d.find_element(By.ID, "key-form").is_displayed(), "the key form")
+    d.find_element(By.ID, "api-key").send_keys(KEY + Keys.ENTER)
+    wait(d, lambda d: len(Select(d.find_element(By.ID, "adapter")).options) == 2, "the adapters")
+    Select(d.find_element(By.ID, "adapter")).select_by_value(adapter)
+
+
+INFINITIES = {"\u221e": math.inf, "\u2212\u221e": -math.inf}
+
+
+def shown(text):
+    """A number as the page shows it ("1.5", "\u221e", "\u2212\u221e")."""
+    return INFINITIES[text] if text in INFINITIES else float(text)
+
+
+def shown_interval(text):
+    m = re.fullmatch(r"\[(.+), (.+)\]", text)
+    assert m, f"not an interval: {text!r}"
+    return shown(m.group(1)), shown(m.group(2))
+
+
+def close(page, api_value):
+    """The page shows 6 significant digits."""
+    if math.isinf(api_value):
+        return page == api_value
+    return page == pytest.approx(api_value, rel=5e-6, abs=1e-9)
+
+
+def screenshot(driver, path: Path, docs_name: str | None = None):
+    """The page at its full height (the window grown to it), into `path`; with SHOTS also into the docs."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    width = driver.execute_script("return window.outerWidth")
+    driver.set_window_size(width, min(height + 100, 2400))
+    driver.save_screenshot(str(path))
+    assert path.stat().st_size > 1000
+    if SHOTS and docs_name:
+        shutil.copy(path, Path(SHOTS) / docs_name)
+
+
+def test_page_is_open_relative_and_holds_no_key(server):
+    r = httpx.get(server.url + "/", timeout=30)  # no key: the page holds nothing secret
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    page = r.text
+    assert KEY not in page and "Apache License, Version 2.0" in page
+    assert not re.search(r"""["'`]/v1""", page), "an absolute /v1 URL: the page must work behind a path prefix"
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page), "the page loads something from elsewhere"
+    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API itself still needs it
+
+
+def test_no_ui_turns_the_page_off():
+    """--no-ui: GET / is a 404 (the app without a model behind it: the page route needs none)."""
+    from fastapi.testclient import TestClient
+
+    from causal_adapter.commands.main import build_parser
+    from causal_adapter.serving.app import create_app
+    from causal_adapter.serving.registry import Registry
+
+    def stub():
+        return SimpleNamespace(registry=Registry(None, None), set_scheduler=lambda policy: None,
+                               waiting_requests=lambda: 0, running=lambda: 0, loop=None, prefix=None)
+
+    on, off = (TestClient(create_app(stub(), ui=ui, worker_thread=False)) for ui in (True, False))
+    assert on.get("/").status_code == 200 and "<!doctype html>" in on.get("/").text
+    r = off.get("/")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    args = build_parser().parse_args(["serve", "--adapter", "a=x", "--no-ui"])
+    assert args.no_ui and not build_parser().parse_args(["serve", "--adapter", "a=x"]).no_ui
+
+
+@needs_browser
+def test_complete_shows_the_values_and_intervals_of_the_api(server, browser, tmp_path):
+    d = browser
+    d.get(server.url + "/")
+    # the server has a key: the page asks for it (the 401 shown as a message, not a blank page)
+    wait(d, lambda d: d.find_element(By.ID, "key-form").is_displayed(), "the key form")
+    assert "API key" in d.find_element(By.ID, "error").text
+    d.find_element(By.ID, "api-key").send_keys(KEY + Keys.ENTER)
+    wait(d, lambda d: len(Select(d.find_element(By.ID, "adapter")).options) == 2, "the adapters")
+    assert not d.find_element(By.ID, "error").is_displayed()
+    assert KEY not in d.page_source.replace(f'value="{KEY}"', "")  # typed in, never written into the page
+    assert [o.text for o in Select(d.find_element(By.ID, "adapter")).options] == ["a", "b"]
+
+    # b: its calibrated 90% interval is unbounded (Infinity in the server's JSON)
+    for adapter in ("b", "a"):
+        Select(d.find_element(By.ID, "adapter")).select_by_value(adapter)
+        prompt = d.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys(PROMPT)
+        Select(d.find_element(By.ID, "mode")).select_by_value("deterministic")
+        tokens = d.find_element(By.ID, "max-tokens")
+        tokens.clear()
+        tokens.send_keys(str(MAX_TOKENS))
+        assert d.find_element(By.ID, "stream").is_selected()  # streamed
+        d.find_element(By.ID, "run").click()
+        wait(d, lambda d: "written" in d.find_element(By.ID, "complete-status").text, "the completion")
+
+        # the server writes an unbounded interval as Infinity: Python's json (httpx's .json()) reads it
+        want = api(server, "/v1/completions", {"model": adapter, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                               "mode": "deterministic"}).json()["choices"][0]
+        assert d.find_element(By.ID, "output").text == want["text"]
+        numbers = d.find_elements(By.CSS_SELECTOR, "#output button.num")
+        assert want["values"] and [n.text for n in numbers] == [v["text"] for v in want["values"]]
+        for k, (button, v) in enumerate(list(zip(numbers, want["values"]))[:4]):
+            if k % 2 == 0:  # hover, or keyboard focus
+                ActionChains(d).move_to_element(button).perform()
+            else:
+                d.execute_script("arguments[0].focus()", button)
+            tip = wait(d, lambda d: d.find_element(By.ID, "tip") if d.find_element(By.ID, "tip").is_displayed()
+                       else None, "the tooltip")
+            field = {e.get_attribute("data-field"): e.text for e in tip.find_elements(By.TAG_NAME, "dd")}
+            assert close(shown(field["value"]), v["value"])
+            for level in (50, 90):
+                lo, hi = shown_interval(field[f"interval-{level}"])
+                assert close(lo, v[f"lower_{level}"]) and close(hi, v[f"upper_{level}"]), (level, field, v)
+            assert close(shown(field["p-num"]), v["p_num"]) and 0 < v["p_num"] <= 1
+            label = button.get_attribute("aria-label")
+            assert field["interval-50"] in label and field["interval-90"] in label
+        if adapter == "b":
+            assert math.isinf(want["values"][0]["upper_90"]) and field["interval-90"].endswith("\u221e]")
+        # the table of the numbers says the same
+        first, v = d.find_element(By.CSS_SELECTOR, "#values-table tbody tr").find_elements(By.TAG_NAME, "td"), \
+            want["values"][0]
+        for col, level in ((2, 50), (3, 90)):
+            lo, hi = shown_interval(first[col].text)
+            assert close(lo, v[f"lower_{level}"]) and close(hi, v[f"upper_{level}"])
+
+    ActionChains(d).move_to_element(numbers[0]).perform()  # the screenshot shows a number's tooltip
+    screenshot(d, tmp_path / "complete.png", "playground-complete.png")
+
+
+@needs_browser
+def test_chat_keeps_the_conversation(server, browser):
+    """Chat: each reply (not streamed here) is the API's for the conversation so far."""
+    d = browser
+    open_page(d, server)
+    d.find_element(By.CSS_SELECTOR, "input[name=kind][value=chat]").click()
+    d.find_element(By.ID, "stream").click()
+    tokens = d.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(MAX_TOKENS))
+    messages = []
+    for turn in ("Sunspots in 1969: 105.5. And in 1970?", "And in 1971?"):
+        box = d.find_element(By.ID, "message")
+        box.clear()
+        box.send_keys(turn)
+        d.find_element(By.ID, "run").click()
+        wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat-log li")) == len(messages) + 2
+             and "written" in d.find_element(By.ID, "complete-status").text, "the reply")
+        messages.append({"role": "user", "content": turn})
+        want = api(server, "/v1/chat/completions", {"model": "a", "messages": messages, "mode": "deterministic",
+                                                    "max_tokens": MAX_TOKENS}).json()["choices"][0]
+        reply = d.find_elements(By.CSS_SELECTOR, "#chat-log li .output")[-1]
+        assert reply.text == want["message"]["content"]
+        numbers = reply.find_elements(By.CSS_SELECTOR, "button.num")
+        assert [b.text for b in numbers] == [v["text"] for v in want["values"]]
+        messages.append({"role": "assistant", "content": want["message"]["content"]})
+    d.find_element(By.ID, "chat-clear").click()
+    assert not d.find_elements(By.CSS_SELECTOR, "#chat-log li")
+
+
+@needs_browser
+def test_predict_plots_the_bands_of_the_api(server, browser, tmp_path):
+    d = browser
+    open_page(d, server)
+    tab = d.find_element(By.ID, "tab-complete")
+    tab.send_keys(Keys.ARROW_RIGHT)  # the keyboard moves between the views
+    assert d.switch_to.active_element == d.find_element(By.ID, "tab-predict")
+    assert d.find_element(By.ID, "view-predict").is_displayed()
+    prompt = json.loads(d.find_element(By.ID, "series-prompt").text)
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]"), "the plot")
+
+    row = api(server, "/v1/predict", {"model": "a", "prompts": [prompt]}).json()["data"][0]
+    svg = d.find_element(By.CSS_SELECTOR, "#plot svg")
+    bands = {b: svg.find_element(By.CSS_SELECTOR, f"[data-band='{b}']") for b in ("90", "50", "point", "context")}
+    assert float(bands["point"].get_attribute("data-value")) == pytest.approx(row["value"], rel=1e-9)
+    for level in (50, 90):
+        band = bands[str(level)]
+        assert float(band.get_attribute("data-lower")) == pytest.approx(row[f"lower_{level}"], rel=1e-9)
+        assert float(band.get_attribute("data-upper")) == pytest.approx(row[f"upper_{level}"], rel=1e-9)
+    y = {b: (float(bands[b].get_attribute("y")), float(bands[b].get_attribute("height"))) for b in ("50", "90")}
+    assert y["90"][0] <= y["50"][0] and y["50"][0] + y["50"][1] <= y["90"][0] + y["90"][1] + 1e-6  # 50% inside 90%
+    cy = float(bands["point"].get_attribute("cy"))
+    assert y["50"][0] - 1e-6 <= cy <= y["50"][0] + y["50"][1] + 1e-6  # the value inside its 50% band
+    series = d.find_element(By.ID, "series").get_attribute("value")
+    assert len(bands["context"].get_attribute("points").split()) == len(re.split(r"[\s,;]+", series.strip()))
+    cells = [c.text for c in d.find_elements(By.CSS_SELECTOR, "#predict-table tbody td")]
+    assert close(shown(cells[2]), row["value"]) and close(shown(cells[5]), row["p_num"])
+    for col, level in ((3, 50), (4, 90)):
+        lo, hi = shown_interval(cells[col])
+        assert close(lo, row[f"lower_{level}"]) and close(hi, row[f"upper_{level}"])
+    screenshot(d, tmp_path / "predict.png", "playground-predict.png")
+
+
+@needs_browser
+def test_errors_of_the_server_show_as_messages(server, browser):
+    d = browser
+    open_page(d, server)
+    tokens = d.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys("10000000")  # beyond the base's context: the server's 400
+    d.find_element(By.ID, "run").click()
+    box = wait(d, lambda d: d.find_element(By.ID, "error") if d.find_element(By.ID, "error").is_displayed() else None,
+               "the error message")
+    r = api(server, "/v1/completions", {"model": "a", "prompt": PROMPT, "max_tokens": 10_000_000,
+                                        "mode": "deterministic", "stream": True})
+    assert r.status_code == 400
+    assert box.text == f"Error 400: {r.json()['error']['message']}" and "context" in box.text
+    assert d.find_element(By.ID, "run").is_enabled()  # the page goes on
+    d.find_element(By.ID, "tab-predict").click()
+    d.find_element(By.CSS_SELECTOR, "input[name=pkind][value=series]").click()
+    series = d.find_element(By.ID, "series")
+    series.clear()
+    series.send_keys("1, 2, x")
+    d.find_element(By.ID, "predict").click()
+    assert "is not a number" in box.text
+
+
+@needs_browser
+def test_fits_a_phone_and_stays_on_its_origin(server, browser, tmp_path):
+    d = browser
+    d.set_window_size(390, 844)
+    open_page(d, server)
+    d.find_element(By.ID, "tab-predict").click()
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]"), "the plot")
+    assert d.execute_script("return window.innerWidth") <= 400
+    assert d.execute_script("return document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    assert d.find_element(By.CSS_SELECTOR, "#plot svg").size["width"] <= 390
+    d.save_screenshot(str(tmp_path / "phone.png"))
+    # every request the page made went to the server it came from
+    origin = server.url
+    resources = d.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert resources and all(u.startswith(origin + "/") for u in resources), resources
+    sent = [json.loads(e["message"])["message"] for e in d.get_log("performance")]
+    urls = [m["params"]["request"]["url"] for m in sent if m["method"] == "Network.requestWillBeSent"]
+    assert any(u.endswith("/v1/predict") for u in urls)
+    assert all(u.startswith(origin + "/") or u.startswith("data:") for u in urls), urls
