@@ -416,6 +416,85 @@ def test_the_bf16_product_prefilter_gives_the_same_generation(bases, tok, monkey
     torch.testing.assert_close(outs[0].token_probs, outs[1].token_probs, rtol=1e-6, atol=0)
 
 
+def _approx_heads(V=512, H=256, seed=0):
+    """A model whose W_cls is V x H (one layer, a small MLP: H large enough for the float32 sums to count), with
+    noisy b_cls and vector thresholds, and the generator that drew them. The tests call the bf16 product directly,
+    whatever this CPU has."""
+    model = get_causal_model(small_vocab_qwen(vocab_size=V, hidden_size=H, num_layers=1, intermediate_size=16,
+                                              seed=seed),
+                             CausalAdapterConfig(num_token_id=V - 7, threshold_mode="vector"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.action.b_cls.add_(torch.randn(V, generator=g) * 2)
+        model.action.thresholds.add_(torch.randn(V, generator=g))
+        model.action.num_row.mul_(3.0)
+    return model, g
+
+
+def test_the_bf16_product_error_reaches_most_of_its_bound_when_every_rounding_errs_the_same_way():
+    """`_approx_error` is a rigorous bound, and not a loose one: with every entry of loc_U and of a W_cls row
+    1 + 2^-8 - 2^-20 (bfloat16 rounds each down to 1, by nearly u = 2^-8), all H products err the same way and the
+    bf16 product misses by about 2u of its size: 0.65 of the bound, against a float32 product and the exact one.
+    (Random entries reach a small part of it.)"""
+    from causal_adapter.modeling.scoring import OvRScorer
+
+    model, g = _approx_heads()
+    V, H = model.W_cls.shape
+    a = 1 + 2.0 ** -8 - 2.0 ** -20
+    assert float(torch.tensor(a).bfloat16()) == 1.0
+    with torch.no_grad():
+        model.W_cls[:4] = a
+        model.W_cls[1] = -a  # the same, negative
+        model.action.b_cls[:2] = 0.0  # the product alone
+        model.action.b_cls[2:4] = 300.0  # ... and with a large bias (its rounding has room in the bound)
+    heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
+    loc_U = torch.randn(3, H, generator=g) * 3
+    loc_U[0] = a
+    loc_U[1, : H // 2] = a  # half the terms err the same way, the rest random
+    with torch.no_grad():
+        approx = heads.approx_loc_scores(loc_U)
+        bound = heads._approx_error(loc_U, approx)
+        exact32 = heads.loc_scores(loc_U)
+        W = model.action.effective_rows(torch.arange(V), model.W_cls).double()  # <NUM>'s row: num_row
+        exact64 = loc_U.double() @ W.T + model.action.b_cls.double()
+    for exact in (exact32.double(), exact64):
+        ratio = (approx.double() - exact).abs() / bound.double()
+        assert (ratio <= 1).all(), ratio.max()
+        assert ratio[0, :2].min() > 0.6, ratio[0, :4]  # a bound half as large would not hold here
+
+
+def test_the_bf16_product_error_bound_is_its_documented_terms():
+    """`_approx_error` recomputed in float64 from the terms its docstring names, per entry k (u = 2^-8, N_k =
+    ||W_k||_1 of the effective W_cls, M = max_j |x_j|, L_k = loc_S~_k): the operands' rounding (2u + u^2) N_k M, the
+    float32 sums of the bf16 and of the exact product H 2^-24 N_k M each, the bf16 result's rounding u/(1-u) of its
+    size (<= |L_k| + |b_k|), adding b_cls and subtracting C 2^-24 of each one's size. The bound is at least their sum,
+    and equals it with the code's widening (1.01 on the product terms, 1.02 u + 2^-20 for u/(1-u), 2^-20 for 2^-24):
+    a term lost or scaled shows."""
+    from causal_adapter.modeling.scoring import OvRScorer
+
+    model, g = _approx_heads(seed=1)
+    V, H = model.W_cls.shape
+    heads = OvRScorer(model, ovr_pruning=True, cache_abs_weight=False)
+    loc_U = torch.randn(4, H, generator=g) * torch.tensor([[0.1], [1.0], [30.0], [1000.0]])
+    with torch.no_grad():
+        approx = heads.approx_loc_scores(loc_U)
+        bound = heads._approx_error(loc_U, approx).double()
+        W = model.action.effective_rows(torch.arange(V), model.W_cls).double()
+    u, e = 2.0 ** -8, 2.0 ** -24
+    N = W.abs().sum(-1)
+    M = loc_U.double().abs().amax(-1, keepdim=True)
+    L = approx.double().abs()
+    b = model.action.b_cls.detach().double().abs()
+    C = heads.thresholds.detach().double().abs().expand(V)
+    product = N * M  # sum_j |W_kj x_j| <= ||W_k||_1 max_j |x_j|
+    operands, sums = (2 * u + u * u) * product, 2 * H * e * product
+    documented = operands + sums + u / (1 - u) * (L + b) + e * (L + b) + e * (b + C)
+    assert (bound >= documented).all(), (documented / bound).max()
+    widened = 1.01 * (operands + sums) + (1.02 * u + 16 * e) * (L + b) + 16 * e * (b + C)
+    torch.testing.assert_close(bound, widened, rtol=2e-6, atol=0)
+    assert (sums / widened).min() > 2e-4  # the float32 sums' term is far above that tolerance
+
+
 def test_prefilter_leaves_few_rows_to_bound_in_the_usual_case(bases, tok):
     """The heads of a real-vocabulary model on real prompts, as generation meets them: the cheap test leaves a small
     part of the 151,936 rows to bound one by one, and the argmax is the unpruned one."""

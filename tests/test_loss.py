@@ -131,6 +131,42 @@ def test_compiled_kernel_follows_the_scale_floor(grads):
             assert_rel(a, b, 1e-5, f"grad floor={floor}")
 
 
+_CROSS_ISA_PROBE = """
+import torch
+from causal_adapter.modeling import loss
+from causal_adapter.modeling.loss import fused_ovr_loss
+torch.manual_seed(0)
+N, C, V = 23, 5, 37
+args = (torch.randn(N, C), torch.rand(N, C) + 0.1, torch.randn(V, C), torch.randn(V), 0.0, torch.randint(0, V, (N,)))
+out = [float(fused_ovr_loss(*args, compile=c)) for c in (False, True)]
+assert not loss._compile_error, loss._compile_error
+print(out[0], out[1])
+"""
+
+
+def _cpu_vector_width(env: dict) -> int:
+    code = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa().bit_width())"
+    return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.split()[-1])
+
+
+def test_the_compiled_kernel_cached_under_one_vector_width_is_not_reused_under_another(tmp_path):
+    """The same inductor cache directory used natively (AVX-512 here) and then under ATEN_CPU_CAPABILITY=avx2
+    (the code path of a CPU without AVX-512): inductor's graph cache does not key on that variable, and a kernel
+    written for 16 lanes run with 8 gave losses of 1e19 or a crash. loss._inductor_options keys it."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    avx2 = {**env, "ATEN_CPU_CAPABILITY": "avx2"}
+    if _cpu_vector_width(env) == _cpu_vector_width(avx2) or _cpu_vector_width(avx2) != 256:
+        pytest.skip("this CPU's native vector width is AVX2's (or not x86): nothing to mix up")
+    for run_env in (env, avx2):
+        done = subprocess.run([sys.executable, "-c", _CROSS_ISA_PROBE], env=run_env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        eager, compiled = map(float, done.stdout.split()[-2:])
+        assert abs(compiled - eager) <= 1e-5 * abs(eager), (run_env.get("ATEN_CPU_CAPABILITY"), eager, compiled)
+
+
 def test_compile_is_automatic_for_large_float32_problems_on_cuda_only(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     big = COMPILE_MIN_ELEMENTS // 151936 + 1

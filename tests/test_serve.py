@@ -1,4 +1,4 @@
-"""`causal-adapter serve` (issue 35): a live server in a subprocess on a free port, driven with the `openai`
+"""`causal-adapter serve` (docs/serving.md): a live server in a subprocess on a free port, driven with the `openai`
 client and plain HTTP (httpx); nothing mocked. Two adapters on the embedded tiny base (different heads and
 value units: different text and values); every answer is compared with the same adapter in-process
 (`generate`, `predict_values`, the CLI). A second small server (--api-key, --max-queue 1, --max-batch-size 1)
@@ -345,6 +345,50 @@ def test_a_stream_cancelled_mid_batch_leaves_and_the_others_finish_whole(client,
                                                   finished_reason="abort") == aborted:
         assert time.monotonic() < deadline, _health(url)  # the cancelled row left, long before its 300 tokens
         time.sleep(0.05)
+
+
+def test_a_plain_request_whose_client_goes_away_stops_decoding(url):
+    """A non-streaming completion (4000 tokens, eos ignored: seconds of decoding) whose client closes the connection
+    while its row runs: the row leaves the batch at once and the request is counted as aborted, as a stream's is."""
+    import socket
+    from urllib.parse import urlsplit
+
+    aborted = _metric(url, "causal_adapter:request_success_total", finished_reason="abort")
+    body = json.dumps({"model": "a", "prompt": PROMPTS[2], "max_tokens": 4000, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:  # plain HTTP: closed at will
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while not _health(url)["running_rows"]:
+            assert time.monotonic() < deadline, _health(url)
+            time.sleep(0.02)
+        time.sleep(0.2)  # it decodes; then the client goes away without reading an answer
+    deadline = time.monotonic() + 5
+    while _health(url)["running_rows"] or _metric(url, "causal_adapter:request_success_total",
+                                                  finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, json.dumps(_health(url))  # its row left, long before its 4000 tokens
+        time.sleep(0.05)
+    assert _health(url)["accepted"] == 0 and _health(url)["waiting"] == 0  # nothing of it is left
+
+
+def test_time_to_first_token_is_taken_at_the_first_token(client, url):
+    """The TTFT histogram observes a request's first token, not its last: for a 200-token stream it is within the
+    client's wait for its first chunk (the server's clock starts later, at the request's arrival, and stops before the
+    chunk is sent), far below the stream's whole time."""
+    name = "causal_adapter:time_to_first_token_seconds"
+    count, total = _metric(url, name + "_count"), _metric(url, name + "_sum")
+    t0 = time.perf_counter()
+    first = None
+    for _ in client.completions.create(model="a", prompt=PROMPTS[2], max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True}):
+        first = first or time.perf_counter() - t0
+    whole = time.perf_counter() - t0
+    assert _metric(url, name + "_count") == count + 1
+    ttft = _metric(url, name + "_sum") - total
+    assert 0 < ttft <= first + 0.05, (ttft, first, whole)
+    assert ttft < whole / 2, (ttft, first, whole)
 
 
 def test_an_adapter_loaded_and_unloaded_while_rows_run(client, local, qwen_tokenizer, url, adapters):

@@ -1,8 +1,10 @@
-"""The step loop (`modeling.generation.loop.StepLoop`, issue 41): rows join a running batch at any step and leave it
+"""The step loop (`modeling.generation.loop.StepLoop`, docs/decoding.md): rows join a running batch at any step and leave it
 when they finish; every row gets what it gets alone (`generate` on its prompt alone with its adapter): the same
 tokens, values to float rounding. Random arrival orders, mixed lengths, mixed adapters (frozen and LoRA: peft's mixed
 batch), mixed modes, eos, a prefix cache; a sliding-window cache (rows cannot be left padded) falls back to one batch
-at a time. Real transformers / peft classes, tiny float64 models."""
+at a time. `generate` runs on the same loop, so rows are also checked against references that share none of it:
+an uncached recomputation, and transformers' own `generate` at initialisation. Real transformers / peft classes,
+tiny float64 models."""
 from __future__ import annotations
 
 import random
@@ -19,6 +21,7 @@ from causal_adapter.modeling.generation.prepare import Group
 from causal_adapter.modeling.generation.record import Row
 from conftest import small_vocab_qwen
 from test_generation import one_thread, perturb, stir  # noqa: F401 (one_thread: tiny models run on one thread)
+from test_generation import reference_generate
 
 NUM = 300
 ADAPTERS = ("frozen", "lora", "lora2")
@@ -153,6 +156,95 @@ def test_a_prefix_read_from_the_prefix_cache_gives_the_same_rows(model):
     assert [r.reused_tokens for r in rows] == [0, 0, 16, 16, 16]  # two whole blocks of 8, per adapter
     assert prefix.hit_tokens == 48
     _assert_alone(model, requests, rows)
+
+
+def test_a_row_differing_in_the_last_token_of_a_block_reuses_only_the_blocks_before_it(model):
+    """A block's key holds every token id and value up to its end: prompts that differ only in the last token of
+    their second block of 8 (its id, the values equal; or the value of the <NUM> there) read the first block alone
+    from the cache; the same 16 tokens with another tail read both. Each row still gets what it gets alone."""
+    rng = random.Random(11)
+    head = [rng.randrange(280) for _ in range(16)]
+    head[10] = NUM  # in both blocks' keys the adapter counts from block 2 on, whatever token 15 is
+    vals = [0.0] * 10 + [2.5] + [0.0] * 5
+    other = head[:15] + [(head[15] + 1) % 280]
+    numbered = head[:15] + [NUM]
+    tail = [17, 23, 5]
+    prompts = [(head + tail, vals + [0.0] * 3),  # stores its two blocks
+               (numbered + tail, vals[:15] + [4.5, 0.0, 0.0, 0.0]),  # stores its second block (another last token)
+               (other + tail, vals + [0.0] * 3),  # another id at position 15, the same values
+               (numbered + tail, vals[:15] + [-7.25, 0.0, 0.0, 0.0]),  # the same ids, the <NUM>'s value differs
+               (head + [9, 41], vals + [0.0] * 2)]  # the same 16 tokens: both blocks
+    requests = [(ids, v, "lora", "deterministic", 4, []) for ids, v in prompts]
+    prefix = PrefixCache(block=8)
+    rows, _ = _run_arrivals(model, requests, [0, 0, 2, 2, 3], max_rows=8, prefix=prefix)
+    assert [r.reused_tokens for r in rows] == [0, 0, 8, 8, 16]
+    _assert_alone(model, requests, rows)
+
+
+def _assert_recomputed(model, requests, rows):
+    """Each row equals `reference_generate` on its prompt (a full forward over the growing sequence at every step, the
+    heads written out): the same tokens, as many, and the same values fed back."""
+    for (ids, vals, adapter, mode, k, eos), row in zip(requests, rows):
+        model.set_adapter(adapter)
+        try:
+            want, want_vals = reference_generate(model, torch.tensor([ids]), torch.tensor([vals], dtype=torch.float64),
+                                                 torch.ones(1, len(ids), dtype=torch.long), mode, k, eos=eos)
+        finally:
+            model.set_adapter("frozen")
+        assert row.tokens == want[0].tolist(), (ids, adapter, mode, k, eos)
+        assert row.finished == (bool(eos) and want[0, -1].item() in eos)
+        torch.testing.assert_close(torch.tensor(row.fed_values, dtype=torch.float64), want_vals[0], rtol=1e-9,
+                                   atol=1e-9)
+
+
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_rows_joining_at_random_steps_equal_a_full_recomputation(model, schedule):
+    """The step loop against a reference that shares none of its code (`generate` runs on the same loop): every row,
+    whatever the rows beside it, writes what an uncached recomputation writes, up to its max_new_tokens or its eos."""
+    requests = _requests(model, 10 + schedule)
+    rng = random.Random(200 + schedule)
+    rows, _ = _run_arrivals(model, requests, [rng.randint(0, 6) for _ in requests], max_rows=4)
+    assert any(r.finished for r in rows) and any(not r.finished for r in rows)
+    _assert_recomputed(model, requests, rows)
+
+
+def test_rows_of_an_adapter_at_initialisation_equal_transformers_greedy_generate():
+    """At initialisation the softmax mode is the base model's greedy decoding: rows joining a running batch at random
+    steps write exactly what transformers' own `generate` writes for each prompt alone, as many tokens (max_new_tokens,
+    or up to an eos id)."""
+    import copy
+
+    base = _base()
+    m = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM))
+    rng = random.Random(3)
+    gc = copy.deepcopy(base.generation_config)
+    gc.do_sample, gc.pad_token_id = False, 0
+    requests, wants = [], []
+    for i in range(8):
+        ids = [rng.randrange(280) for _ in range(rng.randint(2, 13))]
+        k = rng.randint(2, 12)
+        gc.max_new_tokens, gc.eos_token_id = k, None
+        with torch.no_grad():
+            free = base.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 generation_config=gc)[0, len(ids):].tolist()
+        eos = [free[1]] if i % 3 == 0 else []  # a row that stops at the id it writes second
+        want = free[:free.index(eos[0]) + 1] if eos else free
+        requests.append((ids, [0.0] * len(ids), None, "softmax", k, eos))
+        wants.append(want)
+    groups = _groups(requests)
+    rows = [Row(ids, vals, groups[(a, md, tuple(e))], k) for ids, vals, a, md, k, e in requests]
+    loop = StepLoop(m, max_rows=3)
+    arrivals = [rng.randint(0, 5) for _ in rows]
+    step = 0
+    with torch.no_grad():
+        while step <= 5 or loop.busy:
+            loop.add([r for r, t in zip(rows, arrivals) if t == step])
+            loop.step()
+            step += 1
+            assert step < 200
+    for (ids, *_rest), row, want in zip(requests, rows, wants):
+        assert row.tokens == want, ids
+    assert any(len(w) > 6 for w in wants) and any(r.finished for r in rows)
 
 
 def test_a_cache_that_cannot_be_left_padded_runs_one_batch_at_a_time():

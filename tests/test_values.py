@@ -1,4 +1,4 @@
-"""The value head's claims (issue 20), each pinned by a test that a deliberate bug fails:
+"""The value head's claims (docs/values.md), each pinned by a test that a deliberate bug fails:
 
 * the ridge penalty is the one with the best validation MAE (not the leave-one-out one);
 * a robust fit (Huber / Cauchy IRLS) shrugs off shuffled targets that pull least squares away;
@@ -133,7 +133,7 @@ def test_robust_fit_resists_shuffled_targets(loss):
 
 
 def test_tukey_fit_gives_far_shuffled_targets_no_weight():
-    """Issue 27 item 5: Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
+    """Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
     shuffled the rows far from the fit stop pulling (a Cauchy weight never reaches 0), the fit lands on
     least squares over the clean rows, and `auto` has it among its candidates."""
     from causal_adapter.training.value_fit import TUKEY_C
@@ -157,7 +157,7 @@ def test_tukey_fit_gives_far_shuffled_targets_no_weight():
 
 
 def test_auto_considers_tukey_only_for_a_head_no_training_follows():
-    """Issue 27: the warm start of a run that trains W_loc chooses among WARM_START_LOSSES (a Tukey head sent
+    """The warm start of a run that trains W_loc chooses among WARM_START_LOSSES (a Tukey head sent
     sunspots' W_loc training astray at 40% shuffled targets); with W_loc frozen the warm start is the final
     head and Tukey competes (here it wins on validation)."""
     from causal_adapter.data.pipeline import NumericCollator
@@ -284,7 +284,9 @@ def test_calibration_map_is_the_validation_residuals(trained):
     cal = model.causal_config.value_calibration
     _, preds = evaluate_dataset(model, val_ds, pad_token_id=0, batch_size=64, return_predictions=True)
     y, loc, scale = (torch.tensor(preds[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
-    expected = fit_calibration(y, loc, scale)
+    # a residual below the written resolution (half a unit of the last of value_decimals places) counts at it
+    resolution = 0.5 * 10.0 ** -model.causal_config.value_decimals
+    expected = fit_calibration(y, torch.where((y - loc).abs() < resolution, y - resolution, loc), scale)
     assert cal["n"] == expected["n"] == len(val_ds)
     torch.testing.assert_close(torch.tensor(cal["scores"]), torch.tensor(expected["scores"]), rtol=1e-4, atol=1e-6)
     assert float(((y - loc).abs() / scale).median()) == pytest.approx(1.0, abs=0.02)  # raw 50% calibrated too
@@ -345,6 +347,29 @@ def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informa
     expected = fit_calibration(y, torch.zeros(300), width * factor)
     torch.testing.assert_close(torch.tensor(model.causal_config.value_calibration["scores"]),
                                torch.tensor(expected["scores"]), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("decimals", [2, None])
+def test_an_exact_validation_fit_is_calibrated_at_the_written_resolution(decimals):
+    """Residuals exactly 0 (a head that fits deterministic validation rows, built here without float
+    rounding): calibration still runs, at half a unit in the last written place, and says so."""
+    from causal_adapter.training.value_head import calibrate_regression_scale
+
+    model = wrap(value_loc=0.0, value_scale=1.0)
+    model.causal_config.value_decimals = decimals
+    y = [3.25, 12.5, 7.75, 40.0, 0.5, 19.25, 3.25, 8.0]
+    preds = {"y_true": y, "loc": list(y), "scale": [0.1] * len(y)}
+    info = calibrate_regression_scale(model, preds)
+    assert info and "8/8" in info["exact_rows"], info
+    cal = model.causal_config.value_calibration
+    assert cal is not None and cal["n"] == len(y)
+    resolution = 0.5 * 10.0 ** (torch.floor(torch.log10(torch.tensor(y, dtype=torch.float64))) - 5)
+    if decimals == 2:
+        resolution = torch.full_like(resolution, 0.005)
+    width = 0.1 * float(model.action.b_noise_Y.detach().abs())  # the rows' scale, rescaled (|b_noise_Y| was 1)
+    lo, hi = interval(torch.tensor(y, dtype=torch.float64), torch.full((len(y),), width, dtype=torch.float64), 0.5, cal)
+    half = (hi - lo) / 2
+    assert float(half.min()) >= float(resolution.min()) * (1 - 1e-6) and float(half.max()) <= float(resolution.max()) * (1 + 1e-6)
 
 
 def test_independent_scale_adapters_still_load_and_behave(tmp_path):

@@ -49,7 +49,7 @@ GEMM_ENV = "CAUSAL_ADAPTER_LOSS_GEMM"  # overrides the default gemm_precision
 BACKENDS = ("torch", "triton")
 BACKEND_ENV = "CAUSAL_ADAPTER_LOSS_BACKEND"
 # On CUDA without Triton the torch loop takes GPU-sized blocks: 1 GiB of working memory, 4,096-token chunks
-# (issue 40, H200: 47 ms vs 175 ms at the CPU-sized default for N = 8,192 at the 0.5B head)
+# (H200: 47 ms vs 175 ms at the CPU-sized default for N = 8,192 at the 0.5B head; docs/mixed_precision.md, "Backends")
 CUDA_MEMORY_BUDGET_MB, CUDA_MAX_TOKEN_CHUNK = 1024, 4096
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,19 @@ def _block_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: Tensor,
         Z.copy_(gsn)
 
 
+def _inductor_options(device_type: str) -> dict:
+    """On CPU, the vector width inductor picks, written into its config: with `cpp.simdlen` unset inductor
+    picks the width from ATEN_CPU_CAPABILITY, which its on-disk graph cache does not key on, so a kernel cached
+    under one width (AVX-512) was reused under another (AVX2) and gave wrong losses (tests/test_loss.py,
+    `test_the_compiled_kernel_cached_under_one_vector_width_is_not_reused_under_another`)."""
+    if device_type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    bits = pick_vec_isa().bit_width()
+    return {"cpp.simdlen": bits} if bits else {}
+
+
 _compiled_kernels: dict = {}
 _compile_error: list[str] = []  # set once when torch.compile failed: eager from then on
 
@@ -246,7 +259,8 @@ def _run_compiled_kernel(Zb: Tensor, Sb: Tensor, Lb: Tensor, numel: int, floor: 
         fn = _compiled_kernels.get(Zb.device.type)
         if fn is None:
             logger.info("compiling the OvR block kernel with torch.compile (once; cached on disk)")
-            fn = _compiled_kernels[Zb.device.type] = torch.compile(_block_kernel, dynamic=True, fullgraph=True)
+            fn = _compiled_kernels[Zb.device.type] = torch.compile(_block_kernel, dynamic=True, fullgraph=True,
+                                                                   options=_inductor_options(Zb.device.type))
         fn(Zb, Sb, Lb, numel, floor, grads)
     except Exception as e:  # no C++ compiler / Triton, unsupported platform, ...
         _compile_error.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

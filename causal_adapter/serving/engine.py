@@ -194,6 +194,7 @@ class Engine:
         for r in finished:
             self._finished(r)
         self.loop.feed()
+        self._drop_cancelled()  # rows cancelled left at this step: forget their request now (no step may follow)
         self.step_s += time.perf_counter() - t0
         self._calls()
 

@@ -8,8 +8,9 @@ import sys
 from typing import Callable, Sequence
 
 import torch
+from torch import Tensor
 
-from ..config import BF16_MAX_SHIFT, DEFAULT_SCALE_FLOOR
+from ..config import BF16_MAX_SHIFT, DEFAULT_SCALE_FLOOR, ROW_UNIT_RULES
 from ..modeling.intervals import choose_scale_exponent, fit_calibration
 from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
@@ -56,7 +57,8 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
         fit = ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val, loss=config.value_loss,
-                               max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES)
+                               max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES,
+                               **row_unit_choice(config.row_units))
         if fit:
             record_fit_precision(inner, fit["bf16_shift"])
         summary.update(fit or {})
@@ -64,6 +66,15 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def row_unit_choice(setting: str) -> dict:
+    """`TrainConfig.row_units` -> `ridge_warm_start`'s row_rules / force_row_units."""
+    if setting == "auto":
+        return {"row_rules": ROW_UNIT_RULES, "force_row_units": False}
+    if setting == "off":
+        return {"row_rules": (), "force_row_units": False}
+    return {"row_rules": (setting,), "force_row_units": True}
 
 
 def record_fit_precision(inner, bf16_shift: float) -> None:
@@ -149,11 +160,30 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
                 act.w_scale_Y.mul_(a)
                 act.log_scale_range.mul_(a)
             scale = base * (scale / base) ** a
-    factor = float(((y - loc).abs() / scale).median())
+    # a residual below the resolution of the written value (half a unit in its last place) says only that the
+    # head matched the text: it counts as that resolution, so an exact fit (deterministic data: arithmetic, a
+    # column copied from the prompt) still gets calibrated intervals, as narrow as the text can tell
+    resolution = written_resolution(y, inner.causal_config.value_decimals)
+    resid = (y - loc).abs()
+    exact = int((resid < resolution).sum())
+    factor = float((resid.clamp_min(resolution) / scale).median())
     if not math.isfinite(factor) or factor <= 0:
         return False
     with torch.no_grad():
         new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
         act.b_noise_Y.fill_(new)
-    inner.causal_config.value_calibration = fit_calibration(y, loc, (scale * factor).clamp_min(act.scale_floor))
+    floored_loc = torch.where(resid < resolution, y - resolution, loc)  # |y - loc| at least the resolution
+    inner.causal_config.value_calibration = fit_calibration(y, floored_loc, (scale * factor).clamp_min(act.scale_floor))
+    if exact:
+        info = {**(info if isinstance(info, dict) else {}),
+                "exact_rows": f"{exact}/{len(y)} (residual below the written resolution: counted at it)"}
     return info
+
+
+def written_resolution(y: Tensor, decimals: int | None) -> Tensor:
+    """[n] half a unit in the last place of each value as the adapter writes it: 0.5 * 10^-decimals, or with
+    `decimals` None (6 significant digits, `numbers.format_number`) half a unit of the 6th significant digit."""
+    if decimals is not None:
+        return torch.full_like(y, 0.5 * 10.0 ** -decimals)
+    magnitude = torch.floor(torch.log10(y.abs().clamp_min(1e-300)))
+    return 0.5 * 10.0 ** (magnitude - 5)
