@@ -18,6 +18,8 @@ SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
 #: most recent numbers of the text the value head may read (`CausalAdapterConfig.recent_values`)
 MAX_RECENT_VALUES = 256
+#: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units.RULES`)
+ROW_UNIT_RULES = ("last", "median")
 #: largest move of loc_Y' (value_scale units) that rounding loc_U to bf16 may cause in a value head run on 16-bit
 #: features (the fit's bound under `bf16_safe_head`; above it, a head fitted on float32 features warns under bf16)
 BF16_MAX_SHIFT = 0.005
@@ -136,6 +138,12 @@ class CausalAdapterConfig:
         (loc_Y' = w_reg . loc_U + w_recent . r + b_reg, r their standardised values; `modeling.heads`); w_recent
         is set by the closed-form fits of `train()` (0 before). 0 = the SPEC's head on loc_U alone. Adapters
         written before this field load as 0.
+    value_row_units: per-row value units (`causal_adapter.modeling.row_units`): "last" or "median", the rule that
+        takes a location and a scale from each row's own numbers of the kind being predicted (dates and indices
+        left out), so that one head serves values of every scale; the head then reads those numbers in the row's
+        units and not loc_U. None = the adapter's units (value_loc, value_scale) for every row. `train()` chooses
+        on validation (`TrainConfig.row_units`). Needs `recent_values` > 0. Adapters written before this field
+        load as None.
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
         units, on the training rows) if loc_U were rounded to bf16. A head fitted on float32 features whose shift
@@ -171,6 +179,7 @@ class CausalAdapterConfig:
     number_prefix_id: int | None = None
     number_contexts: list[int] | None = None
     recent_values: int = 0
+    value_row_units: str | None = None
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
 
@@ -240,6 +249,11 @@ class CausalAdapterConfig:
         if (isinstance(self.recent_values, bool) or not isinstance(self.recent_values, int)
                 or not 0 <= self.recent_values <= MAX_RECENT_VALUES):
             raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
+        if self.value_row_units not in (None, *ROW_UNIT_RULES):
+            raise ValueError(f"value_row_units must be one of {ROW_UNIT_RULES} or None, got {self.value_row_units!r}")
+        if self.value_row_units is not None and (not self.recent_values or self.regression_scale == "shared"):
+            raise ValueError("value_row_units reads the row's recent numbers and scales the value's own width: it "
+                             "needs recent_values > 0 and regression_scale 'per_row' or 'independent'")
         if self.value_fit_dtype not in (None, "float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"value_fit_dtype must be a float dtype name or None, got {self.value_fit_dtype!r}")
         if self.value_bf16_shift is not None and not finite("value_bf16_shift") >= 0:

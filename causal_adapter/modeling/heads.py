@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .row_units import row_units
+
 #: principal directions of the training features kept for the out-of-depth width (value_fit.fit_depth)
 DEPTH_RANK = 64
 
@@ -158,6 +160,12 @@ class ActionHead(nn.Module):
     carry it through the backbone (in bf16 residuals, after a log-compressing phi); w_recent is a fitted
     buffer (the closed-form fits set it), zero from the start. K = 0: the SPEC's head alone.
 
+    Per-row units (`row_units`, a rule of `modeling.row_units`; None = the adapter's units above): each row
+    takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
+    loc_Y = m_row + s_row (w_recent . r + b_reg), scale_Y = s_row |b_noise_Y|. The head then reads only r, not
+    loc_U (whose phi inputs are in the adapter's units): a context multiplied by c gives values and widths
+    multiplied by c. Rows with too few numbers keep the adapter's units.
+
     W_cls is the backbone's lm_head weight, passed in at call time (shared, not a submodule:
     it must not be saved or counted twice). Its <NUM> row is replaced by `num_row`, a
     trained copy (one row), when `train_num_row` is set.
@@ -206,6 +214,7 @@ class ActionHead(nn.Module):
             self.register_buffer("log_scale_range", torch.tensor([-30.0, 30.0], **kw))
 
         self.recent_values = recent_values
+        self.row_units: str | None = None  # `set_row_units`
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
@@ -213,6 +222,30 @@ class ActionHead(nn.Module):
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
         self.value_loc, self.value_scale = float(value_loc), float(value_scale)
+
+    def set_row_units(self, rule: str | None) -> None:
+        """Per-row units by `rule` (`row_units.RULES`), or None for the adapter's units; needs recent values."""
+        if rule is not None and (not self.recent_values or self.b_noise_Y is None):
+            raise ValueError("per-row value units read the row's recent numbers and scale a width of the value's "
+                             "own: set recent_values > 0 and regression_scale 'per_row' or 'independent'")
+        if rule is not None:
+            row_units(torch.zeros(1, 1), rule, 0.0, 1.0)  # an unknown rule fails here, not at the first forward
+        self.row_units = rule
+
+    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(m [...], s [...], r [..., K] or None) for raw recent values [..., K]: the value units of each row
+        and the numbers the head reads in them (0 where none), in `like`'s dtype. Without per-row units:
+        the adapter's (value_loc, value_scale) as 0-d tensors."""
+        if self.row_units is None:
+            loc, scale = like.new_tensor(self.value_loc), like.new_tensor(self.value_scale)
+            return loc, scale, None if recent is None or not self.recent_values else self.standardized_recent(
+                recent.to(like.dtype))
+        if recent is None:
+            raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
+                             "text: pass their values (`heads.recent_values`)")
+        values, loc, scale, _ = row_units(recent, self.row_units, self.value_loc, self.value_scale)
+        r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
+        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype)
 
     def to_value(self, y_std: Tensor) -> Tensor:
         """Standardised Y' -> value units (a location or a sampled value)."""
@@ -302,20 +335,30 @@ class ActionHead(nn.Module):
         Unclamped (the fits read it so, in float64)."""
         return torch.nan_to_num((recent - self.value_loc) / self.value_scale, nan=0.0)
 
-    def recent_term(self, recent: Tensor | None, like: Tensor) -> Tensor:
-        """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0)."""
+    def recent_term(self, recent: Tensor | None, like: Tensor, r: Tensor | None = None) -> Tensor:
+        """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0). `r`: the
+        numbers already in the head's units (`units`); else the recent values in the adapter's."""
         if not self.recent_values:
             return like.new_zeros(())
-        if recent is None:
-            raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
-                             "text: pass their values (`heads.recent_values`)")
+        if r is None:
+            if recent is None:
+                raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of "
+                                 "the text: pass their values (`heads.recent_values`)")
+            r = self.standardized_recent(recent.to(self.b_reg.dtype))
         lo, hi = self.recent_range
-        r = torch.minimum(torch.maximum(self.standardized_recent(recent.to(self.b_reg.dtype)), lo), hi)
-        return r @ self.w_recent
+        return torch.minimum(torch.maximum(r.to(self.b_reg.dtype), lo), hi) @ self.w_recent
+
+    def row_regression(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-row units: loc_Y, scale_Y [...] in value units from the row's own numbers alone."""
+        loc, scale, r = self.units(recent, like)
+        y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
+        return loc + scale * y_std, (scale * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],
         scale_Y [...] in value units."""
+        if self.row_units is not None:
+            return self.row_regression(recent, loc_U[..., 0])
         loc_Y = self.to_value(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
             scale_Y = self.per_row_scale(loc_U)
@@ -336,6 +379,8 @@ class ActionHead(nn.Module):
         """Noise-free action for a sampled individual u [..., C] (recent [..., K] as in `regression`):
         (s - C_k) [..., V] and y [...]."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
+        if self.row_units is not None:  # the value reads the row's numbers, not U (`row_regression`)
+            return s - self.threshold_scores(), self.row_regression(recent, u[..., 0])[0]
         y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
         return s - self.threshold_scores(), self.to_value(y)
 

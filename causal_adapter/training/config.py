@@ -111,6 +111,13 @@ class TrainConfig:
                               "text, exactly, beside loc_U (fitted by the closed-form fits with the rest of the "
                               "head); 0 = loc_U alone, the SPEC's head. docs/values.md has the validation figures "
                               "behind the default")
+    row_units: str = flag("auto", "per-row value units: each row's values, width and the numbers the value head "
+                          "reads are put in a location and scale taken from the row's own numbers of the kind being "
+                          "predicted (dates and indices left out), so one adapter serves values of every scale. "
+                          "'auto' = the rule ('last': the last value and the mean step; 'median': the median and "
+                          "the mean deviation) or the adapter's one unit system, whichever predicts the validation "
+                          "rows better, each error divided by its row's own scale; 'off' = the adapter's units; "
+                          "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", "last", "median"])
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given (also: --corpus)",
                         choices=list(CORPORA), aliases=["--corpus"])

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..config import BF16_MAX_SHIFT
+from ..modeling.row_units import row_units
 from ..numbers import format_number
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_causal_model
@@ -400,12 +401,7 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
         return {"name": name, "keep": keep, "gain": gain, "score": score, "loo": fit["loo"], "val_errors": val_errors,
                 "width": width}
 
-    chosen = None
-    for w in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
-        f = fit_set("recent", False, w, 1.0)
-        drop, se = _score_gap(chosen, f) if chosen is not None else (math.inf, 0.0)
-        if drop > se:
-            chosen = f
+    chosen = choose_recent_width(lambda w: fit_set("recent", False, w, 1.0), k)
     width = chosen["width"]
     label = "recent" if width == k else f"recent[:{width}]"
     # HEAD_INPUTS[0], the recent values alone, is the fit step 1 chose: reused as the reference
@@ -413,6 +409,58 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
                                          for name, use_u, use_recent, gain in HEAD_INPUTS[1:]]
     best = _one_standard_error_choice(fits, gap=_score_gap)
     return best["name"], best["keep"], best["gain"]
+
+
+def choose_recent_width(fit_width, k: int) -> dict:
+    """Step 1 of `choose_head_inputs`: `fit_width(w)` (a fit with `penalty_score`'s "score" and held-out
+    errors) for the K // 4, K // 2, then all K most recent values, each step taken only when it beats the
+    current choice by more than one standard error."""
+    chosen = None
+    for w in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
+        f = fit_width(w)
+        drop, se = _score_gap(chosen, f) if chosen is not None else (math.inf, 0.0)
+        if drop > se:
+            chosen = f
+    return chosen
+
+
+def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, rule: str, act, *,
+                 loss: str, losses: Sequence[str], max_shift: float) -> dict:
+    """The value head in per-row units (`modeling.row_units`, `rule`): targets (y - m_row) / s_row on the row's
+    own same-kind numbers in those units (how many: `choose_recent_width`), no loc_U. R [n, K] raw recent values
+    (NaN = none), y [n] targets (value units); the fallback units are `act`'s. Returns `fit_linear_head`'s
+    dict (w padded to K) with "r" [n, K], "present" [n, K] (a number there), "errors" [n_val] (or LOO [n]):
+    held-out absolute errors in value units."""
+    def in_units(R_, y_):
+        values, m, s, _ = row_units(R_, rule, act.value_loc, act.value_scale)
+        return torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0), (y_ - m) / s, s, ~torch.isnan(values)
+
+    r, t, s, present = in_units(R, y)
+    has_val = R_val is not None and y_val is not None and len(y_val) > 0
+    r_val, t_val, s_val, _ = in_units(R_val, y_val) if has_val else (None, None, None, None)
+    k = R.shape[1]
+
+    def fit_width(width: int) -> dict:
+        fit = fit_linear_head(r[:, :width], t, r_val[:, :width] if has_val else None, t_val, loss="squared",
+                              max_shift=max_shift, exact_columns=width)
+        val_errors = fit["abs_errors"] if has_val else None
+        score = penalty_score(float(fit["loo"].abs().mean()), None if val_errors is None else float(val_errors.mean()))
+        return {"width": width, "score": score, "loo": fit["loo"], "val_errors": val_errors}
+
+    width = choose_recent_width(fit_width, k)["width"]
+    fit = fit_linear_head(r[:, :width], t, r_val[:, :width] if has_val else None, t_val, loss=loss, losses=losses,
+                          max_shift=max_shift, exact_columns=width)
+    w = torch.zeros(k, dtype=fit["w"].dtype)
+    w[:width] = fit["w"]
+    errors = (t_val - (r_val @ w + fit["b"])).abs() * s_val if has_val else fit["loo"].abs() * s
+    return {**fit, "w": w, "width": width, "r": r, "present": present, "errors": errors}
+
+
+def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
+    """Absolute errors [n] (value units) divided by each row's own one-step naive error (`row_units` 'last';
+    the adapter's value_scale for a row without): what the choice of units compares, so that a series of 0.07
+    counts as much as one of 9,000."""
+    return errors / row_units(R, "last", act.value_loc, act.value_scale)[2]
 
 
 def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
@@ -438,20 +486,24 @@ def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: T
 
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
                      val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
-                     max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES) -> dict | None:
+                     max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES,
+                     row_rules: Sequence[str] = (), force_row_units: bool = False) -> dict | None:
     """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
     its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
     `fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor of 1, when the head reads no
     loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
-    of loss 'auto'. Returns a summary, or None with fewer than 2 targets. `model`: as for `num_label_features`."""
+    of loss 'auto'. `row_rules`: per-row units to try (`fit_row_head`); one is kept over the adapter's units when
+    its held-out errors, each divided by its row's naive error (`scale_free_errors`), are smaller by more than
+    one standard error (`force_row_units`: the first rule, unconditionally). Returns a summary, or None with
+    fewer than 2 targets. `model`: as for `num_label_features`."""
     X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
     inner = unwrap_causal_model(model)  # the heads' attributes (`model` runs the forward)
     act = inner.action
     t = (y - act.value_loc) / act.value_scale
-    X_val = t_val = R_val = None
+    X_val = t_val = R_val = y_val = None
     if val_batches is not None:
         X_val, y_val, R_val = num_label_features(model, val_batches, device, max_rows)
         t_val = (y_val - act.value_loc) / act.value_scale
@@ -477,6 +529,16 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     scale = max(float(fit["loo"].abs().median()), 1e-3)
     if k:
         summary["w_recent_norm"] = float(fit["w"][C:].norm())
+    row = choose_row_units(fit, F_val, X_val, R, y, R_val, y_val if val_batches is not None else None, act,
+                           row_rules, force_row_units, loss=loss, losses=losses, max_shift=max_shift) if k else None
+    inner.set_row_units(None if row is None else row["rule"])
+    if row is not None:
+        set_row_head(act, row, C)
+        summary.update(units=row["rule"], inputs=f"recent[:{row['width']}] in row units", loss=row["loss"],
+                       ridge_lambda=row["lam"], bf16_shift=0.0, w_recent_norm=float(row["w"].norm()),
+                       units_score=row["units_score"], adapter_units_score=row["adapter_score"])
+        return summary
+    summary["units"] = "adapter"
     with torch.no_grad():
         act.w_reg.copy_(fit["w"][:C].to(act.w_reg.dtype))
         act.b_reg.fill_(fit["b"])
@@ -499,3 +561,52 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
         if act.b_noise_Y is not None:
             act.b_noise_Y.fill_(scale)
     return summary
+
+
+def choose_row_units(fit: dict, F_val: Tensor | None, X_val: Tensor | None, R: Tensor, y: Tensor,
+                     R_val: Tensor | None, y_val: Tensor | None, act, rules: Sequence[str], force: bool, *,
+                     loss: str, losses: Sequence[str], max_shift: float) -> dict | None:
+    """The per-row units' fit (`fit_row_head`) that beats the adapter's units' `fit` (w [C + K], b; in
+    standardised units) on scale-free held-out errors by more than one standard error, the best such; None
+    to keep the adapter's units. `force`: the first rule's fit, unconditionally."""
+    if not rules:
+        return None
+    has_val = y_val is not None and F_val is not None and len(y_val) > 0
+    R_ref = R_val if has_val else R
+    if has_val:
+        adapter_errors = (y_val - act.to_value(F_val @ fit["w"] + fit["b"])).abs()
+    else:
+        adapter_errors = fit["loo"].abs() * act.value_scale
+    ref = scale_free_errors(adapter_errors, R_ref, act)
+    best = None
+    for rule in rules:
+        row = fit_row_head(R, y, R_val if has_val else None, y_val if has_val else None, rule, act, loss=loss,
+                           losses=losses, max_shift=max_shift)
+        errs = scale_free_errors(row["errors"], R_ref, act)
+        diff = ref - errs
+        se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
+        row.update(rule=rule, units_score=round(float(errs.mean()), 6),
+                   adapter_score=round(float(ref.mean()), 6))
+        if force:
+            return row
+        if float(diff.mean()) > se and (best is None or row["units_score"] < best["units_score"]):
+            best = row
+    return best
+
+
+def set_row_head(act, row: dict, C: int) -> None:
+    """Load a `fit_row_head` fit into the head: w_recent, b_reg, the range of r, |b_noise_Y| (the median |LOO
+    residual| in row units, a Cauchy's scale); w_reg, w_scale_Y and the out-of-depth weights zero (the head
+    reads no loc_U in row units)."""
+    with torch.no_grad():
+        act.w_reg.zero_()
+        act.b_reg.fill_(row["b"])
+        act.w_recent.copy_(row["w"].to(act.w_recent.dtype))
+        act.recent_range.copy_(recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
+                               .to(act.recent_range))
+        if act.w_scale_Y is not None:
+            act.w_scale_Y.zero_()
+            act.log_scale_range.zero_()
+            act.depth_weight.zero_()
+            act.depth_resid.zero_()
+        act.b_noise_Y.fill_(max(float(row["loo"].abs().median()), 1e-3))

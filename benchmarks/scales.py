@@ -1,0 +1,577 @@
+"""Value prediction across scales: does the value head predict as well at 10^-3 as at 10^5?
+
+    python benchmarks/scales.py                        # sets a, b, c; train's default steps (3 epochs)
+    python benchmarks/scales.py --sets a --steps 200   # one set, a fixed number of optimizer steps
+    python benchmarks/scales.py --quick                # toy size (smoke test, ~60 s of CPU)
+    # the reduced run that fits a shared 2-core machine (~30 min wall there, see below):
+    python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144
+
+Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the
+default `TrainConfig` (what `causal-adapter train --train-file F --validation-file V` does with no other flag:
+the embedded tiny Qwen and the real Qwen tokenizer), and predicted by the `predict` command's function
+(`commands.predict.predict_files` on the adapter loaded back with `CausalModel.from_pretrained`), so the
+values and the calibrated 50% / 90% intervals are what a user gets:
+
+* ``a``: each bundled series (sunspots, nile, co2, elnino, macro/unemp) copied at the scales `SCALES`
+  (values times the scale, written by `numbers.format_number`; titles and time labels untouched), all copies
+  in one file; ``series`` = ``co2@1e-3``. The same series at scale 1 is in the file, so each copy's MAE / scale
+  can be set against it: a head that works in per-row units gives the same ratio at every scale.
+* ``b``: the chat corpus's seven series (`data.corpora.chat_corpus`, TRL conversational rows).
+* ``c``: a seeded synthetic panel (`--synthetic-series`, default 50): level log-uniform over 10^-2 .. 10^6,
+  a linear trend, a season of period 12 (monthly labels), 4 (quarterly labels) or none, AR(1) noise.
+
+Every series is split by time (`SPLIT`, 70/15/15 of its targets; the chat corpus with the same fractions).
+All choices are made on VALIDATION (the product's own, AR order, the best baseline), every figure is on TEST.
+
+Baselines, fitted per series on its own training part (the values up to its last training target), one step
+ahead from the true history: persistence; drift (last value + the mean step of the training part); seasonal
+naive (series with a season); AR(p) by least squares with intercept (p in 1..`AR_MAX_P`, at most the window,
+chosen on validation MAE); statsmodels' Holt-Winters ETS (additive trend, additive season where there is
+one), fitted on the training part and run over the whole series with those parameters fixed (its fitted
+values are then the one-step forecasts), a failed fit falls back to persistence (counted). The best
+baseline of a series is the one with the smallest VALIDATION MAE.
+
+Per series: the adapter's MAE, MAE / persistence, MAE / best baseline, MASE (scaled by the mean absolute
+one-step change of the training part), coverage of the 50% and 90% intervals. Per set: geometric means of
+the two ratios, the worst ratio vs persistence, how many series beat persistence, coverage ranges over the
+series with >= `MIN_COVERAGE_ROWS` test rows; set a: per copy (MAE / scale) / (MAE of the scale-1 series).
+The targets (`check_targets`) get a PASS / FAIL line each. Output: markdown tables and JSON at ``--output``
+(default /tmp/scales.md and .json), and ONE last line ``RESULT key=value ...``.
+
+Cost: every optimizer step and every validation row's evaluation pays the OvR loss over the 151,936-row
+vocabulary, so the defaults (3 epochs over ~7,600 + ~1,600 + ~5,200 training rows) take hours on a CPU. The
+reduction flags keep every series and every test row: ``--steps`` caps the optimizer steps, ``--max-train-rows``
+/ ``--max-val-rows`` keep the last rows of each series' training / validation split in the adapter's files (the
+closed-form value head is fitted on those rows; the baselines still use the whole training part and choose on
+every validation target), ``--synthetic-lengths 144`` gives set c one length with 20 test rows per series.
+``--quick`` also shrinks the tiny base (hidden 16, 1 layer): a smoke test of the pipeline, not of the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from numeric_quality import _fmt, _log, ridge_fit, ridge_predict  # noqa: E402  (a sibling script, not a package)
+
+SETS = ("a", "b", "c")
+SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)
+SPLIT = (0.70, 0.15, 0.15)
+AR_MAX_P = 12
+MIN_COVERAGE_ROWS = 20
+LEVELS = (0.5, 0.9)
+BASELINES = ("persistence", "drift", "seasonal_naive", "ar", "ets")
+#: the bundled series of set a: name -> (title, window, season); the titles and windows are the corpora's
+BUNDLED = {
+    "sunspots": ("Yearly sunspot numbers.", 10, None),
+    "nile": ("Annual flow of the Nile at Aswan (10^8 m^3).", 10, None),
+    "co2": ("Monthly mean CO2 at Mauna Loa (ppm).", 12, 12),
+    "elnino": ("Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", 12, 12),
+    "macro/unemp": ("US quarterly unemployment rate (%).", 8, None),
+}
+CHAT_SEASON = {"co2": 12, "elnino": 12}
+CHAT_WINDOW = 48  # chat_corpus's default longest window
+SYNTHETIC_WINDOW = 12
+SYNTHETIC_LENGTHS = (96, 144, 240)
+TARGETS = {"copy_deviation": 0.10, "worst_vs_persistence": 1.05, "gm_vs_best": 1.0, "gm_vs_persistence": 0.8,
+           "cov50": (0.30, 0.70), "cov90": (0.75, 0.98)}
+#: --quick: a few series, few training / validation rows, 2 steps on a smaller tiny base (the pipeline end to
+#: end, not the figures); each set keeps one series with >= MIN_COVERAGE_ROWS test rows, so every key is finite
+QUICK = dict(steps=2, a_series=("macro/unemp",), a_scales=(1e-1, 1.0, 1e3), chat_series=("macro/unemp",),
+             synthetic_series=2, synthetic_lengths=(160,), max_train_rows=6, max_val_rows=4,
+             tiny=dict(tiny_hidden_size=16, tiny_layers=1))
+
+
+def scale_label(s: float) -> str:
+    return "1" if s == 1 else f"1e{round(math.log10(s))}"
+
+
+# ----------------------------------------------------------------------------- data
+def split_bounds(n: int, window: int) -> tuple[int, int]:
+    """(train_end, val_end): targets t_index < train_end are training rows, < val_end validation, the rest test."""
+    m = n - window
+    n_val, n_test = max(1, round(SPLIT[1] * m)), max(1, round(SPLIT[2] * m))
+    if m - n_val - n_test < 2:
+        raise ValueError(f"a series of {n} values with window {window} is too short to split {SPLIT}")
+    return window + m - n_val - n_test, window + m - n_test
+
+
+def series_entry(name: str, title: str, times: list[str], values: list[float], window: int, season, **extra) -> dict:
+    """A series of set a or c: its rows in the bundled corpora's layout (`corpora._series_rows`: the window of
+    "time: value" pairs, the value as `format_number` writes it) and the values as written, for the baselines."""
+    from causal_adapter.data.corpora import _series_rows
+    from causal_adapter.numbers import format_number
+
+    rows = _series_rows(name, title, times, values, window)
+    train_end, val_end = split_bounds(len(values), window)
+    return {"name": name, "y": np.array([float(format_number(v)) for v in values]), "window": window,
+            "season": season, "train_end": train_end, "val_end": val_end, "rows": rows, **extra}
+
+
+def split_rows(entry: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {"train": [], "validation": [], "test": []}
+    for r in entry["rows"]:
+        i = r["t_index"]
+        out["train" if i < entry["train_end"] else "validation" if i < entry["val_end"] else "test"].append(r)
+    return out
+
+
+def bundled_values(name: str) -> tuple[list[str], list[float]]:
+    from causal_adapter.data import corpora
+
+    if name.startswith("macro/"):
+        return corpora._macro_data(name.split("/", 1)[1])
+    return getattr(corpora, f"_{name}_data")()
+
+
+def set_a(args) -> list[dict]:
+    out = []
+    for name in args.a_series:
+        title, window, season = BUNDLED[name]
+        times, values = bundled_values(name)
+        for s in args.a_scales:
+            out.append(series_entry(f"{name}@{scale_label(s)}", title, times, [v * s for v in values], window, season,
+                                    base=name, scale=s))
+    return out
+
+
+def set_b(args) -> list[dict]:
+    """The chat corpus split 70/15/15 per series; each row's target is the value at its t_index of the series,
+    so the baselines forecast that step from the series' true history."""
+    from causal_adapter.data.corpora import _CHAT_SERIES, _canonical, chat_corpus
+
+    dd = chat_corpus(window=CHAT_WINDOW, seed=args.seed, split_fractions=SPLIT, series=list(args.chat_series))
+    out = []
+    for name in args.chat_series:
+        times, values = _CHAT_SERIES[name][0]("chat")
+        parts = {k: [r for r in dd[k] if r["series"] == name] for k in ("train", "validation", "test")}
+        # a split's answers all lie inside its steps, and its last step is answered: max t_index + 1 is its end
+        out.append({"name": name, "y": np.array([_canonical(v)[1] for v in values]), "window": AR_MAX_P,
+                    "season": CHAT_SEASON.get(name), "train_end": max(r["t_index"] for r in parts["train"]) + 1,
+                    "val_end": max(r["t_index"] for r in parts["validation"]) + 1, "parts": parts})
+    return out
+
+
+def synthetic_panel(n_series: int, lengths, seed: int) -> list[dict]:
+    """`n_series` seeded series: level 10^U(-2, 6), a trend of -0.4..0.6 levels over the series, a season of
+    period 12 / 4 / none (amplitude 5..25% of the level), AR(1) noise (phi 0..0.8, sd 1..6% of the level)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n_series):
+        level = 10.0 ** rng.uniform(-2, 6)
+        n = int(rng.choice(lengths))
+        period = int(rng.choice([12, 4, 0]))
+        t = np.arange(n)
+        trend = rng.uniform(-0.4, 0.6) * t / n
+        season = rng.uniform(0.05, 0.25) * np.sin(2 * np.pi * t / period + rng.uniform(0, 2 * np.pi)) if period else 0.0
+        phi, sd = rng.uniform(0, 0.8), rng.uniform(0.01, 0.06)
+        e = rng.normal(0, sd, n)
+        for i in range(1, n):
+            e[i] += phi * e[i - 1]
+        values = (level * (1 + trend + season + e)).tolist()
+        start = int(rng.integers(1950, 2000))
+        if period == 4:
+            times = [f"{start + i // 4} Q{i % 4 + 1}" for i in range(n)]
+            title = f"Synthetic quarterly series {k}."
+        else:
+            times = [f"{start + i // 12}-{i % 12 + 1:02d}" for i in range(n)]
+            title = f"Synthetic monthly series {k}."
+        out.append(series_entry(f"synthetic/{k:02d}", title, times, values, SYNTHETIC_WINDOW, period or None,
+                                level=level, period=period))
+    return out
+
+
+def last_rows(rows: list[dict], n: int | None) -> list[dict]:
+    """The last `n` rows of a series' split (--max-train-rows, --max-val-rows: the training rows nearest the
+    validation split, the validation rows nearest the test split)."""
+    return rows if n is None else rows[-n:]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------- baselines
+def _standardise(y: np.ndarray, train_end: int) -> tuple[np.ndarray, float, float]:
+    """The series in units of its training part: AR and ETS are affine-equivariant, and their fits (least
+    squares, statsmodels' optimiser) are then the same at every scale of set a."""
+    mu, sd = float(y[:train_end].mean()), float(y[:train_end].std())
+    sd = sd if sd > 0 else 1.0
+    return (y - mu) / sd, mu, sd
+
+
+def ar_forecasts(y: np.ndarray, train_end: int, p: int) -> np.ndarray:
+    """One-step forecasts f[i] (i >= p; nan before) of AR(p) with intercept, least squares on the training part."""
+    z, mu, sd = _standardise(y, train_end)
+    lags = lambda idx: torch.tensor(np.stack([z[idx - j] for j in range(1, p + 1)], 1), dtype=torch.float64)
+    fit_idx = np.arange(p, train_end)
+    try:
+        w = ridge_fit(lags(fit_idx), torch.tensor(z[fit_idx], dtype=torch.float64), 0.0)
+    except RuntimeError:  # collinear lags (a constant stretch): the smallest penalty of the grid
+        w = ridge_fit(lags(fit_idx), torch.tensor(z[fit_idx], dtype=torch.float64), 1e-8)
+    f = np.full(len(y), np.nan)
+    idx = np.arange(p, len(y))
+    f[idx] = mu + sd * ridge_predict(w, lags(idx)).numpy()
+    return f
+
+
+def ets_forecasts(y: np.ndarray, train_end: int, season) -> np.ndarray:
+    """Holt-Winters (additive trend, additive season where there is one) fitted on the training part, then run
+    over the whole series with its parameters and initial states fixed: the fitted values are one-step forecasts."""
+    from statsmodels.tsa.holtwinters import ExponentialSmoothing
+
+    z, mu, sd = _standardise(y, train_end)
+    seasonal = "add" if season and train_end >= 2 * season + 2 else None
+    spec = dict(trend="add", seasonal=seasonal, seasonal_periods=season if seasonal else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # statsmodels' convergence chatter; a bad fit shows in validation MAE
+        fit = ExponentialSmoothing(z[:train_end], initialization_method="estimated", **spec).fit()
+        p = fit.params
+        full = ExponentialSmoothing(z, initialization_method="known", initial_level=p["initial_level"],
+                                    initial_trend=p["initial_trend"],
+                                    initial_seasonal=p["initial_seasons"] if seasonal else None, **spec)
+        run = full.fit(smoothing_level=p["smoothing_level"], smoothing_trend=p["smoothing_trend"],
+                       smoothing_seasonal=p["smoothing_seasonal"] if seasonal else None, optimized=False)
+    f = mu + sd * np.asarray(run.fittedvalues, dtype=float)
+    if f.shape != y.shape or not np.isfinite(f[train_end:]).all():
+        raise FloatingPointError("ETS forecasts are not finite")
+    return f
+
+
+def baselines(entry: dict, idx: dict[str, np.ndarray]) -> dict:
+    """Per baseline: its one-step forecasts at the validation and test targets `idx`, its MAE there, and
+    the best baseline by VALIDATION MAE."""
+    y, te, season = entry["y"], entry["train_end"], entry["season"]
+    n = len(y)
+    fc: dict[str, np.ndarray] = {}
+    prev = np.full(n, np.nan)
+    prev[1:] = y[:-1]
+    fc["persistence"] = prev
+    fc["drift"] = prev + (y[te - 1] - y[0]) / (te - 1)
+    if season:
+        f = np.full(n, np.nan)
+        f[season:] = y[:-season]
+        fc["seasonal_naive"] = f
+    # AR order: 1..AR_MAX_P, no more than the window the model sees, and enough training targets to fit it
+    orders = range(1, min(AR_MAX_P, entry["window"], (te - 2) // 3) + 1)
+    ar = {p: ar_forecasts(y, te, p) for p in orders}
+    mae = lambda f, k: float(np.abs(f[idx[k]] - y[idx[k]]).mean())
+    p_best = min(ar, key=lambda p: mae(ar[p], "validation"))
+    fc["ar"] = ar[p_best]
+    try:
+        fc["ets"] = ets_forecasts(y, te, season)
+        ets_fallback = False
+    except Exception:  # any failure of the fit: persistence stands in, and is counted
+        fc["ets"], ets_fallback = prev, True
+    out = {"forecasts": fc, "ar_order": p_best, "ets_fallback": ets_fallback,
+           "mae": {b: {k: mae(f, k) for k in ("validation", "test")} for b, f in fc.items()}}
+    out["best"] = min(fc, key=lambda b: out["mae"][b]["validation"])
+    return out
+
+
+# ----------------------------------------------------------------------------- the adapter
+def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[dict], test_rows: list[dict],
+                      work: Path) -> tuple[list[dict], dict]:
+    """Train one adapter on the set's training file (the default TrainConfig), predict its test rows as
+    `causal-adapter predict ADAPTER --data-file TEST` does; (prediction rows in test order, run info)."""
+    from causal_adapter import CausalModel
+    from causal_adapter.commands.predict import predict_files
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import load_base_and_tokenizer, train
+
+    work.mkdir(parents=True, exist_ok=True)
+    files = {k: work / f"{name}_{k}.jsonl" for k in ("train", "validation", "test")}
+    for k, rows in zip(files, (train_rows, val_rows, test_rows)):
+        write_jsonl(files[k], rows)
+    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps})}
+    # output and display only (no plot file, no progress bar); every training setting is the default
+    config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
+                         output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)
+    t0 = time.perf_counter()
+    result = train(None, config)
+    train_seconds = time.perf_counter() - t0
+    base, tokenizer = load_base_and_tokenizer(config)  # what `predict` loads with no --base flag
+    model = CausalModel.from_pretrained(base, str(result.adapter_dir), tokenizer=tokenizer)
+    pred_path = work / f"{name}_pred.jsonl"
+    t1 = time.perf_counter()
+    counts = predict_files(model, tokenizer, [str(files["test"])], output=str(pred_path), levels=LEVELS,
+                           progress=False)
+    predict_seconds = time.perf_counter() - t1
+    preds = {}
+    for line in pred_path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        preds[r["row"]] = r
+    if counts["skipped"] or len(preds) != len(test_rows):
+        raise RuntimeError(f"set {name}: predict skipped {counts['skipped']} of {len(test_rows)} test rows")
+    info = {"steps": result.global_step, "train_rows": len(train_rows), "validation_rows": len(val_rows),
+            "test_rows": len(test_rows), "train_seconds": train_seconds, "predict_seconds": predict_seconds,
+            "calibrated": model.causal_config.value_calibration is not None,
+            "validation_value_mae": (result.eval_metrics or {}).get("value_mae")}
+    return [preds[i] for i in range(len(test_rows))], info
+
+
+# ----------------------------------------------------------------------------- scoring
+def score_series(entry: dict, val_idx: np.ndarray, test_idx: np.ndarray, preds: list[dict]) -> dict:
+    y = entry["y"]
+    base = baselines(entry, {"validation": val_idx, "test": test_idx})
+    yt = y[test_idx]
+    value = np.array([p["value"] for p in preds])
+    cover = {q: float(np.mean([(p[f"lower_{q}"] <= t <= p[f"upper_{q}"]) for p, t in zip(preds, yt)]))
+             for q in ("50", "90")}
+    mae = float(np.abs(value - yt).mean())
+    pers = base["mae"]["persistence"]["test"]
+    best = base["mae"][base["best"]]["test"]
+    naive_in = float(np.abs(np.diff(y[:entry["train_end"]])).mean())
+    ratio = lambda a, b: a / b if b > 0 else (1.0 if a == 0 else math.inf)
+    return {"series": entry["name"], "n_test": len(test_idx), "mae": mae, "persistence_mae": pers,
+            "vs_persistence": ratio(mae, pers), "best_baseline": base["best"], "best_mae": best,
+            "vs_best": ratio(mae, best), "mase": ratio(mae, naive_in), "cov50": cover["50"], "cov90": cover["90"],
+            "ar_order": base["ar_order"], "ets_fallback": base["ets_fallback"],
+            "baseline_mae": base["mae"], "mean_scale": float(np.mean([p["scale"] for p in preds])),
+            **{k: entry[k] for k in ("base", "scale") if k in entry}}
+
+
+def gmean(v) -> float:
+    v = [x for x in v if x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, v)) / len(v)) if v else math.nan
+
+
+def summarise(rows: list[dict], copies: dict | None) -> dict:
+    worst = max(rows, key=lambda r: r["vs_persistence"])
+    cov_rows = [r for r in rows if r["n_test"] >= MIN_COVERAGE_ROWS]
+    rng = lambda k, f: f(r[k] for r in cov_rows) if cov_rows else math.nan
+    out = {"gm_vs_persistence": gmean(r["vs_persistence"] for r in rows),
+           "gm_vs_best": gmean(r["vs_best"] for r in rows), "worst_vs_persistence": worst["vs_persistence"],
+           "worst_series": worst["series"], "n_series": len(rows),
+           "n_beat_persistence": sum(r["vs_persistence"] < 1 for r in rows),
+           "n_coverage_series": len(cov_rows),
+           "cov50_min": rng("cov50", min), "cov50_max": rng("cov50", max),
+           "cov90_min": rng("cov90", min), "cov90_max": rng("cov90", max),
+           "gm_mase": gmean(r["mase"] for r in rows), "ets_fallbacks": sum(r["ets_fallback"] for r in rows)}
+    if copies is not None:
+        devs = [abs(v - 1) for by in copies.values() for s, v in by.items() if s != "1" and math.isfinite(v)]
+        out["max_abs_copy_deviation"] = max(devs) if devs else math.nan
+    return out
+
+
+def copy_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Set a: (MAE / scale of each copy) / (MAE of the same series at scale 1), by series and scale label."""
+    ref = {r["base"]: r["mae"] for r in rows if r["scale"] == 1}
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["base"] in ref:
+            out.setdefault(r["base"], {})[scale_label(r["scale"])] = (r["mae"] / r["scale"]) / ref[r["base"]] \
+                if ref[r["base"]] > 0 else math.nan
+    return out
+
+
+def check_targets(name: str, s: dict, cov_rows: list[dict]) -> list[tuple[bool, str]]:
+    """(passed, line) per target of set `name`."""
+    t = TARGETS
+    lines = []
+    if "max_abs_copy_deviation" in s:
+        lines.append((s["max_abs_copy_deviation"] <= t["copy_deviation"],
+                      f"{name}: every copy's MAE/scale within +-{t['copy_deviation']:.0%} of scale 1 "
+                      f"(max |ratio - 1| = {_fmt(s['max_abs_copy_deviation'], 3)})"))
+    lines.append((s["worst_vs_persistence"] <= t["worst_vs_persistence"],
+                  f"{name}: no series worse than {t['worst_vs_persistence']}x persistence "
+                  f"(worst {_fmt(s['worst_vs_persistence'], 3)}, {s['worst_series']})"))
+    lines.append((s["gm_vs_best"] <= t["gm_vs_best"],
+                  f"{name}: geometric mean MAE / best baseline <= {t['gm_vs_best']} ({_fmt(s['gm_vs_best'], 3)})"))
+    lines.append((s["gm_vs_persistence"] <= t["gm_vs_persistence"],
+                  f"{name}: geometric mean MAE / persistence <= {t['gm_vs_persistence']} "
+                  f"({_fmt(s['gm_vs_persistence'], 3)})"))
+    for q in ("50", "90"):
+        lo, hi = t[f"cov{q}"]
+        bad = [r["series"] for r in cov_rows if not lo <= r[f"cov{q}"] <= hi]
+        lines.append((not bad and bool(cov_rows),
+                      f"{name}: {q}% coverage in [{lo}, {hi}] on every series with >= {MIN_COVERAGE_ROWS} test rows "
+                      f"({len(cov_rows)} series; range {_fmt(s[f'cov{q}_min'], 3)}..{_fmt(s[f'cov{q}_max'], 3)}"
+                      + (f"; outside: {', '.join(bad)}" if bad else "") + ")"))
+    return lines
+
+
+# ----------------------------------------------------------------------------- one set
+def run_set(args, name: str, work: Path) -> dict:
+    t0 = time.perf_counter()
+    if name == "b":
+        entries = set_b(args)
+        parts = [e["parts"] for e in entries]
+    else:
+        entries = set_a(args) if name == "a" else synthetic_panel(args.synthetic_series, args.synthetic_lengths,
+                                                                   args.seed)
+        parts = [split_rows(e) for e in entries]
+    train_rows = [r for p in parts for r in last_rows(p["train"], args.max_train_rows)]
+    val_rows = [r for p in parts for r in last_rows(p["validation"], args.max_val_rows)]
+    test_rows = [r for p in parts for r in p["test"]]
+    _log(f"== set {name}: {len(entries)} series; {len(train_rows)} train, {len(val_rows)} validation, "
+         f"{len(test_rows)} test rows")
+    preds, info = train_and_predict(args, name, train_rows, val_rows, test_rows, work)
+    rows, start = [], 0
+    for e, p in zip(entries, parts):
+        n = len(p["test"])
+        idx = {k: np.array([r["t_index"] for r in p[k]]) for k in ("validation", "test")}
+        # the targets as written in the rows are the series' values at t_index: the baselines forecast the same
+        assert np.allclose([r["target"] for r in p["test"]], e["y"][idx["test"]], rtol=1e-12, atol=0)
+        rows.append(score_series(e, idx["validation"], idx["test"], preds[start:start + n]))
+        start += n
+    copies = copy_ratios(rows) if name == "a" else None
+    summary = summarise(rows, copies)
+    cov_rows = [r for r in rows if r["n_test"] >= MIN_COVERAGE_ROWS]
+    info["seconds"] = time.perf_counter() - t0
+    return {"series": rows, "summary": summary, "copies": copies, "run": info,
+            "checks": check_targets(name, summary, cov_rows)}
+
+
+# ----------------------------------------------------------------------------- report
+TITLES = {"a": "a: bundled series at scales 1e-3 .. 1e5", "b": "b: chat corpus (conversations)",
+          "c": "c: synthetic panel (levels 1e-2 .. 1e6)"}
+
+
+def format_set(name: str, res: dict) -> str:
+    s, info = res["summary"], res["run"]
+    lines = [f"### {TITLES[name]}", "",
+             f"{info['train_rows']} train / {info['validation_rows']} validation / {info['test_rows']} test rows, "
+             f"{info['steps']} steps, train {info['train_seconds']:.0f} s, predict {info['predict_seconds']:.1f} s, "
+             f"calibrated intervals: {info['calibrated']}; ETS fell back to persistence on {s['ets_fallbacks']} "
+             "series.", "",
+             "| series | n test | MAE | MAE / persistence | best baseline (validation) | MAE / best | MASE | cov 50 "
+             "| cov 90 | AR p |", "| --- " * 10 + "|"]
+    for r in res["series"]:
+        lines.append(f"| {r['series']} | {r['n_test']} | {_fmt(r['mae'])} | {_fmt(r['vs_persistence'], 3)} "
+                     f"| {r['best_baseline']} | {_fmt(r['vs_best'], 3)} | {_fmt(r['mase'], 3)} "
+                     f"| {_fmt(r['cov50'], 2)} | {_fmt(r['cov90'], 2)} | {r['ar_order']} |")
+    lines += ["", "| summary | value |", "| --- | --- |"]
+    for k in ("gm_vs_persistence", "gm_vs_best", "worst_vs_persistence", "worst_series", "n_series",
+              "n_beat_persistence", "gm_mase", "n_coverage_series", "cov50_min", "cov50_max", "cov90_min",
+              "cov90_max", "max_abs_copy_deviation"):
+        if k in s:
+            lines.append(f"| {k} | {s[k] if isinstance(s[k], str) else _fmt(s[k], 4)} |")
+    if res["copies"]:
+        labels = [scale_label(x) for x in SCALES if any(scale_label(x) in by for by in res["copies"].values())]
+        lines += ["", "(MAE / scale) / (MAE at scale 1), per copy:", "",
+                  "| series | " + " | ".join(labels) + " |", "| --- " * (len(labels) + 1) + "|"]
+        for base, by in res["copies"].items():
+            lines.append(f"| {base} | " + " | ".join(_fmt(by.get(x, math.nan), 3) for x in labels) + " |")
+    return "\n".join(lines)
+
+
+def result_line(results: dict) -> str:
+    kv = {}
+    for name, res in results.items():
+        s = res["summary"]
+        for k in ("gm_vs_persistence", "gm_vs_best", "worst_vs_persistence", "n_series", "n_beat_persistence",
+                  "cov50_min", "cov50_max", "cov90_min", "cov90_max", "max_abs_copy_deviation"):
+            if k in s:
+                kv[f"{name}_{k}"] = s[k]
+    return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items())
+
+
+def code_state() -> dict:
+    """The commit and the files changed since it (the benchmark measures the working tree as it is)."""
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+    try:
+        return {"commit": run("rev-parse", "HEAD"), "changed": run("status", "--short").splitlines()}
+    except OSError:
+        return {}
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--sets", default=",".join(SETS), help="comma-separated subset of a,b,c (default all)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps per adapter (default: TrainConfig's, max_steps -1: num_train_epochs 3)")
+    ap.add_argument("--max-train-rows", type=int, default=None,
+                    help="keep only the last N training rows of each series (default all)")
+    ap.add_argument("--max-val-rows", type=int, default=None,
+                    help="keep only the last N validation rows of each series in the adapter's validation file "
+                    "(default all; the baselines are always chosen on every validation target)")
+    ap.add_argument("--synthetic-series", type=int, default=50, help="series of set c")
+    ap.add_argument("--synthetic-lengths", default=",".join(map(str, SYNTHETIC_LENGTHS)),
+                    help="lengths the series of set c draw from (comma-separated)")
+    ap.add_argument("--quick", action="store_true", help="toy size for a smoke test: few short series, 2 steps")
+    ap.add_argument("--output", default="/tmp/scales.md", help="markdown tables; the JSON goes beside it (.json)")
+    ap.add_argument("--seed", type=int, default=42, help="TrainConfig.seed, the chat corpus and the synthetic panel")
+    args = ap.parse_args(argv)
+    args.sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if not args.sets or any(s not in SETS for s in args.sets):
+        ap.error(f"--sets: choose from {','.join(SETS)}")
+    args.synthetic_lengths = tuple(int(x) for x in str(args.synthetic_lengths).split(","))
+    args.a_series, args.a_scales, args.chat_series, args.tiny = tuple(BUNDLED), SCALES, None, {}
+    if args.quick:
+        args.steps = QUICK["steps"] if args.steps is None else args.steps
+        args.a_series, args.a_scales, args.chat_series = QUICK["a_series"], QUICK["a_scales"], QUICK["chat_series"]
+        args.synthetic_series, args.synthetic_lengths = QUICK["synthetic_series"], QUICK["synthetic_lengths"]
+        args.max_train_rows = QUICK["max_train_rows"] if args.max_train_rows is None else args.max_train_rows
+        args.max_val_rows = QUICK["max_val_rows"] if args.max_val_rows is None else args.max_val_rows
+        args.tiny = QUICK["tiny"]
+    if args.chat_series is None:
+        from causal_adapter.data.corpora import _CHAT_SERIES
+
+        args.chat_series = tuple(_CHAT_SERIES)
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be >= 1")
+    for k in ("max_train_rows", "max_val_rows"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.synthetic_series < 1 or min(args.synthetic_lengths) < SYNTHETIC_WINDOW + 20:
+        ap.error(f"--synthetic-series >= 1 and lengths >= {SYNTHETIC_WINDOW + 20}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(k, "1")
+    t0 = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="scales_") as tmp:
+        for name in args.sets:
+            results[name] = run_set(args, name, Path(tmp))
+            # this set's figures now: a long run that is stopped keeps the sets it finished
+            _log(format_set(name, results[name]) + f"\n[set {name} done, {results[name]['run']['seconds']:.0f} s] "
+                 + result_line({name: results[name]})[len("RESULT "):])
+    checks = [c for name in args.sets for c in results[name]["checks"]]
+    check_lines = [f"{'PASS' if ok else 'FAIL'} {line}" for ok, line in checks]
+    steps = "TrainConfig default (3 epochs)" if args.steps is None else f"{args.steps}"
+    tiny = f", tiny base {args.tiny}" if args.tiny else ""
+    note = (f"Default TrainConfig (embedded tiny Qwen{tiny}, real tokenizer, seed {args.seed}), steps: {steps}; "
+            f"training / validation rows per series: the last {args.max_train_rows or 'all'} / "
+            f"{args.max_val_rows or 'all'}. Choices on validation, figures on test. "
+            f"Coverage ranges over series with >= {MIN_COVERAGE_ROWS} test rows.")
+    text = "\n\n".join([format_set(n, results[n]) for n in args.sets] + ["### targets\n\n" + "\n".join(check_lines),
+                                                                        note])
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    line = result_line(results)
+    seconds = time.perf_counter() - t0
+    summary = {"settings": {k: v for k, v in vars(args).items()}, "code": code_state(), "seconds": seconds,
+               "results": {n: {k: v for k, v in r.items() if k != "checks"} for n, r in results.items()},
+               "checks": [{"pass": ok, "line": ln} for ok, ln in checks], "result_line": line}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
+    print()
+    print(text)
+    print(f"\ntables: {out}  json: {out.with_suffix('.json')}  time: {seconds:.0f} s")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Per-row value units: a location and a scale taken from the row's own numbers, so that one value head
+serves a series of 0.07 and one of 9,000 (instance normalisation, as RevIN, Chronos or Lag-Llama do).
+
+The head reads the K most recent numbers of the text at each position (`heads.recent_values`, most recent
+first). Not all of them are the quantity the next number is: ``1999: 3.12; 2000: 3.05; 2001:`` holds years
+between the values. A row's numbers come in records of p numbers (a year and a value: p = 2; a year, a
+month and a value: p = 3), and the next number's own kind sits at lags p, 2p, ... (`same_role`). The
+period p is found per row from the values alone: the right period splits the numbers into classes (the
+years, the values) whose steps are far smaller than the steps between neighbouring numbers (`row_period`). No token ids are needed, so the rule
+runs wherever the value head runs (training, prediction, the step loop, the server) from the numbers it
+already reads.
+
+From those same-kind numbers S (newest first), a rule gives the location m and scale s:
+
+* ``"last"``: m = S[0], s = mean |S[i] - S[i+1]| (the window's own one-step naive error, as MASE scales);
+* ``"median"``: m = median(S), s = mean |S - m|.
+
+s is floored at `RELATIVE_FLOOR` x mean |S| (a flat window). A row with fewer than `MIN_CONTEXT` such
+numbers, or s = 0, keeps the adapter's units (value_loc, value_scale). Every step is scale-free: numbers
+multiplied by c give the same period and c m, c s.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..config import ROW_UNIT_RULES as RULES  # the rules `row_units` knows
+#: the longest record (numbers per record: a date's parts and the value) the period search tries
+MAX_PERIOD = 4
+#: same-kind numbers a row needs before its own units replace the adapter's
+MIN_CONTEXT = 3
+#: a period separates kinds when the mean step within its classes is below this fraction of the mean step between
+#: neighbours: a row of one kind gives ~1 (iid) to ~1.4 (a random walk), years beside values 0.3 (values 50 times
+#: the years, moving by half their size a step) down to 1e-4
+SEPARATED = 0.5
+#: among the periods that separate, the shortest whose ratio is within this factor of the least (2 against 4)
+PERIOD_TOLERANCE = 1.5
+#: s is at least this fraction of the window's mean |value| (a window of equal values)
+RELATIVE_FLOOR = 1e-4
+
+
+def _at_lags(recent: Tensor, idx: Tensor) -> Tensor:
+    """recent [..., K] at lags idx [..., n] (NaN past the window)."""
+    K = recent.shape[-1]
+    picked = recent.gather(-1, idx.clamp(0, K - 1))
+    return torch.where(idx < K, picked, torch.full_like(picked, math.nan))
+
+
+def same_role(recent: Tensor, period: Tensor) -> Tensor:
+    """recent [..., K] (most recent first, NaN = none), period [...] (long) -> [..., K]: the numbers at lags
+    period - 1, 2 period - 1, ... (slot j holds lag (j + 1) period - 1: the kind of the number to come), NaN
+    past the window and from the first slot whose record is not whole on (`whole_records`)."""
+    K = recent.shape[-1]
+    slots = torch.arange(K, device=recent.device)
+    values = _at_lags(recent, (slots + 1) * period.unsqueeze(-1) - 1)
+    return torch.where(whole_records(recent, period), values, torch.full_like(values, math.nan))
+
+
+def whole_records(recent: Tensor, period: Tensor) -> Tensor:
+    """[..., K] bool: slot j's record is whole and continues the records after it. A record is the number of
+    slot j and the period - 1 numbers before it in the text (lags (j + 1) period .. (j + 1) period + period - 2:
+    its year, its month); those companions must be there and each continue its own sequence (no step larger
+    than both half its median size and 20 times its median step: 1871 after 10 is a jump, December to January
+    is not). A number in a title (``Series 7.``, ``(10^8 m^3)``) before the first record so has no slot."""
+    K = recent.shape[-1]
+    slots = torch.arange(K, device=recent.device)
+    ok = torch.ones(*recent.shape[:-1], K, dtype=torch.bool, device=recent.device)
+    for offset in range(MAX_PERIOD - 1):
+        used = offset < period - 1  # [...]: this companion exists for the row's period
+        # the companion of the record to come (slot -1) first, then those of slots 0, 1, ...
+        comp = _at_lags(recent, torch.cat([slots[:1] * 0, (slots + 1)]) * period.unsqueeze(-1) + offset)
+        present = ~torch.isnan(comp)
+        step = (comp[..., 1:] - comp[..., :-1]).abs()
+        size = comp.abs().nanmedian(-1, keepdim=True).values
+        usual = step.nanmedian(-1, keepdim=True).values
+        jump = step > torch.maximum(0.5 * size, 20 * usual)
+        whole = present[..., 1:] & ~jump
+        ok &= ~used.unsqueeze(-1) | whole
+    return ok.long().cumprod(-1).bool()  # from the first broken record on, nothing
+
+
+def _count(values: Tensor) -> Tensor:
+    return (~torch.isnan(values)).sum(-1)
+
+
+def _mean_step(values: Tensor) -> Tensor:
+    """[..., K] -> [...] mean |values[i] - values[i + 1]| over the pairs both present (0 without a pair)."""
+    steps = (values[..., :-1] - values[..., 1:]).abs()
+    present = ~torch.isnan(steps)
+    return torch.where(present, steps, 0.0).sum(-1) / present.sum(-1).clamp_min(1)
+
+
+def _mean_abs(values: Tensor) -> Tensor:
+    present = ~torch.isnan(values)
+    return torch.where(present, values.abs(), 0.0).sum(-1) / present.sum(-1).clamp_min(1)
+
+
+def _step_sums(values: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., n] -> ([...] sum of |values[i] - values[i + 1]| over the pairs present, [...] their count)."""
+    steps = (values[..., :-1] - values[..., 1:]).abs()
+    present = ~torch.isnan(steps)
+    return torch.where(present, steps, 0.0).sum(-1), present.sum(-1)
+
+
+def step_ratio(recent: Tensor, period: int) -> Tensor:
+    """[..., K] -> [...] the mean step within the classes of lags modulo `period` (years to years, values to
+    values) over the mean step between neighbouring numbers: near 0 when `period` separates kinds, whatever
+    their sizes (years beside values of 0.01 or of 10^5), ~1 or more when the row is one kind (a random walk's
+    steps grow with the lag). 1 for a row with no step."""
+    within = [_step_sums(recent[..., offset::period]) for offset in range(period)]
+    mean_within = sum(total for total, _ in within) / sum(count for _, count in within).clamp_min(1)
+    total, count = _step_sums(recent)
+    mean_all = total / count.clamp_min(1)
+    return torch.where(mean_all > 0, mean_within / mean_all.clamp_min(torch.finfo(total.dtype).tiny), 1.0)
+
+
+def row_period(recent: Tensor) -> Tensor:
+    """recent [..., K] -> [...] long: the record length p of each row, 1..MAX_PERIOD. A p > 1 is taken when it
+    separates the numbers into classes (`step_ratio` below SEPARATED) and the next number's class holds
+    MIN_CONTEXT numbers of whole records (`same_role`); among those the shortest within PERIOD_TOLERANCE of the best (a period of 2 also
+    separates at 4). Else 1: the row's numbers are one kind."""
+    ratios, eligible = [], []
+    for p in range(2, min(MAX_PERIOD, recent.shape[-1]) + 1):
+        ratio = step_ratio(recent, p)
+        ratios.append(ratio)
+        whole = same_role(recent, torch.full(recent.shape[:-1], p, dtype=torch.long, device=recent.device))
+        eligible.append((ratio < SEPARATED) & (_count(whole) >= MIN_CONTEXT))
+    best = torch.ones(recent.shape[:-1], dtype=torch.long, device=recent.device)
+    if not ratios:
+        return best
+    ratio = torch.stack(ratios, -1)
+    ok = torch.stack(eligible, -1)
+    least = torch.where(ok, ratio, math.inf).amin(-1, keepdim=True)
+    near = ok & (ratio <= least * PERIOD_TOLERANCE)
+    first = near.long().argmax(-1) + 2  # the shortest such period
+    return torch.where(near.any(-1), first, best)
+
+
+def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """recent [..., K] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
+    float64. `own` marks the rows that got their own units; the others keep (fallback_loc, fallback_scale) and
+    their numbers as they come (p = 1)."""
+    if rule not in RULES:
+        raise ValueError(f"value_row_units must be one of {RULES} or None, got {rule!r}")
+    recent = recent.double()
+    values = same_role(recent, row_period(recent))
+    if rule == "last":
+        loc, scale = values[..., 0], _mean_step(values)
+    else:
+        loc = values.nanmedian(-1).values
+        scale = _mean_abs(values - loc.unsqueeze(-1))
+    scale = torch.maximum(scale, RELATIVE_FLOOR * _mean_abs(values))
+    own = (_count(values) >= MIN_CONTEXT) & (scale > 0) & torch.isfinite(scale) & torch.isfinite(loc)
+    loc = torch.where(own, loc, fallback_loc)
+    scale = torch.where(own, scale, fallback_scale)
+    values = torch.where(own.unsqueeze(-1), values, recent)
+    return values, loc, scale, own

@@ -1,0 +1,177 @@
+"""Per-row value units (`causal_adapter.modeling.row_units`, `CausalAdapterConfig.value_row_units`).
+
+Claims, each failing when its mechanism is removed:
+
+* a row's units come from its numbers of the kind being predicted: the years of ``1999: 3.12; 2000: 3.05``
+  are left out at any scale of the values (the period test), and a row with too few numbers keeps the
+  adapter's units;
+* after `causal-adapter train` on one file of series from 10^-3 to 10^5, the adapter chose per-row units on
+  validation, and a context multiplied by c (10^-3, 10^3; the years left as they are) gives values, widths and
+  calibrated intervals multiplied by c, to float32 rounding;
+* the small series are predicted as well as the large ones (MAE / persistence), where the adapter's one unit
+  system (``--row-units off``) fails them;
+* adapters written before the field load with the adapter's units and give the same outputs as before.
+"""
+import math
+import random
+
+import pytest
+import torch
+
+from causal_adapter import CausalAdapterConfig
+from causal_adapter.commands.main import main
+from causal_adapter.modeling.row_units import row_period, row_units
+from causal_adapter.numbers import format_number
+
+from test_default_recipe import _jsonl
+from test_train import small_model
+
+TINY32 = ["--tiny-hidden-size", "32", "--tiny-layers", "1"]
+NAN = math.nan
+SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)
+
+
+def _dated(values, first_year=1990):
+    """recent values as the head reads them at the next value: newest first, a year before each value, then
+    the year of the value to come."""
+    numbers = []
+    for i, v in enumerate(values):
+        numbers += [first_year + i, v]
+    numbers.append(first_year + len(values))
+    return torch.tensor([numbers[::-1]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1.0, 1e3, 1e5])
+def test_the_units_come_from_the_values_not_the_years(c):
+    values = [3.12, 3.05, 3.3, 2.9, 3.0, 3.4]
+    recent = _dated([v * c for v in values])
+    assert int(row_period(recent)) == 2
+    same, loc, scale, own = row_units(recent, "last", 0.0, 1.0)
+    steps = [abs(a - b) for a, b in zip(values, values[1:])]
+    assert bool(own)
+    assert float(loc) == pytest.approx(values[-1] * c, rel=1e-12)
+    assert float(scale) == pytest.approx(c * sum(steps) / len(steps), rel=1e-9)
+    assert torch.allclose(same[0, :len(values)], torch.tensor(values[::-1], dtype=torch.float64) * c)
+    _, med, spread, _ = row_units(recent, "median", 0.0, 1.0)
+    m = sorted(values)[len(values) // 2 - 1: len(values) // 2 + 1]
+    assert float(med) == pytest.approx(c * min(m), rel=1e-12)  # torch's median: the lower middle value
+
+
+def test_a_row_of_one_kind_keeps_every_number_and_a_short_row_the_adapters_units():
+    walk = torch.tensor([[5.0, 5.2, 4.9, 5.1, 5.3, 5.0, NAN, NAN]], dtype=torch.float64)
+    assert int(row_period(walk)) == 1
+    month = torch.tensor([[3, 1991, 350.2, 2, 1991, 349.8, 1, 1991, 349.1, 12, 1990, 348.7]], dtype=torch.float64)
+    assert int(row_period(month)) == 3  # year, month, value
+    _, loc, scale, own = row_units(torch.tensor([[2.0, 1999.0, NAN, NAN]]), "last", 7.0, 3.0)
+    assert not bool(own) and float(loc) == 7.0 and float(scale) == 3.0
+
+
+def _series_rows(seed: int, n_series_per_scale: int = 2, length: int = 60, window: int = 8):
+    """Random walks with drift at each of SCALES, written ``Series k. 1990: v; ...; 1998:`` -> `` v``, split by
+    time 70 / 15 / 15 per series."""
+    rng = random.Random(seed)
+    splits = {"train": [], "validation": [], "test": []}
+    k = 0
+    for scale in SCALES:
+        for _ in range(n_series_per_scale):
+            level, drift = rng.uniform(50, 150), rng.uniform(-0.5, 0.5)
+            values = []
+            for _ in range(length):
+                level = max(level + drift + rng.gauss(0, 3), 1.0)
+                values.append(float(format_number(level * scale)))
+            for i in range(window, length):
+                history = "; ".join(f"{1900 + j}: {format_number(values[j])}" for j in range(i - window, i))
+                split = "train" if i < 0.7 * length else "validation" if i < 0.85 * length else "test"
+                splits[split].append({"prompt": f"Series {k}. {history}; {1900 + i}:",
+                                      "completion": f" {format_number(values[i])}", "target": values[i],
+                                      "previous": values[i - 1], "scale": scale})
+            k += 1
+    return splits
+
+
+@pytest.fixture(scope="module")
+def mixed_scales(tmp_path_factory):
+    """{row_units setting: the reloaded adapter} after `causal-adapter train` on one mixed-scale file, and the
+    rows."""
+    from causal_adapter.model import CausalModel
+    from causal_adapter.saving.assets import load_base
+
+    tmp = tmp_path_factory.mktemp("scales")
+    rows = _series_rows(0)
+    files = ["--train-file", _jsonl(tmp / "train.jsonl", rows["train"]),
+             "--validation-file", _jsonl(tmp / "val.jsonl", rows["validation"])]
+    models = {}
+    for setting in ("auto", "off"):
+        out = tmp / setting
+        assert main(["train", *files, "--max-steps", "20", "--output-dir", str(out), "--no-plot", "--no-progress",
+                     "--row-units", setting, *TINY32]) == 0
+        base, _ = load_base(None, "qwen2", "float32", 32, 1)
+        models[setting] = CausalModel.from_pretrained(base, out / "adapter")
+    return models, rows
+
+
+def _scaled_prompt(prompt: str, c: float) -> str:
+    """The prompt with every value multiplied by c and the years as they are."""
+    head, _, history = prompt.partition(". ")
+    items = []
+    for item in history.split("; "):
+        year, sep, value = item.partition(": ")
+        items.append(f"{year}{sep}{format_number(float(value) * c)}" if value else item)
+    return f"{head}. " + "; ".join(items)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+def test_a_context_multiplied_by_c_gives_values_and_intervals_multiplied_by_c(mixed_scales, qwen_tokenizer, c):
+    models, rows = mixed_scales
+    model = models["auto"]
+    assert model.causal_config.value_row_units in ("last", "median")  # chosen on validation, saved
+    prompts = [r["prompt"] for r in rows["test"] if r["scale"] == 1.0][:6]
+    before = model.predict_values(prompts, tokenizer=qwen_tokenizer)
+    after = model.predict_values([_scaled_prompt(p, c) for p in prompts], tokenizer=qwen_tokenizer)
+    for a, b in zip(before, after):
+        for key in ("value", "scale", "lower_50", "upper_50", "lower_90", "upper_90"):
+            assert b[key] == pytest.approx(c * a[key], rel=2e-5), (key, a, b)
+
+
+def _mae_ratio(model, rows, scale, tokenizer):
+    test = [r for r in rows["test"] if r["scale"] == scale]
+    pred = model.predict_values([r["prompt"] for r in test], tokenizer=tokenizer)
+    mae = sum(abs(p["value"] - r["target"]) for p, r in zip(pred, test))
+    return mae / sum(abs(r["previous"] - r["target"]) for r in test)
+
+
+def test_small_series_are_predicted_as_well_as_large_ones(mixed_scales, qwen_tokenizer):
+    models, rows = mixed_scales
+    small, large = (_mae_ratio(models["auto"], rows, s, qwen_tokenizer) for s in (1e-3, 1e5))
+    assert small < 1.3 and large < 1.3 and small == pytest.approx(large, rel=0.15), (small, large)
+    off = _mae_ratio(models["off"], rows, 1e-3, qwen_tokenizer)  # one unit system, fitted on all targets together
+    assert off > 3 * small, (off, small)
+
+
+def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path):
+    from causal_adapter.model import CausalModel
+    from causal_adapter.saving.assets import build_tiny_qwen
+
+    old = CausalAdapterConfig().to_dict()
+    del old["value_row_units"]
+    assert CausalAdapterConfig.from_dict(old).value_row_units is None
+    with pytest.raises(ValueError, match="value_row_units"):
+        CausalAdapterConfig(value_row_units="mean")
+    with pytest.raises(ValueError, match="recent_values"):
+        CausalAdapterConfig(value_row_units="last")
+    model = small_model(recent_values=4, value_loc=10.0, value_scale=2.0)
+    with torch.no_grad():
+        model.action.w_recent.copy_(torch.tensor([0.5, 0.2, 0.1, 0.0]))
+    model.save_pretrained(tmp_path / "old")
+    config_file = tmp_path / "old" / "causal_adapter_config.json"
+    text = config_file.read_text()
+    assert '"value_row_units": null' in text
+    config_file.write_text(text.replace('"value_row_units": null,', ""))  # as an adapter saved before the field
+    loaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, vocab_size=320),
+                                          tmp_path / "old")
+    assert loaded.action.row_units is None
+    ids = torch.tensor([[11, model.num_token_id, 12, model.num_token_id, 13, model.num_token_id, 14]])
+    vals = torch.tensor([[0.0, 1999.0, 0.0, 3.5, 0.0, 2000.0, 0.0]])
+    with torch.no_grad():
+        a, b = model(ids, vals), loaded(ids, vals)
+    assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.scale_Y, b.scale_Y)
