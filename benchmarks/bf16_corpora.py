@@ -1,4 +1,4 @@
-"""The CLI recipe under bf16 autocast against fp32, per corpus (issue 27 item 2: test MAE <= 1.15x).
+"""The CLI recipe under bf16 autocast against fp32, per corpus (goal: test MAE <= 1.15x; docs/mixed_precision.md).
 
     OMP_NUM_THREADS=1 python benchmarks/bf16_corpora.py --corpora sunspots,co2,macro,nile --steps 300
 

@@ -1,4 +1,4 @@
-"""Where bf16 autocast loses the value (issue 27 item 2), on the features of the value fit, no training.
+"""Where bf16 autocast loses the value (docs/mixed_precision.md), on the features of the value fit, no training.
 
     OMP_NUM_THREADS=1 python benchmarks/bf16_features.py sunspots [--qk-scale 1,10] [--direction-norm 0.1,2]
 

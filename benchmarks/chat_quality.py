@@ -1,4 +1,4 @@
-"""Conversations end to end (issue 34): `causal-adapter train` on a ``messages`` file, then `causal-adapter predict`
+"""Conversations end to end (docs/chat.md): `causal-adapter train` on a ``messages`` file, then `causal-adapter predict`
 on the test conversations, against least squares on the prompt's numbers.
 
     python benchmarks/chat_quality.py                           # the bundled chat corpus, 200 steps

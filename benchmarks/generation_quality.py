@@ -1,4 +1,4 @@
-"""Generation that makes sense (issue 20, item 4), on the demo's recipe.
+"""Generation that makes sense (docs/predict.md, "The number layout"), on the demo's recipe.
 
     python benchmarks/generation_quality.py                      # the demo: 200 steps on sunspots
     python benchmarks/generation_quality.py --steps 50 --gamma0 1 --threshold-init 1

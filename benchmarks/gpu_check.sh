@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 40's GPU check in one run (repo root; wheels for an offline box in .whl/, docs/benchmarks.md):
+# The GPU check in one run (repo root; wheels for an offline box in .whl/, docs/benchmarks.md):
 #   bash benchmarks/gpu_check.sh                       # every part, in this order (~7-8 min on an H200)
 #   bash benchmarks/gpu_check.sh ovr_loss train_step   # only these parts
-#   bash benchmarks/gpu_check.sh serving               # issue 41's serving benchmark (its own call: ~3-5 min)
+#   bash benchmarks/gpu_check.sh serving               # the serving benchmark (its own call: ~3-5 min)
 # Parts: precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat (the default), blocks, serving
 # (the server needs fastapi, uvicorn, prometheus-client, pydantic, its load generator aiohttp: their py3.12 wheels are
 # in .whl/ too). Each runs under `timeout`

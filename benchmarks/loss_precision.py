@@ -1,4 +1,4 @@
-"""The fused OvR loss's GEMM precision, measured (issue 40, item 2): what it costs in accuracy, and whether a
+"""The fused OvR loss's GEMM precision, measured (docs/mixed_precision.md): what it costs in accuracy, and whether a
 training run notices.
 
     python benchmarks/loss_precision.py                       # CPU: (a) emulated roundings, (b) 40 steps; ~2 min

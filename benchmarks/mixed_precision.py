@@ -1,4 +1,4 @@
-"""Mixed precision on CPU, the way a GPU run computes (issue 19, items 1, 2, 6).
+"""Mixed precision on CPU, the way a GPU run computes (docs/mixed_precision.md).
 
     python benchmarks/mixed_precision.py              # 60 steps per training run (~6 min on 2 cores)
     python benchmarks/mixed_precision.py --steps 20   # quicker, noisier
@@ -22,7 +22,7 @@ Three measurements, each against its own baseline in the same run:
   product `heads.linear_in_dtype` (W upcast by chunks) against the old x-cast-down product.
 
 Ends with ONE line ``RESULT key=value ...``: ``bf16_vs_fp32_value_mae`` (test MAE of the bf16 run as
-`causal-adapter eval` scores it / the fp32 run's; issue 27's goal <= 1.15),
+`causal-adapter eval` scores it / the fp32 run's; the goal <= 1.15),
 ``bf16_vs_fp32_value_mae_autocast_eval`` (the bf16 run scored under bf16 autocast), ``worst_grad_cos``,
 ``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``, and
 ``fsdp_accelerate_wrap`` (`benchmarks/fsdp_wrap.py` run as a subprocess; ``--no-fsdp`` skips it).

@@ -1,4 +1,4 @@
-"""Numeric quality on the held-out TEST splits of the offline real data sets (issue 12).
+"""Numeric quality on the held-out TEST splits of the offline real data sets (docs/values.md, docs/numeric_quality.md).
 
     python benchmarks/numeric_quality.py                        # every corpus of CORPORA, 150 steps per trained variant
     python benchmarks/numeric_quality.py --corpora sunspots --steps 240
@@ -35,7 +35,7 @@ Cost beside quality: sequence forwards per prediction (the rows of every forward
 hook: 1 for the adapter's teacher-forced forward; samples x generated tokens for the digit LoRA, KV
 cache on) and wall seconds per prediction on the test split.
 
-Input path (``--input-path default|seeds``, issue 20 item 7): the RESULT line and the interval table
+Input path (``--input-path default|seeds``, docs/numeric_quality.md): the RESULT line and the interval table
 carry the VALIDATION MAE and Winkler 90 of the trained adapters, the figures the default is chosen on.
 
 Every trained variant: the same random tiny base (`assets.build_tiny_qwen`, `--hidden-size`,

@@ -1,11 +1,11 @@
-"""Intervals on ordered data (issue 27, item 3): the CLI's default recipe, then `predict --targets-column`.
+"""Intervals on ordered data (docs/predict.md, "Ordered data"): the CLI's default recipe, then `predict --targets-column`.
 
     python benchmarks/ordered_intervals.py --corpora co2 sunspots macro elnino --max-steps 300
 
 Per corpus, through the commands a user runs (`causal-adapter data`, `train --train-file --validation-file
 --max-steps N`, `predict`): the adapter's split-conformal intervals (no targets), the adaptive conformal ones
 (`--targets-column target`, modeling/adaptive.py) and, on the same points, a constant-width split-conformal
-interval (half-width = the conformal quantile of the validation |residuals|, the baseline of issue 27).
+interval (half-width = the conformal quantile of the validation |residuals|, the baseline).
 
 The ACI step size is chosen on VALIDATION only, one for all the corpora (`choose_gamma`): per corpus the map
 is fitted on the first half of the validation rows and ACI run on the second half, in order, for each gamma

@@ -1,6 +1,6 @@
 """Tile and super-block shapes of the Triton OvR sweep (modeling/ovr_triton.py) on a GPU: forward + backward of
 `fused_ovr_loss(backend="triton")` at the 0.5B head (V = 151,936, C = 896, W bf16, b_cls trained), per variant
-of `ovr_triton.Blocks`, with the extra memory against issue 40's limit (the gradients + 32 MiB).
+of `ovr_triton.Blocks`, with the extra memory against the limit (the gradients + 32 MiB).
 
     python benchmarks/ovr_blocks.py                                   # the defaults and a few neighbours
     python benchmarks/ovr_blocks.py --variants '{"BK": 128}' '{"rows": 1024}'

@@ -21,7 +21,7 @@ head needs exactly twice CE's matmul flops, so at 100% of sgemm it takes
     python benchmarks/ovr_loss.py --quick    # small V and N, ~1 min
 Prints a table and ends with one line "RESULT key=value ...".
 
-On a GPU (issue 40), one process, every variant in turn (`device_main`):
+On a GPU (docs/benchmarks.md, "On a GPU"), one process, every variant in turn (`device_main`):
 
     python benchmarks/ovr_loss.py --device cuda      # N = 8,192 and 65,536; ~1 min on an H100
 
@@ -37,7 +37,7 @@ On a GPU (issue 40), one process, every variant in turn (`device_main`):
 W frozen (LoRA: loc_U, scale_U' and b_cls get gradients) and W trainable. Forward + backward, best of
 --repeats after --warmup, CUDA-synchronised. Extra memory: torch.cuda.max_memory_allocated() after
 reset_peak_memory_stats() (reset once the inputs exist and the warm-ups ran), minus the allocation at the
-reset. "grads" is the size of the gradients the variant returned; issue 40's limit for the OvR loss is
+reset. "grads" is the size of the gradients the variant returned; the limit for the OvR loss is
 extra <= grads + 32 MiB. Ratios to Liger and to CE are from this one run. A variant that cannot be
 installed, imported or fitted in memory is reported and skipped. The table and the RESULT line are printed
 once before the reference (``complete=0``: what a timeout during its compile leaves) and again at the end
@@ -181,7 +181,7 @@ def estimate_peak_mib(variant: str, N: int, V: int, C: int, trainable: bool, see
 
 # --------------------------------------------------------------------------- GPU (one process)
 DEVICE_VARIANTS = ["ce", "liger", "cce", "ovr_triton_bf16", "ovr_triton_tf32", "ovr_torch_tf32"]
-OVR_LIMIT_SLACK_MIB = 32  # issue 40: extra memory <= the gradients returned + 32 MiB
+OVR_LIMIT_SLACK_MIB = 32  # the limit: extra memory <= the gradients returned + 32 MiB
 
 
 def _device_inputs(N: int, V: int, C: int, trainable: bool, device, bf16_copies: bool, w_dtype=None):
@@ -240,7 +240,7 @@ def _device_step(variant: str, x: dict, device):
 
 def _ce_need_bytes(N: int, V: int) -> int:
     """CE's extra memory, about 12 bytes per logit (bf16 logits, their float32 copy, log-softmax, grads;
-    issue 40 measured 14.2 GiB at N = 8,192)."""
+    measured: 14.2 GiB at N = 8,192 on an H200)."""
     return 12 * N * V
 
 
@@ -350,16 +350,16 @@ def device_report(seen: dict, sizes, modes, variants, device, complete: bool) ->
                 limit = ""
                 if r["extra_mib"] is not None:
                     result[f"{tag}_extra_mib"] = round(r["extra_mib"], 1)
-                    if variant.startswith("ovr_"):  # issue 40's memory limit
+                    if variant.startswith("ovr_"):  # the memory limit
                         ok = r["extra_mib"] <= r["grads_mib"] + OVR_LIMIT_SLACK_MIB
                         limit = "ok" if ok else "OVER"
                         result[f"{tag}_mem_ok"] = int(ok)
                 extra = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
                 print(f"{N:>6} {mode:>9} {variant:>16} {r['time'] * 1e3:>9.2f} {x_liger:>8.2f} {x_ce:>6.2f} "
                       f"{extra:>10} {r['grads_mib']:>10.0f} {limit:>6}")
-    print(f"\nlimit: extra <= grads + {OVR_LIMIT_SLACK_MIB} MiB (issue 40, OvR variants); x Liger / x CE: time ratios "
+    print(f"\nlimit: extra <= grads + {OVR_LIMIT_SLACK_MIB} MiB (OvR variants); x Liger / x CE: time ratios "
           "in this run")
-    for variant in (v for v in variants if v.startswith("ovr_triton")):  # issue 40's targets, per variant
+    for variant in (v for v in variants if v.startswith("ovr_triton")):  # the GPU targets, per variant
         for mode in modes:
             ratios = [(N, result.get(f"{variant}_{mode}_N{N}_x_liger")) for N in sizes]
             ratios = [(N, x) for N, x in ratios if x is not None]

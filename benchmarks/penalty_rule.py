@@ -10,7 +10,7 @@ ridge path over `value_fit.RIDGE_GRID`. Each rule chooses a penalty with one hal
 rows (the training rows' exact LOO residuals too, where the rule uses them) and is scored on the other
 half (interleaved halves and first / second halves, each both ways; the four MAEs averaged):
 
-* ``validation``: the validation MAE alone (the rule before issue 27);
+* ``validation``: the validation MAE alone (the earlier rule);
 * ``loo``: the mean |LOO residual| alone;
 * ``both``: their mean (`value_fit.penalty_score`, the rule now).
 

@@ -1,4 +1,4 @@
-"""`causal-adapter serve` under load (issue 41): step-level scheduling (continuous batching) against tick batching
+"""`causal-adapter serve` under load (docs/serving.md): step-level scheduling (continuous batching) against tick batching
 (the scheduling before it, `--scheduler tick`), in one run, with the figures servers are judged by: throughput, TTFT
 (time to first token) p50 / p99 and ITL (inter-token latency) p50 / p99, measured by the clients on streamed answers.
 

@@ -21,7 +21,7 @@ does it:
 
 Ends with ONE line ``RESULT key=value ...`` (tokens/s and the ratios to plain LoRA).
 
-On a GPU (issue 40), each mode in its own process, one after the other (`device_main`):
+On a GPU (docs/benchmarks.md, "On a GPU"), each mode in its own process, one after the other (`device_main`):
 
     python benchmarks/train_step.py --device cuda --dtype bf16     # 24 layers, batch 8 x 1,024; ~2 min on an H100
 
@@ -271,7 +271,7 @@ def device_main(args) -> int:
     if len(plain) > 1:
         print(f"plain LoRA, first / last run: {plain[0]:.4f} / {plain[-1]:.4f} s/step (the faster is the baseline)")
         result["plain_lora_spread"] = round(max(plain) / min(plain), 3)
-    print("issue 40's targets: causal_lora >= 0.95x plain LoRA's speed at <= 0.55x its peak memory; frozen >= 2x")
+    print("the GPU targets: causal_lora >= 0.95x plain LoRA's speed at <= 0.55x its peak memory; frozen >= 2x")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
     return 0
 

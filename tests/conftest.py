@@ -58,7 +58,7 @@ def _load_tokenizer_once(name: str):
 
 _assets._load_tokenizer = _load_tokenizer_once
 
-# Early warning of the next rename (issue 25): a FutureWarning or DeprecationWarning that transformers,
+# Early warning of the next rename: a FutureWarning or DeprecationWarning that transformers,
 # peft, accelerate or datasets raises because of a call made by causal_adapter is an error here, while
 # the old name still works. A warning filter cannot say who called (a deprecated forward keyword warns
 # from inside torch's Module.__call__), so the stack is read when the warning is raised.

@@ -1,4 +1,4 @@
-"""Intervals on ordered data (issue 27, items 3 and 6): adaptive conformal inference keeps its coverage on a
+"""Intervals on ordered data (docs/predict.md, "Ordered data"): adaptive conformal inference keeps its coverage on a
 drifting series where the split-conformal map (fitted before the drift) does not; `predict --targets-column`
 uses it, row by row, from earlier rows' targets only."""
 import json

@@ -1,9 +1,9 @@
-"""The CLI as a new user meets it (issue 15): every user mistake ends in one or two lines that
+"""The CLI as a new user meets it (docs/cli.md): every user mistake ends in one or two lines that
 name the problem and the fix, with a non-zero exit status; the traceback only with --debug.
 
 The commands run on real files through `main(argv)`, the function the `causal-adapter` console script calls, in
 this process (`cli`): its stdout and stderr are read at the file descriptors, with the warnings Python would
-print, so a stray line still breaks the one-or-two-line rule. A launch costs 2-5 s of imports (issue 42: 40 of
+print, so a stray line still breaks the one-or-two-line rule. A launch costs 2-5 s of imports (CHANGELOG.md: 40 of
 them were a third of the suite's launch time), so a real process runs only where only a process shows it: stderr
 or stdin on a terminal (a pty), the hub variables read at import time, and one `--help` of the installed module.
 The error paths stop before any model is built where they can; none trains more than one step of the tiny base."""
@@ -306,7 +306,7 @@ def test_written_files_get_the_umask_permissions(tmp_path, cli):
         assert stat.S_IMODE(f.stat().st_mode) == 0o640, f
 
 
-# --------------------------------------------------------------------------- train parser (issue 14)
+# --------------------------------------------------------------------------- train parser
 def test_train_config_parses_with_the_real_hf_argument_parser(tmp_path):
     import dataclasses
 

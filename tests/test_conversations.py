@@ -1,4 +1,4 @@
-"""Conversations in every training entry (issue 34): TRL's formats (``messages``, conversational prompt/completion)
+"""Conversations in every training entry (docs/chat.md): TRL's formats (``messages``, conversational prompt/completion)
 rendered with the REAL Qwen3 chat template, the assistant-only mask, thinking, numbers as values, the errors,
 and `train()` / `causal-adapter train` on conversation files. CausalSFTTrainer's conversations: tests/test_trl.py."""
 import json

@@ -1,4 +1,4 @@
-"""Generation after DEFAULT training (issue 27 item 1), through the CLI a user runs:
+"""Generation after DEFAULT training (docs/predict.md, "The number layout"), through the CLI a user runs:
 
     causal-adapter train --train-file train.jsonl --validation-file val.jsonl --max-steps 120
 
@@ -96,7 +96,7 @@ def test_generate_and_predict_report_the_same_interval(trained, qwen_tokenizer, 
         n = nums[0]
         # the same position and heads; the KV-cached steps and predict's one forward differ by float32 noise,
         # which a least-squares head on near-collinear random features amplifies (ridge lambda 1e-10 here,
-        # issue 27 item 2: predict alone moves a row by ~2% of its 90% width between batch sizes 1 and 4):
+        # predict alone moves a row by ~2% of its 90% width between batch sizes 1 and 4):
         # 10% of the width. Read at the ":" instead, the value is off by ~1e7.
         tol = 0.1 * (p["upper_90"] - p["lower_90"])
         assert n["exact"] == pytest.approx(p["value"], abs=tol)

@@ -250,7 +250,7 @@ print("gloo threads after destroy_process_group:", [t for t in threads if "gloo"
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
 def test_gloo_groups_torch_still_holds_are_never_destroyed_during_interpreter_exit(tmp_path):
-    """Issue 36: under FSDP2 torch keeps the gloo group referenced after destroy_process_group (its threads run
+    """docs/distributed.md, "Exit": under FSDP2 torch keeps the gloo group referenced after destroy_process_group (its threads run
     on), so its C++ destructor ran during interpreter exit, where a worker now and then aborted ("terminate
     called without an active exception"). `keep_gloo_groups_to_process_end` (train() and CausalTrainer call it)
     takes, at exit, a reference that is never given back: no destructor, no teardown to race."""

@@ -1,4 +1,4 @@
-"""The Hugging Face tools users already run, against the real libraries (issue 14):
+"""The Hugging Face tools users already run, against the real libraries (docs/integrations.md):
 transformers.Trainer, accelerate save_state/load_state, peft loaders, from_pretrained, hub, generate."""
 import json
 import os

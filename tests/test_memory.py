@@ -1,4 +1,4 @@
-"""Memory features (issue 19, item 7): activation (gradient) checkpointing through the backbone
+"""Memory features (docs/memory.md): activation (gradient) checkpointing through the backbone
 (direct, train(), transformers.Trainer) and a bitsandbytes-quantised base (QLoRA; these tests skip
 unless bitsandbytes is installed: pip install -e '.[dev,quantization]')."""
 import pytest
@@ -211,7 +211,7 @@ def pack_for_cpu_inference(base):
 
 @pytest.mark.parametrize("trainer", ["train", "CausalTrainer"])
 def test_qlora_trains_after_cpu_inference_packing(tmp_path, base_dir, trainer):
-    """Issue 25: a 4-bit base evaluated on an AVX512-BF16 CPU (weights packed for inference) still trains,
+    """A 4-bit base evaluated on an AVX512-BF16 CPU (weights packed for inference) still trains,
     and nothing repacks it during training (the run's own no-grad feature passes run in eval mode)."""
     pytest.importorskip("bitsandbytes")
     base = load_quantized(base_dir, "4bit", load_in_4bit=True, bnb_4bit_quant_type="nf4",

@@ -1,4 +1,4 @@
-"""Mixed precision (issue 19 items 1, 2, 6): heads and losses do not depend on autocast, adapter
+"""Mixed precision (docs/mixed_precision.md): heads and losses do not depend on autocast, adapter
 weights in float32 on a bf16/fp16 base, the fused loss's GEMM precision option, host syncs and the
 compiled kernel's fallback."""
 import warnings
@@ -306,7 +306,7 @@ def _test_value_mae(adapter_dir, corpus, tokenizer, tiny):
 
 @pytest.mark.slow  # four train / eval passes on the real vocabulary: ~40 s on 2 idle cores
 def test_bf16_autocast_recipe_within_15_percent_of_fp32(tmp_path, qwen_tokenizer):
-    """Issue 27 item 2 at toy size: `causal-adapter train --dataset sunspots --mixed-precision bf16` (CPU
+    """docs/mixed_precision.md, "The value under bf16 autocast", at toy size: `causal-adapter train --dataset sunspots --mixed-precision bf16` (CPU
     autocast) scores within 1.15x of the same run in fp32 on the test split, as `causal-adapter eval`
     scores it. With the value head fitted on the bf16-autocast features (the code before
     `engines.inference_precision`) the ratio is ~2 (the head reads feature differences below bf16's

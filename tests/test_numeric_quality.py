@@ -42,7 +42,7 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
         assert float(kv[f"{corpus}_winkler50_vs_constwidth"]) > 0
         # 4 validation rows have no finite conformal 90% quantile (it needs n >= 9): inf / inf there
         assert f"{corpus}_winkler90_vs_constwidth" in kv and f"{corpus}_pinball_vs_constwidth" in kv
-        # the digit LoRA's sampled intervals and the cost beside the quality (issue 20 item 6b)
+        # the digit LoRA's sampled intervals and the cost beside the quality (docs/numeric_quality.md)
         assert 0.0 <= float(kv[f"{corpus}_digit_sample_parse_rate"]) <= 1.0
         assert float(kv[f"{corpus}_winkler50_vs_digit_sampled"]) > 0
         assert float(kv[f"{corpus}_forwards_per_pred_causal"]) == 1.0

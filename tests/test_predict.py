@@ -1,4 +1,4 @@
-"""`causal-adapter predict` and `CausalModel.predict_values` (issue 20, item 5): real files (jsonl, csv),
+"""`causal-adapter predict` and `CausalModel.predict_values` (docs/predict.md): real files (jsonl, csv),
 the embedded tiny base with the real Qwen tokenizer, a saved adapter with value units and a
 calibration map, bad rows, and the Python API equal to the command's output."""
 import csv

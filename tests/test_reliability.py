@@ -1,4 +1,4 @@
-"""Issue 8: bad input, faults and numerics give a clear error or an exact recovery, never silent damage.
+"""docs/reliability.md: bad input, faults and numerics give a clear error or an exact recovery, never silent damage.
 
 Each test is one row (or a few rows) of the README table "What happens when ...". Cases already covered
 elsewhere are cited there and not repeated here.

@@ -107,7 +107,7 @@ def test_cli_run_lowers_loss_raises_num_recall_and_reloads(tmp_path, qwen_tokeni
                 "coverage_90", "perplexity", "baseline_constant_mae", "baseline_persistence_mae"):
         assert last[key] is not None, key
     assert last["num_targets"] == last["baseline_examples"] == 16
-    # claims the figures must meet, not only exist (issue 27 item 7): the ridge-fitted head beats both
+    # claims the figures must meet, not only exist (docs/values.md): the ridge-fitted head beats both
     # baselines on these 16 validation rows (23.0 vs persistence 31.1 and constant 55.5, measured), the F1 is
     # that of the precision and recall, token accuracy counts whole tokens, perplexity is a perplexity
     assert last["value_mae"] < 0.9 * last["baseline_persistence_mae"] < last["baseline_constant_mae"]

@@ -1,4 +1,4 @@
-"""Value units, the ridge warm start, scale calibration and value rounding (issue 12).
+"""Value units, the ridge warm start, scale calibration and value rounding (docs/values.md).
 
 The full numeric-quality figures live in benchmarks/numeric_quality.py; these tests pin the
 mechanics at toy size: exact Cauchy mapping, reproducible fitted statistics, save/load of the

@@ -1,4 +1,4 @@
-"""The value and its interval on every path that reports one (issue 27 item 7: each test here fails under a
+"""The value and its interval on every path that reports one (docs/values.md; each test here fails under a
 hand mutation that passed the suite before):
 
 * the per-row width at and beyond the edges of its fitted range: the edge's width times the depth factor

@@ -1,4 +1,4 @@
-"""Stress harness for the multi-process launches CI makes (issue 36); not part of CI.
+"""Stress harness for the multi-process launches CI makes (docs/distributed.md, "Exit"); not part of CI.
 
 Repeats, N rounds, the 2-process gloo launches of the test suite, each as the tests start it:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Time a clean-clone CI run of a commit, step by step (issue 42). Not part of CI.
+# Time a clean-clone CI run of a commit, step by step (tools/ci_phases.py sums it). Not part of CI.
 #   tools/time_ci.sh SRC_REPO REF WORKDIR [SHARED_DIR]
 # clones SRC_REPO at REF into WORKDIR/ci-clone, links WORKDIR/shared -> SHARED_DIR (default: ../shared of this
 # checkout; the repo expects it beside itself), runs `CI=true bash -x .ci/run` with pytest's --durations=30, every

@@ -168,7 +168,7 @@ def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
 def elnino_corpus(window: int = 12, seed: int = 0, split_fractions=(0.7, 0.15, 0.15)):
     """Monthly mean sea surface temperature (deg C) of the Pacific at 0-10 S, 90-80 W, 1950-01 .. 2010-12
     (statsmodels elnino, NOAA), split by time; by default the last 15% of months are the test split (the
-    ordered-data case of issue 27). Time labels ``YYYY-MM``."""
+    ordered-data case of docs/predict.md, "Ordered data"). Time labels ``YYYY-MM``."""
     times, values = _elnino_data()
     rows = _series_rows("elnino", "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", times, values,
                         window)

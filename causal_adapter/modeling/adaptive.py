@@ -29,8 +29,9 @@ from torch import Tensor
 from .intervals import check_level
 
 #: ACI step size, chosen on validation over co2, sunspots, macro and elnino by the interval score
-#: (benchmarks/ordered_intervals.py; docs/predict.md, "Ordered data"). A large step (0.3 until issue 27's
-#: recent values) swings to the pool's widest score after each miss, which the interval score pays for.
+#: (benchmarks/ordered_intervals.py; docs/predict.md, "Ordered data"). A large step (0.3, the default
+#: before the value head read the recent values) swings to the pool's widest score after each miss, which the
+#: interval score pays for.
 DEFAULT_GAMMA = 0.02
 #: scores kept in the pool (None: all; the validation halves, 10 to 26 rows, cannot tell windows apart)
 DEFAULT_WINDOW: int | None = None

@@ -85,7 +85,7 @@ def finish_fsdp_wrap(model) -> None:
                          "the accelerate config (see examples/accelerate_configs/fsdp.yaml)")
     average_replicated_grads(model)
     keep_input_dtypes(model)
-    keep_gloo_groups_to_process_end()  # FSDP2 holds the gloo group past destroy_process_group (issue 36)
+    keep_gloo_groups_to_process_end()  # FSDP2 holds the gloo group past destroy_process_group (distributed.md)
 
 
 def set_lora_wrap_policy(accelerator, model) -> None:

@@ -1,6 +1,6 @@
 """Gloo process groups live to the end of the process: nothing destroys them during interpreter exit.
 
-Why (issue 36; docs/distributed.md, "Exit"): under FSDP2, torch still references the gloo process group after
+Why (docs/distributed.md, "Exit"): under FSDP2, torch still references the gloo process group after
 ``destroy_process_group()`` (DTensor's sharding caches hold the DeviceMesh, whose registry holds the group;
 ``torch.distributed.nn.functional`` captures ``group.WORLD`` as a default argument when it is first imported
 after the group exists), so the group's C++ destructor ran during ``Py_FinalizeEx`` (gdb: ``finalize_modules``

@@ -12,7 +12,7 @@ Policies (`--scheduler`):
   engine; a generation's rows join the running batch at the next step (up to --max-batch-size rows; beyond, they
   wait their turn), and a row that finishes leaves at once. An idle worker waits for a first job, then
   `batch_wait_s` for others (one prefill for the requests that arrive together).
-* ``tick`` (the scheduling before issue 41, kept to compare with): jobs that arrive while a batch runs wait for it to
+* ``tick`` (the earlier scheduling, kept to compare with): jobs that arrive while a batch runs wait for it to
   end; then, after `batch_wait_s`, every waiting job forms the next batch.
 
 A job holds its slot from `submit` until the engine finished it or its client went away (`cancel`: the slot is freed

@@ -75,7 +75,7 @@ def describe_base(base_model, base: str | None) -> str:
 
 #: what the demo sets beyond `TrainConfig`'s defaults: nothing. The token-side settings it used to set (gamma0
 #: 0.1, threshold 1, W_loc trained, EOS after every completion; docs/predict.md, chosen on the validation split by
-#: benchmarks/generation_quality.py) are `train`'s defaults since issue 27, so the demo and `train` are one recipe
+#: benchmarks/generation_quality.py) are `train`'s defaults (docs/predict.md, "The number layout"): one recipe
 DEMO_RECIPE: dict = {}
 
 
