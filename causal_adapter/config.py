@@ -144,6 +144,9 @@ class CausalAdapterConfig:
         units and not loc_U. None = the adapter's units (value_loc, value_scale) for every row. `train()` chooses
         on validation (`TrainConfig.row_units`). Needs `recent_values` > 0. Adapters written before this field
         load as None.
+    value_row_width: in per-row units, the exponent a of the value's width s |b_noise_Y| (c / s)^a, c the
+        window's mean |second difference| (`row_units.row_width`); 0 = the width follows s alone (adapters
+        written before the field). `train()` chooses it on validation.
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
         units, on the training rows) if loc_U were rounded to bf16. A head fitted on float32 features whose shift
@@ -180,6 +183,7 @@ class CausalAdapterConfig:
     number_contexts: list[int] | None = None
     recent_values: int = 0
     value_row_units: str | None = None
+    value_row_width: float = 0.0
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
 
@@ -251,6 +255,9 @@ class CausalAdapterConfig:
             raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
         if self.value_row_units not in (None, *ROW_UNIT_RULES):
             raise ValueError(f"value_row_units must be one of {ROW_UNIT_RULES} or None, got {self.value_row_units!r}")
+        if isinstance(self.value_row_width, bool) or not isinstance(self.value_row_width, (int, float)) \
+                or not 0.0 <= self.value_row_width <= 1.0:
+            raise ValueError(f"value_row_width must be a number in [0, 1], got {self.value_row_width!r}")
         if self.value_row_units is not None and (not self.recent_values or self.regression_scale == "shared"):
             raise ValueError("value_row_units reads the row's recent numbers and scales the value's own width: it "
                              "needs recent_values > 0 and regression_scale 'per_row' or 'independent'")

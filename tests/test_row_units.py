@@ -10,6 +10,8 @@ Claims, each failing when its mechanism is removed:
   calibrated intervals multiplied by c, to float32 rounding;
 * the small series are predicted as well as the large ones (MAE / persistence), where the adapter's one unit
   system (``--row-units off``) fails them;
+* the width's exponent a (s (c / s)^a, c the window's curvature) is chosen on validation: 1 where the errors
+  follow c, 0 where they do not; a row multiplied by c gets its width multiplied by c;
 * adapters written before the field load with the adapter's units and give the same outputs as before.
 """
 import math
@@ -20,7 +22,8 @@ import torch
 
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.commands.main import main
-from causal_adapter.modeling.row_units import row_period, row_units
+from causal_adapter.modeling.row_units import row_period, row_units, row_width
+from causal_adapter.training.value_fit import choose_width_power
 from causal_adapter.numbers import format_number
 
 from test_default_recipe import _jsonl
@@ -153,8 +156,11 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     from causal_adapter.saving.assets import build_tiny_qwen
 
     old = CausalAdapterConfig().to_dict()
-    del old["value_row_units"]
+    del old["value_row_units"], old["value_row_width"]
     assert CausalAdapterConfig.from_dict(old).value_row_units is None
+    assert CausalAdapterConfig.from_dict(old).value_row_width == 0.0
+    with pytest.raises(ValueError, match="value_row_width"):
+        CausalAdapterConfig(value_row_width=1.5)
     with pytest.raises(ValueError, match="value_row_units"):
         CausalAdapterConfig(value_row_units="mean")
     with pytest.raises(ValueError, match="recent_values"):
@@ -166,7 +172,9 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     config_file = tmp_path / "old" / "causal_adapter_config.json"
     text = config_file.read_text()
     assert '"value_row_units": null' in text
-    config_file.write_text(text.replace('"value_row_units": null,', ""))  # as an adapter saved before the field
+    assert '"value_row_width": 0.0' in text
+    # as an adapter saved before the fields
+    config_file.write_text(text.replace('"value_row_units": null,', "").replace('"value_row_width": 0.0,', ""))
     loaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, vocab_size=320),
                                           tmp_path / "old")
     assert loaded.action.row_units is None
@@ -175,3 +183,31 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     with torch.no_grad():
         a, b = model(ids, vals), loaded(ids, vals)
     assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.scale_Y, b.scale_Y)
+
+
+def _series_windows(n_rows: int, seed: int) -> torch.Tensor:
+    """[n, K] recent values of dated rows: half of them smooth (a trend, small curvature), half rough."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        level, step = 10.0 ** (torch.rand(1, generator=g).item() * 6 - 2), torch.rand(1, generator=g).item() + 0.5
+        noise = 0.05 if i % 2 else 1.0
+        t = torch.arange(8, dtype=torch.float64)
+        values = level * (1 + 0.01 * (step * t + noise * torch.randn(8, generator=g, dtype=torch.float64)))
+        rows.append(_dated(values.tolist())[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("errors_follow_curvature", [True, False])
+def test_the_width_exponent_is_chosen_on_the_residuals(errors_follow_curvature):
+    R = _series_windows(400, seed=3)
+    values, _, s, own = row_units(R, "last", 0.0, 1.0)
+    ratio = row_width(values, s, own, 1.0) / s
+    assert own.all() and ratio.std() > 0.3  # smooth rows and rough rows differ in c / s
+    g = torch.Generator().manual_seed(4)
+    cauchy = torch.tan(math.pi * (torch.rand(len(R), generator=g, dtype=torch.float64) - 0.5))
+    u = cauchy * (ratio if errors_follow_curvature else 1.0)
+    assert choose_width_power(u, ratio) == (1.0 if errors_follow_curvature else 0.0)
+    for c in (1e-3, 1e3):  # the width unit of a row multiplied by c is c times its own
+        values_c, _, s_c, own_c = row_units(R * c, "last", 0.0, 1.0)
+        assert torch.allclose(row_width(values_c, s_c, own_c, 0.5), c * row_width(values, s, own, 0.5), rtol=1e-9)

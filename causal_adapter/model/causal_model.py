@@ -171,7 +171,7 @@ class CausalModel(nn.Module):
             )
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)
-        self.action.set_row_units(config.value_row_units)
+        self.action.set_row_units(config.value_row_units, config.value_row_width)
 
     def set_value_units(self, value_loc: float, value_scale: float, value_decimals: int | None = None) -> None:
         """Value units of the regression (and of phi's input when `config.standardize_inputs`):
@@ -184,11 +184,13 @@ class CausalModel(nn.Module):
             self.causal_config.value_decimals = int(value_decimals)
         self.action.set_value_units(value_loc, value_scale)
 
-    def set_row_units(self, rule: str | None) -> None:
-        """Per-row value units by `rule` ("last", "median"; `modeling.row_units`) or None (the adapter's units).
-        Stored in the config, hence in the saved adapter."""
-        self.action.set_row_units(rule)
+    def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
+        """Per-row value units by `rule` ("last", "median"; `modeling.row_units`) or None (the adapter's units),
+        the width's exponent `width_power` (`row_units.row_width`). Stored in the config, hence in the saved
+        adapter."""
+        self.action.set_row_units(rule, width_power)
         self.causal_config.value_row_units = rule
+        self.causal_config.value_row_width = float(width_power) if rule is not None else 0.0
 
     def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True
                        ) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .row_units import row_units
+from .row_units import row_units, row_width
 
 #: principal directions of the training features kept for the out-of-depth width (value_fit.fit_depth)
 DEPTH_RANK = 64
@@ -215,6 +215,7 @@ class ActionHead(nn.Module):
 
         self.recent_values = recent_values
         self.row_units: str | None = None  # `set_row_units`
+        self.row_width_power = 0.0  # the width's exponent a in per-row units (`row_units.row_width`)
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
@@ -223,29 +224,33 @@ class ActionHead(nn.Module):
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
         self.value_loc, self.value_scale = float(value_loc), float(value_scale)
 
-    def set_row_units(self, rule: str | None) -> None:
-        """Per-row units by `rule` (`row_units.RULES`), or None for the adapter's units; needs recent values."""
+    def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
+        """Per-row units by `rule` (`row_units.RULES`), or None for the adapter's units; needs recent values.
+        `width_power`: a of the width s (c / s)^a (`row_units.row_width`)."""
         if rule is not None and (not self.recent_values or self.b_noise_Y is None):
             raise ValueError("per-row value units read the row's recent numbers and scale a width of the value's "
                              "own: set recent_values > 0 and regression_scale 'per_row' or 'independent'")
         if rule is not None:
             row_units(torch.zeros(1, 1), rule, 0.0, 1.0)  # an unknown rule fails here, not at the first forward
         self.row_units = rule
+        self.row_width_power = float(width_power)
 
-    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(m [...], s [...], r [..., K] or None) for raw recent values [..., K]: the value units of each row
-        and the numbers the head reads in them (0 where none), in `like`'s dtype. Without per-row units:
-        the adapter's (value_loc, value_scale) as 0-d tensors."""
+    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """(m [...], s [...], r [..., K] or None, width unit [...]) for raw recent values [..., K]: the value
+        units of each row, the numbers the head reads in them (0 where none) and the unit of the value's width
+        (`row_units.row_width`), in `like`'s dtype. Without per-row units: the adapter's (value_loc,
+        value_scale) as 0-d tensors, the width unit value_scale."""
         if self.row_units is None:
             loc, scale = like.new_tensor(self.value_loc), like.new_tensor(self.value_scale)
             return loc, scale, None if recent is None or not self.recent_values else self.standardized_recent(
-                recent.to(like.dtype))
+                recent.to(like.dtype)), scale
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
-        values, loc, scale, _ = row_units(recent, self.row_units, self.value_loc, self.value_scale)
+        values, loc, scale, own = row_units(recent, self.row_units, self.value_loc, self.value_scale)
+        width = row_width(values, scale, own, self.row_width_power)
         r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
-        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype)
+        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype)
 
     def to_value(self, y_std: Tensor) -> Tensor:
         """Standardised Y' -> value units (a location or a sampled value)."""
@@ -350,9 +355,9 @@ class ActionHead(nn.Module):
 
     def row_regression(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
         """Per-row units: loc_Y, scale_Y [...] in value units from the row's own numbers alone."""
-        loc, scale, r = self.units(recent, like)
+        loc, scale, r, width = self.units(recent, like)
         y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
-        return loc + scale * y_std, (scale * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
+        return loc + scale * y_std, (width * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],

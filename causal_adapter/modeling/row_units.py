@@ -15,7 +15,11 @@ From those same-kind numbers S (newest first), a rule gives the location m and s
 * ``"last"``: m = S[0], s = mean |S[i] - S[i+1]| (the window's own one-step naive error, as MASE scales);
 * ``"median"``: m = median(S), s = mean |S - m|.
 
-s is floored at `RELATIVE_FLOOR` x mean |S| (a flat window). A row with fewer than `MIN_CONTEXT` such
+s is floored at `RELATIVE_FLOOR` x mean |S| (a flat window). The value's width is s |b_noise_Y| (c / s)^a
+(`row_width`): c = the window's mean |second difference| (`curvature`), a in [0, 1] chosen on validation. s
+says how far the series moves in a step; c how far it moves from the straight line through its last two
+values, which is nearer the error of a head that reads the trend: a smooth series (a trend, a season) gets a
+narrower interval and a noisy one a wider, where s alone gave both the same. A row with fewer than `MIN_CONTEXT` such
 numbers, or s = 0, keeps the adapter's units (value_loc, value_scale). Every step is scale-free: numbers
 multiplied by c give the same period and c m, c s.
 """
@@ -158,3 +162,22 @@ def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: fl
     scale = torch.where(own, scale, fallback_scale)
     values = torch.where(own.unsqueeze(-1), values, recent)
     return values, loc, scale, own
+
+
+def curvature(values: Tensor) -> Tensor:
+    """[..., K] same-kind numbers (newest first, NaN = none) -> [...] mean |values[i] - 2 values[i + 1] +
+    values[i + 2]| over the triples present (0 without one)."""
+    second = values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:]
+    present = ~torch.isnan(second)
+    return torch.where(present, second.abs(), 0.0).sum(-1) / present.sum(-1).clamp_min(1)
+
+
+def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float) -> Tensor:
+    """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_units`' values,
+    s, own), c = `curvature` floored at RELATIVE_FLOOR x mean |S| (a straight line); s where a row has no
+    second difference or keeps the adapter's units, and for power 0."""
+    if power == 0:
+        return scale
+    c = torch.maximum(curvature(values), RELATIVE_FLOOR * _mean_abs(values))
+    usable = own & (_count(values) >= 3) & (c > 0) & torch.isfinite(c)
+    return torch.where(usable, scale * (c / scale).clamp_min(torch.finfo(scale.dtype).tiny) ** power, scale)

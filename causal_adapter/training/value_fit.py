@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..config import BF16_MAX_SHIFT
-from ..modeling.row_units import row_units
+from ..modeling.row_units import row_units, row_width
 from ..numbers import format_number
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_causal_model
@@ -432,12 +432,14 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
     dict (w padded to K) with "r" [n, K], "present" [n, K] (a number there), "errors" [n_val] (or LOO [n]):
     held-out absolute errors in value units."""
     def in_units(R_, y_):
-        values, m, s, _ = row_units(R_, rule, act.value_loc, act.value_scale)
-        return torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0), (y_ - m) / s, s, ~torch.isnan(values)
+        values, m, s, own = row_units(R_, rule, act.value_loc, act.value_scale)
+        ratio = row_width(values, s, own, 1.0) / s  # c / s (1 where the row has no curvature)
+        return (torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0), (y_ - m) / s, s, ~torch.isnan(values),
+                ratio)
 
-    r, t, s, present = in_units(R, y)
+    r, t, s, present, ratio = in_units(R, y)
     has_val = R_val is not None and y_val is not None and len(y_val) > 0
-    r_val, t_val, s_val, _ = in_units(R_val, y_val) if has_val else (None, None, None, None)
+    r_val, t_val, s_val, _, ratio_val = in_units(R_val, y_val) if has_val else (None,) * 5
     k = R.shape[1]
 
     def fit_width(width: int) -> dict:
@@ -453,7 +455,38 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
     w = torch.zeros(k, dtype=fit["w"].dtype)
     w[:width] = fit["w"]
     errors = (t_val - (r_val @ w + fit["b"])).abs() * s_val if has_val else fit["loo"].abs() * s
-    return {**fit, "w": w, "width": width, "r": r, "present": present, "errors": errors}
+    power = choose_width_power(errors / (s_val if has_val else s), ratio_val if has_val else ratio)
+    return {**fit, "w": w, "width": width, "r": r, "present": present, "errors": errors, "width_power": power,
+            "noise": max(float((fit["loo"].abs() / ratio ** power).median()), 1e-3)}
+
+
+#: the exponents a of the per-row width s (c / s)^a that `choose_width_power` tries (`row_units.row_width`)
+WIDTH_POWERS = (0.0, 0.5, 1.0)
+
+
+def _cauchy_nll_at_median(u: Tensor, width: Tensor) -> Tensor:
+    """[n] Cauchy NLL (less log pi) of residuals u under widths gamma * width, gamma = median(|u| / width) (a
+    Cauchy's scale is its median absolute deviation)."""
+    gamma = (u.abs() / width).median().clamp_min(torch.finfo(u.dtype).tiny)
+    return torch.log(gamma * width) + torch.log1p((u / (gamma * width)).square())
+
+
+def choose_width_power(u: Tensor, ratio: Tensor) -> float:
+    """The exponent a of the width s (c / s)^a: u [n] held-out residuals in row units (error / s), ratio [n] c / s.
+    Each a of WIDTH_POWERS gets the Cauchy NLL of u under widths ratio^a (their common scale at its median fit);
+    an a > 0 replaces 0 (the width of s alone) only when its NLL is smaller by more than one standard error of
+    the paired difference, and the best such is kept. Scale-free: a row's NLL moves by log c when it is
+    multiplied by c, the same for every a."""
+    if len(u) < 3:
+        return 0.0
+    ref = _cauchy_nll_at_median(u, torch.ones_like(u))
+    best, best_nll = 0.0, float(ref.mean())
+    for a in WIDTH_POWERS[1:]:
+        nll = _cauchy_nll_at_median(u, ratio ** a)
+        diff = ref - nll
+        if float(diff.mean()) > float(diff.std() / math.sqrt(len(diff))) and float(nll.mean()) < best_nll:
+            best, best_nll = a, float(nll.mean())
+    return best
 
 
 def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
@@ -531,12 +564,13 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
         summary["w_recent_norm"] = float(fit["w"][C:].norm())
     row = choose_row_units(fit, F_val, X_val, R, y, R_val, y_val if val_batches is not None else None, act,
                            row_rules, force_row_units, loss=loss, losses=losses, max_shift=max_shift) if k else None
-    inner.set_row_units(None if row is None else row["rule"])
+    inner.set_row_units(None if row is None else row["rule"], 0.0 if row is None else row["width_power"])
     if row is not None:
         set_row_head(act, row, C)
         summary.update(units=row["rule"], inputs=f"recent[:{row['width']}] in row units", loss=row["loss"],
                        ridge_lambda=row["lam"], bf16_shift=0.0, w_recent_norm=float(row["w"].norm()),
-                       units_score=row["units_score"], adapter_units_score=row["adapter_score"])
+                       units_score=row["units_score"], adapter_units_score=row["adapter_score"],
+                       width_power=row["width_power"])
         return summary
     summary["units"] = "adapter"
     with torch.no_grad():
@@ -596,7 +630,7 @@ def choose_row_units(fit: dict, F_val: Tensor | None, X_val: Tensor | None, R: T
 
 def set_row_head(act, row: dict, C: int) -> None:
     """Load a `fit_row_head` fit into the head: w_recent, b_reg, the range of r, |b_noise_Y| (the median |LOO
-    residual| in row units, a Cauchy's scale); w_reg, w_scale_Y and the out-of-depth weights zero (the head
+    residual| in row units over (c / s)^a, a Cauchy's scale); w_reg, w_scale_Y and the out-of-depth weights zero (the head
     reads no loc_U in row units)."""
     with torch.no_grad():
         act.w_reg.zero_()
@@ -609,4 +643,4 @@ def set_row_head(act, row: dict, C: int) -> None:
             act.log_scale_range.zero_()
             act.depth_weight.zero_()
             act.depth_resid.zero_()
-        act.b_noise_Y.fill_(max(float(row["loo"].abs().median()), 1e-3))
+        act.b_noise_Y.fill_(row["noise"])  # the median |LOO residual| / (c / s)^a, a Cauchy's scale
