@@ -211,3 +211,17 @@ def test_the_width_exponent_is_chosen_on_the_residuals(errors_follow_curvature):
     for c in (1e-3, 1e3):  # the width unit of a row multiplied by c is c times its own
         values_c, _, s_c, own_c = row_units(R * c, "last", 0.0, 1.0)
         assert torch.allclose(row_width(values_c, s_c, own_c, 0.5), c * row_width(values, s, own, 0.5), rtol=1e-9)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen_tokenizer, c):
+    """Number feedback in generation reads the same numbers, hence the same row units, as a forward: the first
+    number written after a small (or large) series' window is predict's value for that window."""
+    model = mixed_scales[0]["auto"]
+    prompts = [_scaled_prompt(r["prompt"], c) for r in mixed_scales[1]["test"] if r["scale"] == 1.0][:4]
+    gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2)
+    pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
+    for nums, p in zip(gen.numbers, pred):
+        assert nums, gen.texts
+        assert nums[0]["value"] == pytest.approx(p["value"], rel=1e-4), (nums[0], p)
+        assert nums[0]["scale"] == pytest.approx(p["scale"], rel=1e-4), (nums[0], p)
