@@ -868,18 +868,24 @@ def main(argv=None) -> int:
             f"vocabulary, seed {args.base_seed}); {args.steps} steps, batch {args.batch_size}, lr {args.lr:g} "
             f"(LoRA lr {args.lora_lr:g}), seed {args.seed}. Test split only for the figures; choices on validation.")
     text = "\n\n".join(tables + [note])
-    out = Path(args.output)
+    line = result_line(all_results, args, noisy)
+    seconds = time.perf_counter() - t0
+    write_report(Path(args.output), text, line, seconds, {"settings": vars(args), "results": all_results,
+                                                          "label_noise": noisy})
+    return 0
+
+
+def write_report(out: Path, text: str, line: str, seconds: float, summary: dict) -> None:
+    """The markdown tables at `out`, `summary` (+ seconds, the RESULT line) as JSON beside it (.json); then the
+    tables, where they went, and the RESULT line last on stdout."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n", encoding="utf-8")
-    line = result_line(all_results, args, noisy)
-    summary = {"settings": vars(args), "results": all_results, "label_noise": noisy, "seconds": time.perf_counter() - t0,
-               "result_line": line}
+    summary = {**summary, "seconds": seconds, "result_line": line}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
     print()
     print(text)
-    print(f"\ntables: {out}  json: {out.with_suffix('.json')}  time: {time.perf_counter() - t0:.0f} s")
+    print(f"\ntables: {out}  json: {out.with_suffix('.json')}  time: {seconds:.0f} s")
     print(line)
-    return 0
 
 
 if __name__ == "__main__":

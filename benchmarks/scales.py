@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from numeric_quality import _fmt, _log, ridge_fit, ridge_predict  # noqa: E402  (a sibling script, not a package)
+from numeric_quality import _fmt, _log, ridge_fit, ridge_predict, write_report  # noqa: E402  (a sibling script, not a package)
 
 SETS = ("a", "b", "c")
 SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)
@@ -557,19 +557,11 @@ def main(argv=None) -> int:
             f"Coverage ranges over series with >= {MIN_COVERAGE_ROWS} test rows.")
     text = "\n\n".join([format_set(n, results[n]) for n in args.sets] + ["### targets\n\n" + "\n".join(check_lines),
                                                                         note])
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
     line = result_line(results)
-    seconds = time.perf_counter() - t0
-    summary = {"settings": {k: v for k, v in vars(args).items()}, "code": code_state(), "seconds": seconds,
-               "results": {n: {k: v for k, v in r.items() if k != "checks"} for n, r in results.items()},
-               "checks": [{"pass": ok, "line": ln} for ok, ln in checks], "result_line": line}
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-    print()
-    print(text)
-    print(f"\ntables: {out}  json: {out.with_suffix('.json')}  time: {seconds:.0f} s")
-    print(line)
+    write_report(Path(args.output), text, line, time.perf_counter() - t0,
+                 {"settings": dict(vars(args)), "code": code_state(),
+                  "results": {n: {k: v for k, v in r.items() if k != "checks"} for n, r in results.items()},
+                  "checks": [{"pass": ok, "line": ln} for ok, ln in checks]})
     return 0
 
 

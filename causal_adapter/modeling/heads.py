@@ -162,7 +162,8 @@ class ActionHead(nn.Module):
 
     Per-row units (`row_units`, a rule of `modeling.row_units`; None = the adapter's units above): each row
     takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
-    loc_Y = m_row + s_row (w_recent . r + b_reg), scale_Y = s_row |b_noise_Y|. The head then reads only r, not
+    loc_Y = m_row + s_row (w_recent . r + b_reg), scale_Y = s_row |b_noise_Y| (c_row / s_row)^a
+    (`row_units.row_width`; a = `row_width_power`). The head then reads only r, not
     loc_U (whose phi inputs are in the adapter's units): a context multiplied by c gives values and widths
     multiplied by c. Rows with too few numbers keep the adapter's units.
 
@@ -235,15 +236,10 @@ class ActionHead(nn.Module):
         self.row_units = rule
         self.row_width_power = float(width_power)
 
-    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-        """(m [...], s [...], r [..., K] or None, width unit [...]) for raw recent values [..., K]: the value
-        units of each row, the numbers the head reads in them (0 where none) and the unit of the value's width
-        (`row_units.row_width`), in `like`'s dtype. Without per-row units: the adapter's (value_loc,
-        value_scale) as 0-d tensors, the width unit value_scale."""
-        if self.row_units is None:
-            loc, scale = like.new_tensor(self.value_loc), like.new_tensor(self.value_scale)
-            return loc, scale, None if recent is None or not self.recent_values else self.standardized_recent(
-                recent.to(like.dtype)), scale
+    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per-row units (`row_units` set): (m [...], s [...], r [..., K], width unit [...]) for raw recent values
+        [..., K]: the value units of each row, the numbers the head reads in them (0 where none) and the unit of
+        the value's width (`row_units.row_width`), in `like`'s dtype."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")

@@ -89,16 +89,15 @@ def _count(values: Tensor) -> Tensor:
     return (~torch.isnan(values)).sum(-1)
 
 
-def _mean_step(values: Tensor) -> Tensor:
-    """[..., K] -> [...] mean |values[i] - values[i + 1]| over the pairs both present (0 without a pair)."""
-    steps = (values[..., :-1] - values[..., 1:]).abs()
-    present = ~torch.isnan(steps)
-    return torch.where(present, steps, 0.0).sum(-1) / present.sum(-1).clamp_min(1)
-
-
 def _mean_abs(values: Tensor) -> Tensor:
+    """[..., n] -> [...] mean |values| over the entries present (0 without one)."""
     present = ~torch.isnan(values)
     return torch.where(present, values.abs(), 0.0).sum(-1) / present.sum(-1).clamp_min(1)
+
+
+def _mean_step(values: Tensor) -> Tensor:
+    """[..., K] -> [...] mean |values[i] - values[i + 1]| over the pairs both present (0 without a pair)."""
+    return _mean_abs(values[..., :-1] - values[..., 1:])
 
 
 def _step_sums(values: Tensor) -> tuple[Tensor, Tensor]:
@@ -167,9 +166,7 @@ def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: fl
 def curvature(values: Tensor) -> Tensor:
     """[..., K] same-kind numbers (newest first, NaN = none) -> [...] mean |values[i] - 2 values[i + 1] +
     values[i + 2]| over the triples present (0 without one)."""
-    second = values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:]
-    present = ~torch.isnan(second)
-    return torch.where(present, second.abs(), 0.0).sum(-1) / present.sum(-1).clamp_min(1)
+    return _mean_abs(values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:])
 
 
 def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float) -> Tensor:
