@@ -14,6 +14,7 @@ Claims, each failing when its mechanism is removed:
   follow c, 0 where they do not; a row multiplied by c gets its width multiplied by c;
 * adapters written before the field load with the adapter's units and give the same outputs as before.
 """
+import copy
 import math
 import random
 
@@ -225,3 +226,29 @@ def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen
         assert nums, gen.texts
         assert nums[0]["value"] == pytest.approx(p["value"], rel=1e-4), (nums[0], p)
         assert nums[0]["scale"] == pytest.approx(p["scale"], rel=1e-4), (nums[0], p)
+
+
+def test_per_row_units_under_a_bf16_autocast_keep_full_precision_values(mixed_scales, qwen_tokenizer):
+    """The GPU path's mixed precision on CPU: under a bf16 autocast the backbone runs in bf16, the heads in their
+    own float32 (`heads.full_precision`), so a value of ~10^5 is not rounded to bf16's 3 digits (a step of 512
+    there): the value follows the row's own numbers within float32 rounding and a bf16-sized change of loc_U."""
+    from causal_adapter.modeling.heads import recent_values
+    from causal_adapter.numbers import NumberTokenizer
+
+    model = mixed_scales[0]["auto"]
+    prompts = [r["prompt"] for r in mixed_scales[1]["test"] if r["scale"] == 1e5][:4]
+    batch = NumberTokenizer(qwen_tokenizer)(prompts)
+    last = batch["attention_mask"].sum(-1) - 1
+    with torch.no_grad():
+        ref = model(**batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(**batch)
+    rows = torch.arange(len(prompts))
+    # the head in float64 on the same numbers: what loc_Y and scale_Y are, to float32 rounding
+    recent = recent_values(batch["input_ids"], batch["numeric_values"], model.num_token_id,
+                           model.causal_config.recent_values)[rows, last].double()
+    exact = copy.deepcopy(model.action).double().row_regression(recent, recent[:, 0])
+    assert exact[0].abs().min() > 1e4  # values where bf16 would round by hundreds
+    for out in (ref, amp):
+        assert torch.allclose(out.loc_Y[rows, last].double(), exact[0], rtol=1e-5), (out.loc_Y[rows, last], exact[0])
+        assert torch.allclose(out.scale_Y[rows, last].double(), exact[1], rtol=1e-5)
