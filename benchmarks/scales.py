@@ -3,7 +3,9 @@
     python benchmarks/scales.py                        # sets a, b, c; train's default steps (3 epochs)
     python benchmarks/scales.py --sets a --steps 200   # one set, a fixed number of optimizer steps
     python benchmarks/scales.py --quick                # toy size (smoke test, ~60 s of CPU)
-    # the reduced run that fits a shared 2-core machine (~30 min wall there, see below):
+    # every row, 60 steps: the figures of docs/numeric_quality.md (~20 min on a 2-core machine, see below)
+    python benchmarks/scales.py --steps 60
+    # smaller still (~5 min): the value head then sees the last 32 training rows of each series
     python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144
 
 Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the

@@ -18,6 +18,8 @@ SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
 #: most recent numbers of the text the value head may read (`CausalAdapterConfig.recent_values`)
 MAX_RECENT_VALUES = 256
+#: the most members, or hidden units, of the value head's nonlinear correction (`value_row_net`)
+MAX_ROW_NET = 1024
 #: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units.RULES`)
 ROW_UNIT_RULES = ("last", "median")
 #: largest move of loc_Y' (value_scale units) that rounding loc_U to bf16 may cause in a value head run on 16-bit
@@ -147,6 +149,11 @@ class CausalAdapterConfig:
     value_row_width: in per-row units, the exponent a of the value's width s |b_noise_Y| (c / s)^a, c the
         window's mean |second difference| (`row_units.row_width`); 0 = the width follows s alone (adapters
         written before the field). `train()` chooses it on validation.
+    value_row_net, value_row_net_width: in per-row units, the members and hidden width of the value head's
+        nonlinear correction (`modeling.row_net`: the mean of that many two-layer MLPs on the row's numbers and
+        its window's shape, added to the linear head); its weights are buffers that `train()` fits and keeps
+        only when it beats the linear head on validation (else they stay 0). 0 = no such buffers (adapters
+        written before these fields).
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
         units, on the training rows) if loc_U were rounded to bf16. A head fitted on float32 features whose shift
@@ -184,6 +191,8 @@ class CausalAdapterConfig:
     recent_values: int = 0
     value_row_units: str | None = None
     value_row_width: float = 0.0
+    value_row_net: int = 0
+    value_row_net_width: int = 0
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
 
@@ -261,6 +270,13 @@ class CausalAdapterConfig:
         if self.value_row_units is not None and (not self.recent_values or self.regression_scale == "shared"):
             raise ValueError("value_row_units reads the row's recent numbers and scales the value's own width: it "
                              "needs recent_values > 0 and regression_scale 'per_row' or 'independent'")
+        for name in ("value_row_net", "value_row_net_width"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ROW_NET:
+                raise ValueError(f"{name} must be an integer in [0, {MAX_ROW_NET}], got {v!r}")
+        if self.value_row_net and not (self.value_row_net_width and self.recent_values):
+            raise ValueError("value_row_net reads the row's recent numbers: it needs recent_values > 0 and "
+                             "value_row_net_width > 0")
         if self.value_fit_dtype not in (None, "float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"value_fit_dtype must be a float dtype name or None, got {self.value_fit_dtype!r}")
         if self.value_bf16_shift is not None and not finite("value_bf16_shift") >= 0:

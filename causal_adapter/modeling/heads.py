@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .row_net import net_inputs, part_shapes, row_net, PARTS as ROW_NET_PARTS
 from .row_units import row_units, row_width
 
 #: principal directions of the training features kept for the out-of-depth width (value_fit.fit_depth)
@@ -162,8 +163,9 @@ class ActionHead(nn.Module):
 
     Per-row units (`row_units`, a rule of `modeling.row_units`; None = the adapter's units above): each row
     takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
-    loc_Y = m_row + s_row (w_recent . r + b_reg), scale_Y = s_row |b_noise_Y| (c_row / s_row)^a
-    (`row_units.row_width`; a = `row_width_power`). The head then reads only r, not
+    loc_Y = m_row + s_row (w_recent . r + b_reg + net(x)), scale_Y = s_row |b_noise_Y| (c_row / s_row)^a
+    (`row_units.row_width`; a = `row_width_power`; net: the mean of `row_net_members` small MLPs on r and the
+    window's shape, `modeling.row_net`, zero unless fitted). The head then reads only r, not
     loc_U (whose phi inputs are in the adapter's units): a context multiplied by c gives values and widths
     multiplied by c. Rows with too few numbers keep the adapter's units.
 
@@ -176,7 +178,8 @@ class ActionHead(nn.Module):
                  b_noise_init: float, threshold_init: float, threshold_mode: str, learnable_threshold: bool,
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
-                 b_noise_Y_init: float = 1.0, recent_values: int = 0):
+                 b_noise_Y_init: float = 1.0, recent_values: int = 0, row_net_members: int = 0,
+                 row_net_width: int = 0):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
@@ -220,6 +223,11 @@ class ActionHead(nn.Module):
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
+        # the per-row units' nonlinear correction (`row_net`): fitted buffers, zero (adding 0) until then
+        self.row_net_members = row_net_members if recent_values and row_net_width else 0
+        if self.row_net_members:
+            for name, shape in part_shapes(row_net_members, row_net_width, 2 * recent_values + 2).items():
+                self.register_buffer(f"row_net_{name}", torch.zeros(shape, **kw))
 
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
@@ -236,17 +244,28 @@ class ActionHead(nn.Module):
         self.row_units = rule
         self.row_width_power = float(width_power)
 
-    def units(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per-row units (`row_units` set): (m [...], s [...], r [..., K], width unit [...]) for raw recent values
-        [..., K]: the value units of each row, the numbers the head reads in them (0 where none) and the unit of
-        the value's width (`row_units.row_width`), in `like`'s dtype."""
+    def units(self, recent: Tensor | None, like: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """Per-row units (`row_units` set): (m [...], s [...], r [..., K], width unit [...], x [..., 2 K + 2] or
+        None) for raw recent values [..., K]: the value units of each row, the numbers the head reads in them (0
+        where none), the unit of the value's width (`row_units.row_width`), in `like`'s dtype, and the inputs of
+        the nonlinear correction (`row_net.net_inputs`, r clamped to `recent_range`; None without it) in the
+        heads' dtype."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
         values, loc, scale, own = row_units(recent, self.row_units, self.value_loc, self.value_scale)
         width = row_width(values, scale, own, self.row_width_power)
         r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
-        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype)
+        x = None
+        if self.row_net_members:
+            lo, hi = self.recent_range.to(r.dtype)
+            x = net_inputs(values, scale, torch.minimum(torch.maximum(r, lo), hi)).to(self.b_reg.dtype)
+        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype), x
+
+    def row_net_parts(self) -> dict[str, Tensor]:
+        """The nonlinear correction's weights (`row_net.PARTS`; empty without it)."""
+        return {k: getattr(self, f"row_net_{k}") for k in ROW_NET_PARTS} if self.row_net_members else {}
 
     def to_value(self, y_std: Tensor) -> Tensor:
         """Standardised Y' -> value units (a location or a sampled value)."""
@@ -351,8 +370,10 @@ class ActionHead(nn.Module):
 
     def row_regression(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
         """Per-row units: loc_Y, scale_Y [...] in value units from the row's own numbers alone."""
-        loc, scale, r, width = self.units(recent, like)
+        loc, scale, r, width, x = self.units(recent, like)
         y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
+        if x is not None:
+            y_std = y_std + row_net(x, self.row_net_parts())
         return loc + scale * y_std, (width * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,9 @@ from ..config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
 from ..data.corpora import CORPORA
 from ..saving.assets import DTYPES
 
+#: hidden units of each member of the value head's nonlinear correction (`TrainConfig.row_net`)
+ROW_NET_WIDTH = 64
+
 #: ``freeze`` groups -> parameter-name prefixes of `CausalModel` (any other string is taken as a prefix).
 PARAMETER_GROUPS = {
     "abduction": ("abduction.",),
@@ -118,6 +121,10 @@ class TrainConfig:
                           "the mean deviation) or the adapter's one unit system, whichever predicts the validation "
                           "rows better, each error divided by its row's own scale; 'off' = the adapter's units; "
                           "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", "last", "median"])
+    row_net: int = flag(5, "in per-row units, the value head's nonlinear correction: the mean of N small MLPs "
+                        "(2 x 64 GELU units) on the row's numbers and its window's shape, fitted after the linear "
+                        "head and kept when it predicts the validation rows better (one standard error); 0 = the "
+                        "linear head alone (docs/values.md)")
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given (also: --corpus)",
                         choices=list(CORPORA), aliases=["--corpus"])
@@ -234,6 +241,8 @@ class TrainConfig:
             raise ValueError(f"--chat-template {self.chat_template!r}: no such file (a jinja chat-template file)")
         if self.validation_file and not self.train_file:
             raise ValueError("--validation-file needs --train-file")
+        if isinstance(self.row_net, bool) or not isinstance(self.row_net, int) or not 0 <= self.row_net <= 64:
+            raise ValueError(f"row_net must be an integer in [0, 64], got {self.row_net!r}")
         for name in ("max_train_samples", "max_eval_samples", "max_length", "corpus_window", "expected_num_processes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -253,4 +262,6 @@ class TrainConfig:
             threshold_mode=self.threshold_mode, train_num_row=self.train_num_row, gamma0=self.gamma0,
             threshold_init=self.threshold_init,
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed, recent_values=self.recent_values,
+            value_row_net=self.row_net if self.recent_values else 0,
+            value_row_net_width=ROW_NET_WIDTH if self.recent_values and self.row_net else 0,
         )

@@ -26,10 +26,12 @@ import torch
 from torch import Tensor
 
 from ..config import BF16_MAX_SHIFT
+from ..modeling.row_net import net_inputs, row_net
 from ..modeling.row_units import row_units, row_width
 from ..numbers import format_number
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_causal_model
+from .row_net_fit import MIN_ROWS, MIN_VALIDATION_ROWS, fit_row_net
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
 RIDGE_GRID = tuple(10.0 ** (-k / 2) for k in range(0, 21))
@@ -520,7 +522,8 @@ def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: T
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
                      val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
                      max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES,
-                     row_rules: Sequence[str] = (), force_row_units: bool = False) -> dict | None:
+                     row_rules: Sequence[str] = (), force_row_units: bool = False, row_correction: bool = True
+                     ) -> dict | None:
     """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
     its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
@@ -528,7 +531,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
     of loss 'auto'. `row_rules`: per-row units to try (`fit_row_head`); one is kept over the adapter's units when
     its held-out errors, each divided by its row's naive error (`scale_free_errors`), are smaller by more than
-    one standard error (`force_row_units`: the first rule, unconditionally). Returns a summary, or None with
+    one standard error (`force_row_units`: the first rule, unconditionally), with its nonlinear correction when
+    `row_correction` and it wins (`add_row_net`). Returns a summary, or None with
     fewer than 2 targets. `model`: as for `num_label_features`."""
     X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
@@ -564,6 +568,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
         summary["w_recent_norm"] = float(fit["w"][C:].norm())
     row = choose_row_units(fit, F_val, X_val, R, y, R_val, y_val if val_batches is not None else None, act,
                            row_rules, force_row_units, loss=loss, losses=losses, max_shift=max_shift) if k else None
+    if row is not None and row_correction:
+        row = add_row_net(row, R, y, R_val, y_val if val_batches is not None else None, act, inner.causal_config.seed)
     inner.set_row_units(None if row is None else row["rule"], 0.0 if row is None else row["width_power"])
     if row is not None:
         set_row_head(act, row, C)
@@ -571,6 +577,9 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
                        ridge_lambda=row["lam"], bf16_shift=0.0, w_recent_norm=float(row["w"].norm()),
                        units_score=row["units_score"], adapter_units_score=row["adapter_score"],
                        width_power=row["width_power"])
+        if "net_mae" in row:  # the correction was tried: validation MAEs in row units
+            summary.update(row_net="kept" if row["net"] is not None else "not kept", row_net_mae=row["net_mae"],
+                           row_linear_mae=row["linear_mae"])
         return summary
     summary["units"] = "adapter"
     with torch.no_grad():
@@ -628,6 +637,45 @@ def choose_row_units(fit: dict, F_val: Tensor | None, X_val: Tensor | None, R: T
     return best
 
 
+def _row_inputs(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor) -> dict[str, Tensor]:
+    """The rows R [n, K], y [n] as the head in per-row units reads them: r clamped to `clamp` [2, K], the
+    target t in row units, s, the correction's inputs x (`row_net.net_inputs`) and c / s."""
+    values, m, s, own = row_units(R, rule, act.value_loc, act.value_scale)
+    r = torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0)
+    r = torch.minimum(torch.maximum(r, clamp[0]), clamp[1])
+    return {"r": r, "t": (y - m) / s, "s": s, "x": net_inputs(values, s, r),
+            "ratio": row_width(values, s, own, 1.0) / s}
+
+
+def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, act, seed: int
+                ) -> dict:
+    """`row` (a `fit_row_head` fit, its rule in row["rule"]) with the head's nonlinear correction fitted to its
+    residuals (`row_net_fit.fit_row_net`; the head's `row_net_members` MLPs, from `seed`, stopped on the even
+    validation rows): "net" is their weights when their mean beats the linear head on the odd validation rows
+    (errors in row units: "net_mae", "linear_mae") by more than one standard error of the paired difference,
+    and then "errors", "width_power" and "noise" are its own (all validation rows); else None. Not tried
+    without the correction's buffers or with fewer than MIN_ROWS / MIN_VALIDATION_ROWS rows."""
+    members = getattr(act, "row_net_members", 0)
+    if not members or R_val is None or y_val is None or len(y) < MIN_ROWS or len(y_val) < MIN_VALIDATION_ROWS:
+        return {**row, "net": None}
+    clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
+    train, val = _row_inputs(R, y, row["rule"], act, clamp), _row_inputs(R_val, y_val, row["rule"], act, clamp)
+    u_train, u_linear = (d["t"] - (d["r"] @ row["w"] + row["b"]) for d in (train, val))
+    # the members stop on every other validation row and are judged on the rest: rows that chose the epoch
+    # would favour the correction (kept on random walks, where nothing in the window predicts the step)
+    stop = torch.arange(len(u_linear)) % 2 == 0
+    net = fit_row_net(train["x"], u_train, val["x"][stop], u_linear[stop], members, act.row_net_W1.shape[1], seed)
+    u_net = u_linear - row_net(val["x"], net)
+    diff = (u_linear.abs() - u_net.abs())[~stop]
+    out = {**row, "net": None, "net_mae": round(float(u_net[~stop].abs().mean()), 6),
+           "linear_mae": round(float(u_linear[~stop].abs().mean()), 6)}
+    if not float(diff.mean()) > float(diff.std() / math.sqrt(len(diff))):
+        return out
+    power = choose_width_power(u_net, val["ratio"])
+    return {**out, "net": net, "errors": u_net.abs() * val["s"], "width_power": power,
+            "noise": max(float((u_net.abs() / val["ratio"] ** power).median()), 1e-3)}
+
+
 def set_row_head(act, row: dict, C: int) -> None:
     """Load a `fit_row_head` fit into the head: w_recent, b_reg, the range of r, |b_noise_Y| (the median |LOO
     residual| in row units over (c / s)^a, a Cauchy's scale); w_reg, w_scale_Y and the out-of-depth weights zero (the head
@@ -644,3 +692,6 @@ def set_row_head(act, row: dict, C: int) -> None:
             act.depth_weight.zero_()
             act.depth_resid.zero_()
         act.b_noise_Y.fill_(row["noise"])  # the median |LOO residual| / (c / s)^a, a Cauchy's scale
+        for name, buf in act.row_net_parts().items():  # the nonlinear correction, or 0 (adds 0)
+            net = row.get("net")
+            buf.copy_(net[name].to(buf.dtype) if net is not None else torch.zeros_like(buf))

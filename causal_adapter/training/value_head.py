@@ -32,7 +32,8 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
     regression head (`value_fit`). Every process computes the same from the same rows. `model`: the
     CausalModel, or the module whose forward runs it (an FSDP1 root unit). `final`: no gradient training
     follows this head (default: when nothing moves the features), so `value_loss='auto'` chooses among
-    all of `LOSSES`; else among `WARM_START_LOSSES`."""
+    all of `LOSSES` and the per-row head its nonlinear correction (`value_fit.add_row_net`); else among
+    `WARM_START_LOSSES`, without the correction."""
     inner = unwrap_causal_model(model)
     summary: dict = {}
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
@@ -58,6 +59,7 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
         fit = ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val, loss=config.value_loss,
                                max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES,
+                               row_correction=final,
                                **row_unit_choice(config.row_units))
         if fit:
             record_fit_precision(inner, fit["bf16_shift"])
