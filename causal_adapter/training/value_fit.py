@@ -433,15 +433,11 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
     (NaN = none), y [n] targets (value units); the fallback units are `act`'s. Returns `fit_linear_head`'s
     dict (w padded to K) with "r" [n, K], "present" [n, K] (a number there), "errors" [n_val] (or LOO [n]):
     held-out absolute errors in value units."""
-    def in_units(R_, y_):
-        values, m, s, own = row_units(R_, rule, act.value_loc, act.value_scale)
-        ratio = row_width(values, s, own, 1.0) / s  # c / s (1 where the row has no curvature)
-        return (torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0), (y_ - m) / s, s, ~torch.isnan(values),
-                ratio)
-
-    r, t, s, present, ratio = in_units(R, y)
+    train = _row_inputs(R, y, rule, act)
+    r, t, s, present, ratio = (train[k] for k in ("r", "t", "s", "present", "ratio"))
     has_val = R_val is not None and y_val is not None and len(y_val) > 0
-    r_val, t_val, s_val, _, ratio_val = in_units(R_val, y_val) if has_val else (None,) * 5
+    val = _row_inputs(R_val, y_val, rule, act) if has_val else {}
+    r_val, t_val, s_val, ratio_val = (val.get(k) for k in ("r", "t", "s", "ratio"))
     k = R.shape[1]
 
     def fit_width(width: int) -> dict:
@@ -637,14 +633,18 @@ def choose_row_units(fit: dict, F_val: Tensor | None, X_val: Tensor | None, R: T
     return best
 
 
-def _row_inputs(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor) -> dict[str, Tensor]:
-    """The rows R [n, K], y [n] as the head in per-row units reads them: r clamped to `clamp` [2, K], the
-    target t in row units, s, the correction's inputs x (`row_net.net_inputs`) and c / s."""
+def _row_inputs(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) -> dict[str, Tensor]:
+    """The rows R [n, K], y [n] in per-row units by `rule` (the fallback units are `act`'s): r (0 where no number;
+    clamped to `clamp` [2, K] as the head reads them, when given), "present" [n, K] (a number there), the
+    target t, s, c / s ("ratio"; 1 where a row has no curvature) and, with `clamp`, the correction's inputs x
+    (`row_net.net_inputs`)."""
     values, m, s, own = row_units(R, rule, act.value_loc, act.value_scale)
     r = torch.nan_to_num((values - m[:, None]) / s[:, None], nan=0.0)
+    out = {"t": (y - m) / s, "s": s, "present": ~torch.isnan(values), "ratio": row_width(values, s, own, 1.0) / s}
+    if clamp is None:
+        return {**out, "r": r}
     r = torch.minimum(torch.maximum(r, clamp[0]), clamp[1])
-    return {"r": r, "t": (y - m) / s, "s": s, "x": net_inputs(values, s, r),
-            "ratio": row_width(values, s, own, 1.0) / s}
+    return {**out, "r": r, "x": net_inputs(values, s, r)}
 
 
 def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, act, seed: int
@@ -655,7 +655,7 @@ def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Te
     (errors in row units: "net_mae", "linear_mae") by more than one standard error of the paired difference,
     and then "errors", "width_power" and "noise" are its own (all validation rows); else None. Not tried
     without the correction's buffers or with fewer than MIN_ROWS / MIN_VALIDATION_ROWS rows."""
-    members = getattr(act, "row_net_members", 0)
+    members = act.row_net_members
     if not members or R_val is None or y_val is None or len(y) < MIN_ROWS or len(y_val) < MIN_VALIDATION_ROWS:
         return {**row, "net": None}
     clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
