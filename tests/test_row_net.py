@@ -132,9 +132,10 @@ def _batches(R: torch.Tensor, y: torch.Tensor, num_id: int, size: int = 100):
              "attention_mask": torch.ones_like(ids[i:i + size])} for i in range(0, len(y), size)]
 
 
-def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_reads_it():
-    """`ridge_warm_start`, as `train()` calls it: the correction kept, the width's exponent the adapter stores is
-    the one chosen with it, and the model's forward gives the values the fit measured."""
+@pytest.fixture(scope="module")
+def warm_started():
+    """A model whose head `ridge_warm_start` fitted, as `train()` calls it, on mixed windows: (model, validation
+    batches, validation windows and targets, the fit's summary)."""
     from causal_adapter.training.value_fit import ridge_warm_start
 
     model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_net=3, value_row_net_width=16)
@@ -143,6 +144,13 @@ def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_re
     val = _batches(R_val, y_val, model.num_token_id)
     summary = ridge_warm_start(model, _batches(R, y, model.num_token_id), "cpu", val_batches=val, loss="squared",
                                row_rules=("last",), force_row_units=True)
+    return model, val, (R_val, y_val), summary
+
+
+def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_reads_it(warm_started):
+    """The correction kept, the width's exponent the adapter stores is the one chosen with it, and the model's
+    forward gives the values the fit measured."""
+    model, val, (R_val, y_val), summary = warm_started
     assert summary["row_net"] == "kept", summary
     assert model.causal_config.value_row_units == "last"
     assert model.causal_config.value_row_width == summary["width_power"]
@@ -152,3 +160,21 @@ def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_re
     _, _, s, _ = row_units(R_val, "last", 0.0, 1.0)
     mae = float(((y_val - loc_Y.double()) / s)[1::2].abs().mean())  # the rows that judged the correction
     assert mae == pytest.approx(summary["row_net_mae"], rel=1e-3), (mae, summary)
+
+
+def test_the_correction_under_a_bf16_autocast_computes_in_full_precision(warm_started):
+    """The GPU path's mixed precision on CPU: under a bf16 autocast the heads run in their own float32
+    (`heads.full_precision`), so the MLPs' matmuls are not rounded to bf16: loc_Y and scale_Y equal a float64 copy
+    of the head on the same numbers (heads run under the autocast instead are off by ~1e-3)."""
+    import copy
+
+    from causal_adapter.modeling.heads import recent_values
+
+    model, val, _, _ = warm_started
+    b = val[0]
+    recent = recent_values(b["input_ids"], b["numeric_values"], model.num_token_id, K)[:, -2].double()
+    exact = copy.deepcopy(model.action).double().row_regression(recent, recent[:, 0])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(b["input_ids"], b["numeric_values"], b["attention_mask"])
+    assert torch.allclose(out.loc_Y[:, -2].double(), exact[0], rtol=1e-5), (out.loc_Y[:, -2], exact[0])
+    assert torch.allclose(out.scale_Y[:, -2].double(), exact[1], rtol=1e-5)
