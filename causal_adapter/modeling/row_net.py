@@ -6,7 +6,7 @@ cannot be a seasonal one for co2 and a mean-reverting one for the Nile. Per-seri
 window is better (docs/design-notes/value-head.md), and a global model that reads the window's shape can be
 better still (N-BEATS, the M4 winners): the MLPs read the window in row units, which of its slots hold a
 number, and two scale-free shape statistics, log(s / mean |S|) (how far the series moves a step against its
-level) and log(c / s) (how smooth it is: `row_units.curvature`). Every input is scale-free, so a context
+level) and log(c / s) (how smooth it is: `row_units.floored_curvature`). Every input is scale-free, so a context
 multiplied by c still gives c times the value.
 
 The weights are buffers fitted after the linear head (`training.value_fit.fit_row_net`), zero until then:
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .row_units import RELATIVE_FLOOR, _mean_abs, curvature
+from .row_units import floored_curvature, mean_abs
 
 #: the shape statistics are clamped to these logs (a flat window, a window with no step)
 LOG_STEP_RANGE = (-14.0, 7.0)
@@ -36,8 +36,8 @@ def net_inputs(values: Tensor, scale: Tensor, r: Tensor) -> Tensor:
     (clamped as the linear head reads them, 0 where none) -> [..., 2 K + 2]: r, presence, log(s / mean |S|),
     log(c / s)."""
     present = (~torch.isnan(values)).to(r.dtype)
-    level = _mean_abs(values).clamp_min(torch.finfo(values.dtype).tiny)
-    c = torch.maximum(curvature(values), RELATIVE_FLOOR * level)
+    level = mean_abs(values).clamp_min(torch.finfo(values.dtype).tiny)
+    c = floored_curvature(values)
     log_step = torch.log((scale / level).clamp_min(torch.finfo(values.dtype).tiny)).clamp(*LOG_STEP_RANGE)
     log_smooth = torch.log((c / scale).clamp_min(torch.finfo(values.dtype).tiny)).clamp(*LOG_SMOOTH_RANGE)
     stats = torch.stack([log_step, log_smooth], -1).to(r.dtype)

@@ -89,7 +89,7 @@ def _count(values: Tensor) -> Tensor:
     return (~torch.isnan(values)).sum(-1)
 
 
-def _mean_abs(values: Tensor) -> Tensor:
+def mean_abs(values: Tensor) -> Tensor:
     """[..., n] -> [...] mean |values| over the entries present (0 without one)."""
     present = ~torch.isnan(values)
     return torch.where(present, values.abs(), 0.0).sum(-1) / present.sum(-1).clamp_min(1)
@@ -97,7 +97,7 @@ def _mean_abs(values: Tensor) -> Tensor:
 
 def _mean_step(values: Tensor) -> Tensor:
     """[..., K] -> [...] mean |values[i] - values[i + 1]| over the pairs both present (0 without a pair)."""
-    return _mean_abs(values[..., :-1] - values[..., 1:])
+    return mean_abs(values[..., :-1] - values[..., 1:])
 
 
 def _step_sums(values: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,8 +154,8 @@ def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: fl
         loc, scale = values[..., 0], _mean_step(values)
     else:
         loc = values.nanmedian(-1).values
-        scale = _mean_abs(values - loc.unsqueeze(-1))
-    scale = torch.maximum(scale, RELATIVE_FLOOR * _mean_abs(values))
+        scale = mean_abs(values - loc.unsqueeze(-1))
+    scale = torch.maximum(scale, RELATIVE_FLOOR * mean_abs(values))
     own = (_count(values) >= MIN_CONTEXT) & (scale > 0) & torch.isfinite(scale) & torch.isfinite(loc)
     loc = torch.where(own, loc, fallback_loc)
     scale = torch.where(own, scale, fallback_scale)
@@ -166,15 +166,20 @@ def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: fl
 def curvature(values: Tensor) -> Tensor:
     """[..., K] same-kind numbers (newest first, NaN = none) -> [...] mean |values[i] - 2 values[i + 1] +
     values[i + 2]| over the triples present (0 without one)."""
-    return _mean_abs(values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:])
+    return mean_abs(values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:])
+
+
+def floored_curvature(values: Tensor) -> Tensor:
+    """[..., K] -> [...] c: `curvature` floored at RELATIVE_FLOOR x mean |S| (a straight line)."""
+    return torch.maximum(curvature(values), RELATIVE_FLOOR * mean_abs(values))
 
 
 def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float) -> Tensor:
     """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_units`' values,
-    s, own), c = `curvature` floored at RELATIVE_FLOOR x mean |S| (a straight line); s where a row has no
+    s, own), c = `floored_curvature`; s where a row has no
     second difference or keeps the adapter's units, and for power 0."""
     if power == 0:
         return scale
-    c = torch.maximum(curvature(values), RELATIVE_FLOOR * _mean_abs(values))
+    c = floored_curvature(values)
     usable = own & (_count(values) >= 3) & (c > 0) & torch.isfinite(c)
     return torch.where(usable, scale * (c / scale).clamp_min(torch.finfo(scale.dtype).tiny) ** power, scale)
