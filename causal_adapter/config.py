@@ -154,6 +154,10 @@ class CausalAdapterConfig:
         its window's shape, added to the linear head); its weights are buffers that `train()` fits and keeps
         only when it beats the linear head on validation (else they stay 0). 0 = no such buffers (adapters
         written before these fields).
+    value_row_scale: in per-row units, a log-width of each row from the same inputs: the width above times
+        exp(w_row_scale . x), clamped to its range on the rows it was fitted on (buffers that `train()` fits on
+        the validation rows' residuals, `training.value_fit.add_row_scale`; 0 until then, and where a constant
+        width predicts them as well). False = no such buffers (adapters written before this field).
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
         units, on the training rows) if loc_U were rounded to bf16. A head fitted on float32 features whose shift
@@ -193,6 +197,7 @@ class CausalAdapterConfig:
     value_row_width: float = 0.0
     value_row_net: int = 0
     value_row_net_width: int = 0
+    value_row_scale: bool = False
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
 
@@ -277,6 +282,10 @@ class CausalAdapterConfig:
         if self.value_row_net and not (self.value_row_net_width and self.recent_values):
             raise ValueError("value_row_net reads the row's recent numbers: it needs recent_values > 0 and "
                              "value_row_net_width > 0")
+        if not isinstance(self.value_row_scale, bool):
+            raise ValueError(f"value_row_scale must be True or False, got {self.value_row_scale!r}")
+        if self.value_row_scale and not self.recent_values:
+            raise ValueError("value_row_scale reads the row's recent numbers: it needs recent_values > 0")
         if self.value_fit_dtype not in (None, "float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"value_fit_dtype must be a float dtype name or None, got {self.value_fit_dtype!r}")
         if self.value_bf16_shift is not None and not finite("value_bf16_shift") >= 0:

@@ -169,6 +169,7 @@ class CausalModel(nn.Module):
                 generator=gen, dtype=dtype, device=device, regression_scale=config.regression_scale,
                 b_noise_Y_init=config.b_noise_Y_init, recent_values=config.recent_values,
                 row_net_members=config.value_row_net, row_net_width=config.value_row_net_width,
+                row_scale=config.value_row_scale,
             )
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)

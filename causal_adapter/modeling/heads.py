@@ -163,9 +163,12 @@ class ActionHead(nn.Module):
 
     Per-row units (`row_units`, a rule of `modeling.row_units`; None = the adapter's units above): each row
     takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
-    loc_Y = m_row + s_row (w_recent . r + b_reg + net(x)), scale_Y = s_row |b_noise_Y| (c_row / s_row)^a
+    loc_Y = m_row + s_row (w_recent . r + b_reg + net(x)),
+    scale_Y = s_row |b_noise_Y| (c_row / s_row)^a exp(w_row_scale . x)
     (`row_units.row_width`; a = `row_width_power`; net: the mean of `row_net_members` small MLPs on r and the
-    window's shape, `modeling.row_net`, zero unless fitted). The head then reads only r, not
+    window's shape, `modeling.row_net`, zero unless fitted; x those MLPs' inputs; w_row_scale . x, with
+    `row_scale`, a fitted log-width clamped to its range on the rows it was fitted on, 0 unless fitted). The
+    head then reads only r, not
     loc_U (whose phi inputs are in the adapter's units): a context multiplied by c gives values and widths
     multiplied by c. Rows with too few numbers keep the adapter's units.
 
@@ -179,7 +182,7 @@ class ActionHead(nn.Module):
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
                  b_noise_Y_init: float = 1.0, recent_values: int = 0, row_net_members: int = 0,
-                 row_net_width: int = 0):
+                 row_net_width: int = 0, row_scale: bool = False):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
@@ -228,6 +231,11 @@ class ActionHead(nn.Module):
         if self.row_net_members:
             for name, shape in part_shapes(row_net_members, row_net_width, 2 * recent_values + 2).items():
                 self.register_buffer(f"row_net_{name}", torch.zeros(shape, **kw))
+        # the per-row units' log-width on the same inputs (`row_regression`): zero, a factor of 1, until fitted
+        self.row_scale = bool(row_scale and recent_values)
+        if self.row_scale:
+            self.register_buffer("w_row_scale", torch.zeros(2 * recent_values + 2, **kw))
+            self.register_buffer("row_log_scale_range", torch.zeros(2, **kw))
 
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
@@ -249,8 +257,8 @@ class ActionHead(nn.Module):
         """Per-row units (`row_units` set): (m [...], s [...], r [..., K], width unit [...], x [..., 2 K + 2] or
         None) for raw recent values [..., K]: the value units of each row, the numbers the head reads in them (0
         where none), the unit of the value's width (`row_units.row_width`), in `like`'s dtype, and the inputs of
-        the nonlinear correction (`row_net.net_inputs`, r clamped to `recent_range`; None without it) in the
-        heads' dtype."""
+        the nonlinear correction and the log-width (`row_net.net_inputs`, r clamped to `recent_range`; None
+        without either) in the heads' dtype."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
@@ -258,10 +266,25 @@ class ActionHead(nn.Module):
         width = row_width(values, scale, own, self.row_width_power)
         r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
         x = None
-        if self.row_net_members:
+        if self.row_net_members or self.row_scale:
             lo, hi = self.recent_range.to(r.dtype)
             x = net_inputs(values, scale, torch.minimum(torch.maximum(r, lo), hi)).to(self.b_reg.dtype)
         return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype), x
+
+    def row_log_scale(self, x: Tensor) -> Tensor:
+        """x [..., 2 K + 2] (`units`) -> [...] w_row_scale . x clamped to `row_log_scale_range` (0 without them)."""
+        if not self.row_scale:
+            return x.new_zeros(x.shape[:-1])
+        lo, hi = self.row_log_scale_range.unbind()
+        return torch.minimum(torch.maximum(x @ self.w_row_scale, lo), hi)
+
+    def per_row_log_scale(self) -> tuple[Tensor, Tensor] | None:
+        """The fitted per-row part of the width in use, (weights, clamp range): w_row_scale in per-row units,
+        w_scale_Y in the adapter's; None without one. Multiplying both by a keeps an exact Cauchy with that part
+        raised to the power a (`training.value_head.calibrate_regression_scale`)."""
+        if self.row_units is not None:
+            return (self.w_row_scale, self.row_log_scale_range) if self.row_scale else None
+        return None if self.w_scale_Y is None else (self.w_scale_Y, self.log_scale_range)
 
     def row_net_parts(self) -> dict[str, Tensor]:
         """The nonlinear correction's weights (`row_net.PARTS`; empty without it)."""
@@ -372,8 +395,10 @@ class ActionHead(nn.Module):
         """Per-row units: loc_Y, scale_Y [...] in value units from the row's own numbers alone."""
         loc, scale, r, width, x = self.units(recent, like)
         y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
-        if x is not None:
+        if self.row_net_members:
             y_std = y_std + row_net(x, self.row_net_parts())
+        if self.row_scale:
+            width = width * self.row_log_scale(x).exp().to(width.dtype)
         return loc + scale * y_std, (width * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
 
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -125,6 +125,10 @@ class TrainConfig:
                         "(2 x 64 GELU units) on the row's numbers and its window's shape, fitted after the linear "
                         "head and kept when it predicts the validation rows better (one standard error); 0 = the "
                         "linear head alone (docs/values.md)")
+    row_scale: bool = flag(True, "in per-row units, each row's interval width also follows its window's shape: a "
+                           "log-width regressed on the row's numbers and shape statistics, fitted on the validation "
+                           "rows' residuals and kept when it beats a constant width there; off = the width follows "
+                           "the row's scale alone (docs/values.md)")
     # ---------------------------------------------------------------- data
     dataset: str = flag("sunspots", "built-in offline corpus used when no --train-file is given (also: --corpus)",
                         choices=list(CORPORA), aliases=["--corpus"])
@@ -264,4 +268,5 @@ class TrainConfig:
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed, recent_values=self.recent_values,
             value_row_net=self.row_net if self.recent_values else 0,
             value_row_net_width=ROW_NET_WIDTH if self.recent_values and self.row_net else 0,
+            value_row_scale=bool(self.row_scale and self.recent_values),
         )

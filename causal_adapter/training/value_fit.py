@@ -528,7 +528,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     of loss 'auto'. `row_rules`: per-row units to try (`fit_row_head`); one is kept over the adapter's units when
     its held-out errors, each divided by its row's naive error (`scale_free_errors`), are smaller by more than
     one standard error (`force_row_units`: the first rule, unconditionally), with its nonlinear correction when
-    `row_correction` and it wins (`add_row_net`). Returns a summary, or None with
+    `row_correction` and it wins (`add_row_net`), then its log-width (`add_row_scale`). Returns a summary, or None with
     fewer than 2 targets. `model`: as for `num_label_features`."""
     X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
@@ -566,6 +566,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
                            row_rules, force_row_units, loss=loss, losses=losses, max_shift=max_shift) if k else None
     if row is not None and row_correction:
         row = add_row_net(row, R, y, R_val, y_val if val_batches is not None else None, act, inner.causal_config.seed)
+        row = add_row_scale(row, R_val, y_val if val_batches is not None else None, act)
     inner.set_row_units(None if row is None else row["rule"], 0.0 if row is None else row["width_power"])
     if row is not None:
         set_row_head(act, row, C)
@@ -576,6 +577,8 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
         if "net_mae" in row:  # the correction was tried: validation MAEs in row units
             summary.update(row_net="kept" if row["net"] is not None else "not kept", row_net_mae=row["net_mae"],
                            row_linear_mae=row["linear_mae"])
+        if "scale" in row:  # the log-width was tried
+            summary.update(row_scale="kept" if row["scale"] is not None else "not kept")
         return summary
     summary["units"] = "adapter"
     with torch.no_grad():
@@ -676,6 +679,29 @@ def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Te
             "noise": max(float((u_net.abs() / val["ratio"] ** power).median()), 1e-3)}
 
 
+def add_row_scale(row: dict, R_val: Tensor | None, y_val: Tensor | None, act) -> dict:
+    """`row` (after `add_row_net`) with the per-row log-width: `fit_log_scale` of the validation rows' residuals in
+    row units over (c / s)^a on the correction's inputs x (the window in row units and its shape,
+    `row_net.net_inputs`). Validation rows, not training ones: the correction's training residuals are smaller
+    than its errors on new rows, and by how much depends on the row. "scale" = {"w": [2 K + 2], "range": [2] the
+    least and largest w . x on those rows} and "noise" = exp(its intercept) when it predicts |residual| better
+    than a constant width (its held-out Cauchy NLL, `fit_log_scale`); else None. Not tried without the head's
+    buffers or with fewer than MIN_VALIDATION_ROWS validation rows."""
+    if not act.row_scale or R_val is None or y_val is None or len(y_val) < MIN_VALIDATION_ROWS:
+        return {**row, "scale": None}
+    clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
+    val = _row_inputs(R_val, y_val, row["rule"], act, clamp)
+    u = val["t"] - (val["r"] @ row["w"] + row["b"])
+    if row.get("net") is not None:
+        u = u - row_net(val["x"], row["net"])
+    fit = fit_log_scale(val["x"], u / val["ratio"] ** row["width_power"], max_shift=math.inf)
+    if not bool(fit["w"].abs().sum() > 0):  # a constant width did as well
+        return {**row, "scale": None}
+    seen = val["x"] @ fit["w"]
+    return {**row, "scale": {"w": fit["w"], "range": torch.stack([seen.min(), seen.max()])},
+            "noise": math.exp(fit["b"])}
+
+
 def set_row_head(act, row: dict, C: int) -> None:
     """Load a `fit_row_head` fit into the head: w_recent, b_reg, the range of r, |b_noise_Y| (the median |LOO
     residual| in row units over (c / s)^a, a Cauchy's scale); w_reg, w_scale_Y and the out-of-depth weights zero (the head
@@ -695,3 +721,8 @@ def set_row_head(act, row: dict, C: int) -> None:
         for name, buf in act.row_net_parts().items():  # the nonlinear correction, or 0 (adds 0)
             net = row.get("net")
             buf.copy_(net[name].to(buf.dtype) if net is not None else torch.zeros_like(buf))
+        if act.row_scale:  # the log-width, or 0 (a factor of 1)
+            scale = row.get("scale")
+            act.w_row_scale.copy_(scale["w"].to(act.w_row_scale.dtype) if scale else torch.zeros_like(act.w_row_scale))
+            act.row_log_scale_range.copy_(scale["range"].to(act.row_log_scale_range.dtype) if scale
+                                          else torch.zeros_like(act.row_log_scale_range))

@@ -118,22 +118,24 @@ def head_shift_bound(inner, config: TrainConfig) -> float:
 
 
 def base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
-    """With a per-row scale: the validation widths without their per-row part (w_scale_Y . loc_U = 0, the
-    out-of-depth factor kept), from one more pass of `predict` (rows in the order of the last evaluation's);
+    """With a fitted per-row part of the width (`ActionHead.per_row_log_scale`: w_scale_Y . loc_U in the adapter's
+    units, w_row_scale . x in per-row units): the validation widths without it (that part 0; the out-of-depth factor
+    and the row's own units kept), from one more pass of `predict` (rows in the order of the last evaluation's);
     else None."""
     act = inner.action
-    if act.w_scale_Y is None or act.b_noise_Y is None:
+    part = act.per_row_log_scale()
+    if part is None or act.b_noise_Y is None:
         return None
-    saved = act.w_scale_Y.detach().clone(), act.log_scale_range.clone()
+    saved = tuple(t.detach().clone() for t in part)
     try:
         with torch.no_grad():
-            act.w_scale_Y.zero_()
-            act.log_scale_range.zero_()
+            for t in part:
+                t.zero_()
         return predict()["scale"]
     finally:
         with torch.no_grad():
-            act.w_scale_Y.copy_(saved[0])
-            act.log_scale_range.copy_(saved[1])
+            for t, old in zip(part, saved):
+                t.copy_(old)
 
 
 def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
@@ -141,8 +143,10 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     """After training, on the validation predictions. With a per-row scale and `base_scale` (`base_scale`):
     shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
     interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
-    validation rows) and applied as w_scale_Y *= a, log_scale_range *= a (still an exact Cauchy; the
-    out-of-depth factor stays). Then multiply |b_noise_Y| by the median normalised residual
+    validation rows; in per-row units on the rows divided by their base width, so that every scale counts alike)
+    and applied to that part's weights and clamp range (`ActionHead.per_row_log_scale`: w_scale_Y and
+    log_scale_range, or w_row_scale and row_log_scale_range) as *= a (still an exact Cauchy; the out-of-depth
+    factor stays). Then multiply |b_noise_Y| by the median normalised residual
     |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
     calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
     (`intervals.fit_calibration`) into `config.value_calibration`. Returns {"scale_exponent": a, ...} (or
@@ -153,14 +157,18 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
         return False
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
     info: dict | bool = True
-    if base_scale is not None and act.w_scale_Y is not None and len(base_scale) == len(scale):
+    part = act.per_row_log_scale()
+    if base_scale is not None and part is not None and len(base_scale) == len(scale):
         base = torch.tensor(base_scale, dtype=torch.float64)
-        a, scores = choose_scale_exponent(y, loc, base, scale / base)
+        if act.row_units is not None:  # scored in each row's own width: a series of 0.07 counts as one of 9,000
+            a, scores = choose_scale_exponent(y / base, loc / base, torch.ones_like(base), scale / base)
+        else:
+            a, scores = choose_scale_exponent(y, loc, base, scale / base)
         info = {"scale_exponent": a, **{f"interval_score_a{k:g}": round(v, 6) for k, v in scores.items()}}
         if a != 1.0:
             with torch.no_grad():
-                act.w_scale_Y.mul_(a)
-                act.log_scale_range.mul_(a)
+                for t in part:
+                    t.mul_(a)
             scale = base * (scale / base) ** a
     # a residual below the resolution of the written value (half a unit in its last place) says only that the
     # head matched the text: it counts as that resolution, so an exact fit (deterministic data: arithmetic, a
