@@ -22,7 +22,8 @@ from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer
 from causal_adapter.saving.assets import load_base
 from causal_adapter.training.config import TrainConfig
-from causal_adapter.training.value_fit import fit_linear_head, fit_value_units, num_label_features
+from causal_adapter.training.linear_fit import fit_linear_head
+from causal_adapter.training.value_fit import fit_value_units, num_label_features
 
 SPLITS = ("train", "validation", "test")
 

@@ -233,9 +233,9 @@ def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def huber_fit(X: torch.Tensor, t: torch.Tensor, lam: float, iters: int = 50) -> torch.Tensor:
-    """Huber M-estimate (IRLS, k = 1.345 robust sd, `value_fit.robust_weights`) of the ridge model of
+    """Huber M-estimate (IRLS, k = 1.345 robust sd, `linear_fit.robust_weights`) of the ridge model of
     `ridge_fit`, started from its least-squares solution; w [d + 1] with the intercept last."""
-    from causal_adapter.training.value_fit import robust_weights
+    from causal_adapter.training.linear_fit import robust_weights
 
     mu, sd = X.mean(0), X.std(0).clamp_min(1e-12)
     A = torch.cat([(X - mu) / sd, torch.ones(len(X), 1, dtype=X.dtype)], 1)

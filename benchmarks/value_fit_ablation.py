@@ -14,7 +14,8 @@ import torch
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer
-from causal_adapter.training.value_fit import LOSSES, fit_value_units, num_label_features, fit_linear_head
+from causal_adapter.training.linear_fit import LOSSES, fit_linear_head
+from causal_adapter.training.value_fit import fit_value_units, num_label_features
 from causal_adapter.data.corpora import build_corpus
 from causal_adapter.saving.assets import load_qwen_tokenizer
 

@@ -156,7 +156,7 @@ class CausalAdapterConfig:
         written before these fields).
     value_row_scale: in per-row units, a log-width of each row from the same inputs: the width above times
         exp(w_row_scale . x), clamped to its range on the rows it was fitted on (buffers that `train()` fits on
-        the validation rows' residuals, `training.value_fit.add_row_scale`; 0 until then, and where a constant
+        the validation rows' residuals, `training.row_head_fit.add_row_scale`; 0 until then, and where a constant
         width predicts them as well). False = no such buffers (adapters written before this field).
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value

@@ -1,4 +1,4 @@
-"""The value head's nonlinear correction in per-row units (`modeling.row_net`, `training.value_fit.add_row_net`).
+"""The value head's nonlinear correction in per-row units (`modeling.row_net`, `training.row_head_fit.add_row_net`).
 
 Claims, each failing when its mechanism is removed:
 
@@ -17,7 +17,8 @@ import torch
 
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.modeling.row_units import row_units
-from causal_adapter.training.value_fit import LOSSES, add_row_net, fit_row_head, set_row_head
+from causal_adapter.training.linear_fit import LOSSES
+from causal_adapter.training.row_head_fit import add_row_net, fit_row_head, set_row_head
 
 from test_train import small_model
 

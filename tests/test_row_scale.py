@@ -1,4 +1,4 @@
-"""The per-row log-width in per-row units (`heads.ActionHead.row_log_scale`, `training.value_fit.add_row_scale`).
+"""The per-row log-width in per-row units (`heads.ActionHead.row_log_scale`, `training.row_head_fit.add_row_scale`).
 
 Claims, each failing when its mechanism is removed:
 
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.training.value_fit import LOSSES, add_row_net, add_row_scale, fit_row_head, set_row_head
+from causal_adapter.training.linear_fit import LOSSES
+from causal_adapter.training.row_head_fit import add_row_net, add_row_scale, fit_row_head, set_row_head
 from causal_adapter.training.value_head import base_scale, calibrate_regression_scale
 
 from test_train import small_model

@@ -24,7 +24,7 @@ import torch
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.commands.main import main
 from causal_adapter.modeling.row_units import row_period, row_units, row_width
-from causal_adapter.training.value_fit import choose_width_power
+from causal_adapter.training.row_head_fit import choose_width_power
 from causal_adapter.numbers import format_number
 
 from test_default_recipe import _jsonl

@@ -16,7 +16,8 @@ from causal_adapter.modeling.cauchy import cauchy_icdf
 from causal_adapter.training.metrics import evaluate_dataset
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
-from causal_adapter.training.value_fit import fit_value_units, ridge_loo, value_decimals
+from causal_adapter.training.linear_fit import ridge_loo
+from causal_adapter.training.value_fit import fit_value_units, value_decimals
 from conftest import small_vocab_qwen
 
 NUM = 300

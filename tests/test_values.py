@@ -21,15 +21,8 @@ from causal_adapter.modeling.intervals import fit_calibration, interval
 from causal_adapter.training.metrics import coverage_metrics, evaluate_dataset
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
-from causal_adapter.training.value_fit import (
-    LOSSES,
-    RIDGE_GRID,
-    bf16_shift,
-    center_abduction,
-    fit_linear_head,
-    ridge_warm_start,
-    standardize,
-)
+from causal_adapter.training.linear_fit import LOSSES, RIDGE_GRID, bf16_shift, fit_linear_head, standardize
+from causal_adapter.training.value_fit import center_abduction, ridge_warm_start
 from conftest import small_vocab_qwen
 
 NUM = 300
@@ -136,7 +129,7 @@ def test_tukey_fit_gives_far_shuffled_targets_no_weight():
     """Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
     shuffled the rows far from the fit stop pulling (a Cauchy weight never reaches 0), the fit lands on
     least squares over the clean rows, and `auto` has it among its candidates."""
-    from causal_adapter.training.value_fit import TUKEY_C
+    from causal_adapter.training.linear_fit import TUKEY_C
 
     g = torch.Generator().manual_seed(0)
     X = torch.randn(300, 5, generator=g, dtype=torch.float64)
@@ -214,7 +207,7 @@ def test_auto_loss_is_the_validation_best_fit():
 
 
 def test_auto_loss_keeps_least_squares_unless_a_robust_fit_wins_by_one_standard_error():
-    from causal_adapter.training.value_fit import _one_standard_error_choice
+    from causal_adapter.training.linear_fit import _one_standard_error_choice
 
     gen = torch.Generator().manual_seed(0)
     ref = torch.rand(40, generator=gen) * 10

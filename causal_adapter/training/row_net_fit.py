@@ -2,7 +2,7 @@
 
 Each of the head's `row_net_members` MLPs is fitted by AdamW to the linear head's residuals in row units
 (an L1 loss: the figures are MAEs), from its own seed, and stopped at its best epoch on the validation rows.
-`value_fit.add_row_net` keeps their mean only when it beats the linear head on validation by more than one
+`row_head_fit.add_row_net` keeps their mean only when it beats the linear head on validation by more than one
 standard error. Measured (docs/numeric_quality.md, "Values at every scale"): the linear head is one
 autoregression for every series and loses to each series' own AR / ETS; the correction closes most of it.
 """

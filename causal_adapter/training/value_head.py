@@ -16,7 +16,8 @@ from ..saving.unwrap import unwrap_causal_model
 from .config import TrainConfig
 from .data import rows_at
 from .engines import inference_precision
-from .value_fit import LOSSES, WARM_START_LOSSES, fit_value_units, ridge_warm_start, value_decimals
+from .linear_fit import LOSSES, WARM_START_LOSSES
+from .value_fit import fit_value_units, ridge_warm_start, value_decimals
 
 
 def features_trained(inner) -> bool:
@@ -32,7 +33,7 @@ def fit_value_head(model, config: TrainConfig, train_ds, collator, device, verbo
     regression head (`value_fit`). Every process computes the same from the same rows. `model`: the
     CausalModel, or the module whose forward runs it (an FSDP1 root unit). `final`: no gradient training
     follows this head (default: when nothing moves the features), so `value_loss='auto'` chooses among
-    all of `LOSSES` and the per-row head its nonlinear correction (`value_fit.add_row_net`); else among
+    all of `LOSSES` and the per-row head its nonlinear correction (`row_head_fit.add_row_net`); else among
     `WARM_START_LOSSES`, without the correction."""
     inner = unwrap_causal_model(model)
     summary: dict = {}
