@@ -272,9 +272,7 @@ class ActionHead(nn.Module):
         return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype), x
 
     def row_log_scale(self, x: Tensor) -> Tensor:
-        """x [..., 2 K + 2] (`units`) -> [...] w_row_scale . x clamped to `row_log_scale_range` (0 without them)."""
-        if not self.row_scale:
-            return x.new_zeros(x.shape[:-1])
+        """x [..., 2 K + 2] (`units`) -> [...] w_row_scale . x clamped to `row_log_scale_range` (with `row_scale`)."""
         lo, hi = self.row_log_scale_range.unbind()
         return torch.minimum(torch.maximum(x @ self.w_row_scale, lo), hi)
 

@@ -16,7 +16,8 @@ From those same-kind numbers S (newest first), a rule gives the location m and s
 * ``"median"``: m = median(S), s = mean |S - m|.
 
 s is floored at `RELATIVE_FLOOR` x mean |S| (a flat window). The value's width is s |b_noise_Y| (c / s)^a
-(`row_width`; times the head's fitted log-width, `heads.ActionHead.row_log_scale`): c = the window's mean |second difference| (`curvature`), a in [0, 1] chosen on validation. s
+(`row_width`; times the head's fitted log-width, `heads.ActionHead.row_log_scale`): c = the window's mean
+|second difference| (`curvature`), a in [0, 1] chosen on validation. s
 says how far the series moves in a step; c how far it moves from the straight line through its last two
 values, which is nearer the error of a head that reads the trend: a smooth series (a trend, a season) gets a
 narrower interval and a noisy one a wider, where s alone gave both the same. A row with fewer than `MIN_CONTEXT` such

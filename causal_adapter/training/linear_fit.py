@@ -200,14 +200,19 @@ def _one_standard_error_choice(fits: Sequence[dict], gap=_abs_error_gap) -> dict
     return min(better, key=lambda f: f["score"]) if better else fits[0]
 
 
+def log_abs_residuals(resid: Tensor) -> Tensor:
+    """[n] log |resid|, floored at 1e-3 of the median |resid| (an exact fit's zeros): what `fit_log_scale`
+    regresses; its mean is a constant Cauchy's log-scale (for a Cauchy, E log |r| = log s)."""
+    return resid.abs().clamp_min(max(float(resid.abs().median()) * 1e-3, 1e-12)).log()
+
+
 def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_val: Tensor | None = None, *,
                   grid: Sequence[float] = RIDGE_GRID, max_shift: float = 0.05) -> dict:
     """A per-row Cauchy scale s(x) = exp(w . x + b) from residuals [n] (out-of-sample: LOO) of a location
     head: ridge of log|r| on standardised X (for a Cauchy, E log|r| = log s exactly). The penalty is
     the one with the smallest Cauchy NLL of the validation residuals `resid_val` (else of the LOO
     log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse. Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
-    floor = max(float(resid.abs().median()) * 1e-3, 1e-12)
-    target = resid.abs().clamp_min(floor).log()
+    target = log_abs_residuals(resid)
     mean, sd, Xs, unit = _standardized(X)
     has_val = X_val is not None and resid_val is not None and len(resid_val) > 0
 

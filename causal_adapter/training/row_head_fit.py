@@ -13,9 +13,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..modeling.cauchy import cauchy_nll
 from ..modeling.row_net import net_inputs, row_net
 from ..modeling.row_units import row_units, row_width
-from .linear_fit import choose_recent_width, fit_linear_head, fit_log_scale, penalty_score, recent_range
+from .linear_fit import (choose_recent_width, fit_linear_head, fit_log_scale, log_abs_residuals, penalty_score,
+                         recent_range)
 from .row_net_fit import MIN_ROWS, MIN_VALIDATION_ROWS, fit_row_net
 
 
@@ -132,6 +134,17 @@ def _row_inputs(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = Non
     return {**out, "r": r, "x": net_inputs(values, s, r)}
 
 
+def _head_residuals(row: dict, R: Tensor, y: Tensor, act) -> tuple[dict[str, Tensor], Tensor]:
+    """(`_row_inputs` of the rows R [n, K], y [n], r clamped as the head of `row` reads it; their residuals [n] in
+    row units under `row`'s linear head plus its correction when it has one)."""
+    clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
+    inputs = _row_inputs(R, y, row["rule"], act, clamp)
+    u = inputs["t"] - (inputs["r"] @ row["w"] + row["b"])
+    if row.get("net") is not None:
+        u = u - row_net(inputs["x"], row["net"])
+    return inputs, u
+
+
 def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, act, seed: int
                 ) -> dict:
     """`row` (a `fit_row_head` fit, its rule in row["rule"]) with the head's nonlinear correction fitted to its
@@ -143,9 +156,7 @@ def add_row_net(row: dict, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Te
     members = act.row_net_members
     if not members or R_val is None or y_val is None or len(y) < MIN_ROWS or len(y_val) < MIN_VALIDATION_ROWS:
         return {**row, "net": None}
-    clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
-    train, val = _row_inputs(R, y, row["rule"], act, clamp), _row_inputs(R_val, y_val, row["rule"], act, clamp)
-    u_train, u_linear = (d["t"] - (d["r"] @ row["w"] + row["b"]) for d in (train, val))
+    (train, u_train), (val, u_linear) = _head_residuals(row, R, y, act), _head_residuals(row, R_val, y_val, act)
     # the members stop on every other validation row and are judged on the rest: rows that chose the epoch
     # would favour the correction (kept on random walks, where nothing in the window predicts the step)
     stop = torch.arange(len(u_linear)) % 2 == 0
@@ -174,11 +185,7 @@ def add_row_scale(row: dict, R_val: Tensor | None, y_val: Tensor | None, act) ->
     rows."""
     if not act.row_scale or R_val is None or y_val is None or len(y_val) < MIN_VALIDATION_ROWS:
         return {**row, "scale": None}
-    clamp = recent_range(row["r"], torch.where(row["present"], row["r"], math.nan))
-    val = _row_inputs(R_val, y_val, row["rule"], act, clamp)
-    u = val["t"] - (val["r"] @ row["w"] + row["b"])
-    if row.get("net") is not None:
-        u = u - row_net(val["x"], row["net"])
+    val, u = _head_residuals(row, R_val, y_val, act)
     u = u / val["ratio"] ** row["width_power"]
     fitting = torch.arange(len(u)) % 2 == 0
     x, x_held, u_fit, u_held = val["x"][fitting], val["x"][~fitting], u[fitting], u[~fitting]
@@ -187,9 +194,9 @@ def add_row_scale(row: dict, R_val: Tensor | None, y_val: Tensor | None, act) ->
         return {**row, "scale": None}
     seen = x @ fit["w"]
     lo, hi = float(seen.min()), float(seen.max())
-    constant = float(u_fit.abs().clamp_min(float(u_fit.abs().median()) * 1e-3).log().mean())  # a Cauchy's log-scale
-    diff = (_cauchy_nll(u_held, torch.full_like(u_held, constant))
-            - _cauchy_nll(u_held, (x_held @ fit["w"]).clamp(lo, hi) + fit["b"]))
+    constant = math.exp(float(log_abs_residuals(u_fit).mean()))  # a Cauchy's scale
+    fitted = ((x_held @ fit["w"]).clamp(lo, hi) + fit["b"]).exp()
+    diff = cauchy_nll(u_held, 0.0, constant) - cauchy_nll(u_held, 0.0, fitted)
     if not float(diff.mean()) > float(diff.std() / math.sqrt(len(diff))):
         return {**row, "scale": None}
     fit = fit_log_scale(val["x"], u, max_shift=math.inf)  # kept: fitted again on every validation row
@@ -198,11 +205,6 @@ def add_row_scale(row: dict, R_val: Tensor | None, y_val: Tensor | None, act) ->
     seen = val["x"] @ fit["w"]
     return {**row, "scale": {"w": fit["w"], "range": torch.stack([seen.min(), seen.max()])},
             "noise": math.exp(fit["b"])}
-
-
-def _cauchy_nll(u: Tensor, log_scale: Tensor) -> Tensor:
-    """[n] Cauchy NLL (less log pi) of residuals u under scales exp(log_scale)."""
-    return log_scale + torch.log1p((u / log_scale.exp()).square())
 
 
 def set_row_head(act, row: dict, C: int) -> None:
