@@ -11,7 +11,8 @@ Claims, each failing when its mechanism is removed:
 * its inputs are scale-free: a window multiplied by c gives c times the width;
 * the calibration after training may shrink it (`calibrate_regression_scale`, the exponent on the fitted part),
   in the adapter's buffers;
-* the field is validated; adapters written before it load with no such buffers; an adapter with it round-trips.
+* the field is validated; adapters written before it load with no such buffers; an adapter with it round-trips;
+* under a bf16 CPU autocast the forward's width equals a float64 head's (the GPU path's mixed precision).
 """
 import copy
 import math
@@ -203,3 +204,22 @@ def test_a_log_width_is_not_kept_where_the_residuals_do_not_follow_the_window():
         row = fit_row_head(R, y, R_val, y_val, "last", act, loss="squared", losses=LOSSES, max_shift=math.inf)
         kept += add_row_scale({**row, "rule": "last", "net": None}, R_val, y_val, act)["scale"] is not None
     assert kept <= 2, kept
+
+
+def test_the_log_width_under_a_bf16_autocast_computes_in_full_precision(fitted):
+    """The GPU path's mixed precision on CPU: under a bf16 autocast the model's forward gives the width a float64
+    copy of the head computes on the same numbers (the log-width's matmul is not rounded to bf16)."""
+    from causal_adapter.modeling.heads import recent_values
+
+    model = copy.deepcopy(fitted[0]).float()
+    assert bool(model.action.w_row_scale.abs().sum() > 0)
+    num = model.num_token_id
+    ids = torch.tensor([[11, num] * (K + 1)] * 2)
+    vals = torch.zeros(2, 2 * (K + 1))
+    vals[:, 1::2] = torch.cat([fitted[2][:2].flip(1), fitted[3][:2, None]], 1).float()  # two test windows, oldest first
+    recent = recent_values(ids, vals, num, K)[:, -2].double()
+    exact = copy.deepcopy(model.action).double().row_regression(recent, recent[:, 0])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, vals)
+    assert torch.allclose(out.scale_Y[:, -2].double(), exact[1], rtol=1e-5), (out.scale_Y[:, -2], exact[1])
+    assert torch.allclose(out.loc_Y[:, -2].double(), exact[0], rtol=1e-5), (out.loc_Y[:, -2], exact[0])
