@@ -35,8 +35,10 @@ baseline of a series is the one with the smallest VALIDATION MAE.
 
 Per series: the adapter's MAE, MAE / persistence, MAE / best baseline, MASE (scaled by the mean absolute
 one-step change of the training part), coverage of the 50% and 90% intervals. Per set: geometric means of
-the two ratios, the worst ratio vs persistence, how many series beat persistence, coverage ranges over the
-series with >= `MIN_COVERAGE_ROWS` test rows; set a: per copy (MAE / scale) / (MAE of the scale-1 series).
+the two ratios and of MAE / AR and MAE / ETS on every series, the worst ratio vs persistence, how many series
+beat persistence, coverage ranges over the series with >= `MIN_COVERAGE_ROWS` test rows beside what exact
+intervals would give on the same series (`coverage_reference`); set a: per copy (MAE / scale) / (MAE of the
+scale-1 series). ``--synthetic-window`` and ``--recent-values`` measure how much of its history a row gives.
 The targets (`check_targets`) get a PASS / FAIL line each. Output: markdown tables and JSON at ``--output``
 (default /tmp/scales.md and .json), and ONE last line ``RESULT key=value ...``.
 
@@ -72,6 +74,7 @@ SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)
 SPLIT = (0.70, 0.15, 0.15)
 AR_MAX_P = 12
 MIN_COVERAGE_ROWS = 20
+COVERAGE_TEST_ALPHA = 0.01
 LEVELS = (0.5, 0.9)
 BASELINES = ("persistence", "drift", "seasonal_naive", "ar", "ets")
 #: the bundled series of set a: name -> (title, window, season); the titles and windows are the corpora's
@@ -165,9 +168,10 @@ def set_b(args) -> list[dict]:
     return out
 
 
-def synthetic_panel(n_series: int, lengths, seed: int) -> list[dict]:
+def synthetic_panel(n_series: int, lengths, seed: int, window: int = SYNTHETIC_WINDOW) -> list[dict]:
     """`n_series` seeded series: level 10^U(-2, 6), a trend of -0.4..0.6 levels over the series, a season of
-    period 12 / 4 / none (amplitude 5..25% of the level), AR(1) noise (phi 0..0.8, sd 1..6% of the level)."""
+    period 12 / 4 / none (amplitude 5..25% of the level), AR(1) noise (phi 0..0.8, sd 1..6% of the level); rows
+    of `window` values."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n_series):
@@ -189,7 +193,7 @@ def synthetic_panel(n_series: int, lengths, seed: int) -> list[dict]:
         else:
             times = [f"{start + i // 12}-{i % 12 + 1:02d}" for i in range(n)]
             title = f"Synthetic monthly series {k}."
-        out.append(series_entry(f"synthetic/{k:02d}", title, times, values, SYNTHETIC_WINDOW, period or None,
+        out.append(series_entry(f"synthetic/{k:02d}", title, times, values, window, period or None,
                                 level=level, period=period))
     return out
 
@@ -298,7 +302,8 @@ def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[di
     files = {k: work / f"{name}_{k}.jsonl" for k in ("train", "validation", "test")}
     for k, rows in zip(files, (train_rows, val_rows, test_rows)):
         write_jsonl(files[k], rows)
-    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps})}
+    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps}),
+                 **({} if args.recent_values is None else {"recent_values": args.recent_values})}
     # output and display only (no plot file, no progress bar); every training setting is the default
     config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
                          output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)
@@ -351,18 +356,51 @@ def gmean(v) -> float:
     return math.exp(sum(map(math.log, v)) / len(v)) if v else math.nan
 
 
+def coverage_reference(cov_rows: list[dict]) -> dict:
+    """What exact intervals would give on these series, per level q (50, 90): each series' count of covered test
+    values is then Binomial(n_test, q), so some fall outside the band `TARGETS["cov{q}"]` by chance alone.
+    cov{q}_out: series outside the band; cov{q}_out_exact: the number exact intervals put outside on average;
+    cov{q}_all_in_exact: the probability that exact intervals keep every series in the band (the target);
+    cov{q}_off: series whose count rejects the level q (two-sided exact binomial test at `COVERAGE_TEST_ALPHA`;
+    the test rows of a series are consecutive steps, so their misses may cluster and this counts generously)."""
+    from scipy.stats import binom, binomtest
+
+    out = {}
+    for q in ("50", "90"):
+        lo, hi = TARGETS[f"cov{q}"]
+        level = int(q) / 100
+        p_out = []
+        for r in cov_rows:
+            n = r["n_test"]
+            inside = [k for k in range(n + 1) if lo <= k / n <= hi]
+            p_out.append(1.0 - float(binom.pmf(inside, n, level).sum()))
+        covered = [round(r[f"cov{q}"] * r["n_test"]) for r in cov_rows]
+        out[f"cov{q}_out"] = sum(not lo <= r[f"cov{q}"] <= hi for r in cov_rows)
+        out[f"cov{q}_out_exact"] = float(sum(p_out))
+        out[f"cov{q}_all_in_exact"] = float(np.prod([1 - p for p in p_out]))
+        out[f"cov{q}_off"] = int(sum(binomtest(k, r["n_test"], level).pvalue < COVERAGE_TEST_ALPHA
+                                     for k, r in zip(covered, cov_rows)))
+    return out
+
+
 def summarise(rows: list[dict], copies: dict | None) -> dict:
     worst = max(rows, key=lambda r: r["vs_persistence"])
     cov_rows = [r for r in rows if r["n_test"] >= MIN_COVERAGE_ROWS]
     rng = lambda k, f: f(r[k] for r in cov_rows) if cov_rows else math.nan
+    ratio = lambda r, b: r["mae"] / r["baseline_mae"][b]["test"] if r["baseline_mae"][b]["test"] > 0 else math.nan
     out = {"gm_vs_persistence": gmean(r["vs_persistence"] for r in rows),
-           "gm_vs_best": gmean(r["vs_best"] for r in rows), "worst_vs_persistence": worst["vs_persistence"],
+           "gm_vs_best": gmean(r["vs_best"] for r in rows),
+           # against one baseline on every series: AR(p) reads at most the window the row shows, ETS the series'
+           # whole history (its level and season smoothed over every step before)
+           **{f"gm_vs_{b}": gmean(ratio(r, b) for r in rows) for b in ("ar", "ets")},
+           "worst_vs_persistence": worst["vs_persistence"],
            "worst_series": worst["series"], "n_series": len(rows),
            "n_beat_persistence": sum(r["vs_persistence"] < 1 for r in rows),
            "n_coverage_series": len(cov_rows),
            "cov50_min": rng("cov50", min), "cov50_max": rng("cov50", max),
            "cov90_min": rng("cov90", min), "cov90_max": rng("cov90", max),
-           "gm_mase": gmean(r["mase"] for r in rows), "ets_fallbacks": sum(r["ets_fallback"] for r in rows)}
+           "gm_mase": gmean(r["mase"] for r in rows), "ets_fallbacks": sum(r["ets_fallback"] for r in rows),
+           **(coverage_reference(cov_rows) if cov_rows else {})}
     if copies is not None:
         devs = [abs(v - 1) for by in copies.values() for s, v in by.items() if s != "1" and math.isfinite(v)]
         out["max_abs_copy_deviation"] = max(devs) if devs else math.nan
@@ -402,7 +440,10 @@ def check_targets(name: str, s: dict, cov_rows: list[dict]) -> list[tuple[bool, 
         lines.append((not bad and bool(cov_rows),
                       f"{name}: {q}% coverage in [{lo}, {hi}] on every series with >= {MIN_COVERAGE_ROWS} test rows "
                       f"({len(cov_rows)} series; range {_fmt(s[f'cov{q}_min'], 3)}..{_fmt(s[f'cov{q}_max'], 3)}"
-                      + (f"; outside: {', '.join(bad)}" if bad else "") + ")"))
+                      + (f"; outside: {', '.join(bad)}" if bad else "")
+                      + (f"; exact intervals: {_fmt(s[f'cov{q}_out_exact'], 2)} outside on average, all inside with "
+                         f"probability {_fmt(s[f'cov{q}_all_in_exact'], 2)}; off the level by a binomial test at "
+                         f"{COVERAGE_TEST_ALPHA:g}: {s[f'cov{q}_off']}" if cov_rows else "") + ")"))
     return lines
 
 
@@ -414,7 +455,7 @@ def run_set(args, name: str, work: Path) -> dict:
         parts = [e["parts"] for e in entries]
     else:
         entries = set_a(args) if name == "a" else synthetic_panel(args.synthetic_series, args.synthetic_lengths,
-                                                                   args.seed)
+                                                                   args.seed, args.synthetic_window)
         parts = [split_rows(e) for e in entries]
     train_rows = [r for p in parts for r in last_rows(p["train"], args.max_train_rows)]
     val_rows = [r for p in parts for r in last_rows(p["validation"], args.max_val_rows)]
@@ -457,9 +498,10 @@ def format_set(name: str, res: dict) -> str:
                      f"| {r['best_baseline']} | {_fmt(r['vs_best'], 3)} | {_fmt(r['mase'], 3)} "
                      f"| {_fmt(r['cov50'], 2)} | {_fmt(r['cov90'], 2)} | {r['ar_order']} |")
     lines += ["", "| summary | value |", "| --- | --- |"]
-    for k in ("gm_vs_persistence", "gm_vs_best", "worst_vs_persistence", "worst_series", "n_series",
-              "n_beat_persistence", "gm_mase", "n_coverage_series", "cov50_min", "cov50_max", "cov90_min",
-              "cov90_max", "max_abs_copy_deviation"):
+    for k in ("gm_vs_persistence", "gm_vs_best", "gm_vs_ar", "gm_vs_ets", "worst_vs_persistence", "worst_series",
+              "n_series", "n_beat_persistence", "gm_mase", "n_coverage_series", "cov50_min", "cov50_max", "cov90_min",
+              "cov90_max", *(f"cov{q}_{part}" for q in ("50", "90") for part in ("out", "out_exact", "all_in_exact", "off")),
+              "max_abs_copy_deviation"):
         if k in s:
             lines.append(f"| {k} | {s[k] if isinstance(s[k], str) else _fmt(s[k], 4)} |")
     if res["copies"]:
@@ -475,8 +517,10 @@ def result_line(results: dict) -> str:
     kv = {}
     for name, res in results.items():
         s = res["summary"]
-        for k in ("gm_vs_persistence", "gm_vs_best", "worst_vs_persistence", "n_series", "n_beat_persistence",
-                  "cov50_min", "cov50_max", "cov90_min", "cov90_max", "max_abs_copy_deviation"):
+        for k in ("gm_vs_persistence", "gm_vs_best", "gm_vs_ar", "gm_vs_ets", "worst_vs_persistence", "n_series",
+                  "n_beat_persistence", "cov50_min", "cov50_max", "cov90_min", "cov90_max", "cov50_out",
+                  "cov50_out_exact", "cov50_off", "cov90_out", "cov90_out_exact", "cov90_off",
+                  "max_abs_copy_deviation"):
             if k in s:
                 kv[f"{name}_{k}"] = s[k]
     return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items())
@@ -507,6 +551,11 @@ def parse_args(argv=None):
     ap.add_argument("--synthetic-series", type=int, default=50, help="series of set c")
     ap.add_argument("--synthetic-lengths", default=",".join(map(str, SYNTHETIC_LENGTHS)),
                     help="lengths the series of set c draw from (comma-separated)")
+    ap.add_argument("--synthetic-window", type=int, default=SYNTHETIC_WINDOW,
+                    help="values in each row of set c (default %(default)s); the baselines see the whole history")
+    ap.add_argument("--recent-values", type=int, default=None,
+                    help="TrainConfig.recent_values: how many of the text's most recent numbers the value head "
+                    "reads (default: TrainConfig's). Dates count: a 'YYYY-MM: v' row gives one value in three")
     ap.add_argument("--quick", action="store_true", help="toy size for a smoke test: few short series, 2 steps")
     ap.add_argument("--output", default="/tmp/scales.md", help="markdown tables; the JSON goes beside it (.json)")
     ap.add_argument("--seed", type=int, default=42, help="TrainConfig.seed, the chat corpus and the synthetic panel")
@@ -532,8 +581,11 @@ def parse_args(argv=None):
     for k in ("max_train_rows", "max_val_rows"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
-    if args.synthetic_series < 1 or min(args.synthetic_lengths) < SYNTHETIC_WINDOW + 20:
-        ap.error(f"--synthetic-series >= 1 and lengths >= {SYNTHETIC_WINDOW + 20}")
+    if (args.synthetic_series < 1 or args.synthetic_window < 1
+            or min(args.synthetic_lengths) < args.synthetic_window + 20):
+        ap.error("--synthetic-series >= 1, --synthetic-window >= 1 and lengths >= the window + 20")
+    if args.recent_values is not None and args.recent_values < 1:
+        ap.error("--recent-values must be >= 1")
     return args
 
 
@@ -553,9 +605,12 @@ def main(argv=None) -> int:
     check_lines = [f"{'PASS' if ok else 'FAIL'} {line}" for ok, line in checks]
     steps = "TrainConfig default (3 epochs)" if args.steps is None else f"{args.steps}"
     tiny = f", tiny base {args.tiny}" if args.tiny else ""
-    note = (f"Default TrainConfig (embedded tiny Qwen{tiny}, real tokenizer, seed {args.seed}), steps: {steps}; "
+    recent = "" if args.recent_values is None else f", recent_values {args.recent_values}"
+    note = (f"Default TrainConfig (embedded tiny Qwen{tiny}{recent}, real tokenizer, seed {args.seed}), "
+            f"steps: {steps}; "
             f"training / validation rows per series: the last {args.max_train_rows or 'all'} / "
-            f"{args.max_val_rows or 'all'}. Choices on validation, figures on test. "
+            f"{args.max_val_rows or 'all'}; set c rows of {args.synthetic_window} values. Choices on validation, "
+            "figures on test. "
             f"Coverage ranges over series with >= {MIN_COVERAGE_ROWS} test rows.")
     text = "\n\n".join([format_set(n, results[n]) for n in args.sets] + ["### targets\n\n" + "\n".join(check_lines),
                                                                         note])

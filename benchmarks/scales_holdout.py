@@ -8,7 +8,6 @@ Scored as benchmarks/scales.py scores a set (baselines per series, the best chos
 import importlib.util
 import sys
 import tempfile
-import types
 from pathlib import Path
 import numpy as np
 import statsmodels.api as sm
@@ -29,7 +28,8 @@ def series():
             ("de/R", "German long-term interest rate (fraction).", t2, [round(float(x), 5) for x in ii.R])]
     return out
 
-args = types.SimpleNamespace(tiny={}, steps=int(sys.argv[1]) if len(sys.argv) > 1 else 60, seed=42)
+# the settings scales.py runs its sets with (every training setting the default), 60 steps unless told
+args = S.parse_args(["--steps", sys.argv[1] if len(sys.argv) > 1 else "60"])
 entries = [S.series_entry(n, title, t, v, 8, None) for n, title, t, v in series()]
 parts = [S.split_rows(e) for e in entries]
 tr = [r for p in parts for r in p["train"]]; va = [r for p in parts for r in p["validation"]]; te = [r for p in parts for r in p["test"]]
