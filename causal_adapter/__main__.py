@@ -1,6 +1,4 @@
 """`python -m causal_adapter <command>`: the console entry point `causal-adapter`."""
-import sys
+from causal_adapter.commands.main import run_and_exit
 
-from causal_adapter.commands.main import main
-
-sys.exit(main())
+run_and_exit()

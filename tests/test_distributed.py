@@ -284,3 +284,37 @@ def test_exit_without_teardown_flushes_and_ends_with_the_code_skipping_atexit(tm
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           env={**env, "PYTHONPATH": str(REPO)})
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out, no newline", "err, no newline")
+
+
+CLI_EXIT_SCRIPT = r'''
+import atexit, sys, torch.distributed as dist
+if sys.argv[1] == "gloo":  # the group `accelerate launch` would have made (1 process here)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+atexit.register(lambda: print("TEARDOWN RAN", flush=True))
+sys.argv = ["causal-adapter", *sys.argv[2:]]
+from causal_adapter.commands.main import run_and_exit
+run_and_exit()
+'''
+
+
+def test_cli_ends_without_teardown_only_after_a_run_that_kept_a_gloo_group(tmp_path):
+    """The `causal-adapter` command (console script, python -m) after `train` under a gloo group: its status, its
+    printed summary and its files, and no interpreter teardown (whose static destructors now and then raced the
+    kept group's threads: SIGABRT after the work, CI's 2-process launches). Any other run exits as usual."""
+    script = tmp_path / "cli_exit.py"
+    script.write_text(CLI_EXIT_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), "gloo", "train", "--output-dir", str(out),
+                           "--tiny-hidden-size", "32", "--tiny-layers", "1", "--max-steps", "1",
+                           "--per-device-train-batch-size", "2", "--max-eval-samples", "2", "--no-plot",
+                           "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps: 1" in proc.stdout and "TEARDOWN RAN" not in proc.stdout, proc.stdout
+    assert (out / "adapter" / WEIGHTS_NAME).is_file()
+    # no gloo group: an ordinary exit, with the command's own status (a user error here)
+    proc = subprocess.run([sys.executable, str(script), "plain", "eval", "--adapter", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "TEARDOWN RAN" in proc.stdout, (proc.stdout, proc.stderr)

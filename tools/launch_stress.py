@@ -7,8 +7,8 @@ Repeats, N rounds, the 2-process gloo launches of the test suite, each as the te
 * ``zero3``   tests/test_deepspeed_train.py's ZeRO-3 pair (needs the ``deepspeed`` extra)
 * ``ddp``     tests/test_train.py's DDP script under examples/accelerate_configs/cpu_ddp.yaml
 
-The FSDP and ZeRO workers end with ``os._exit(0)`` (tests/fsdp_train_worker.py): those kinds count the aborts
-during a run; ``ddp`` (an ordinary exit) still counts the aborts at exit.
+The workers end with ``os._exit(0)`` (tests/fsdp_train_worker.py; the DDP script too, since CI's run in which its
+rank 1 aborted at exit): every kind counts the aborts during a run.
 
 with or without a CPU load beside them (a process running 2-thread float32 matmuls). Every worker gets
 ``tools/abort_backtrace.c`` preloaded (built here with gcc) and ``PYTHONFAULTHANDLER=1``: a worker that aborts

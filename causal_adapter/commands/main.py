@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..saving.process_groups import exit_without_teardown, kept_gloo_groups
 from . import data, demo, generate, predict, serve, train, verify
 from . import eval as eval_command  # not the builtin
 from .parser import DEBUG_ENV, USER_ERRORS, CLIError, CliParser, DefaultsHelpFormatter, add_debug_argument, truthy
@@ -80,7 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    from causal_adapter.commands.main import main as _main  # the package's module: one CLIError class, not __main__'s
+def run_and_exit() -> None:
+    """The console script and `python -m causal_adapter`: `main()`, then the process's exit. After a run that kept
+    a gloo group (a CPU launch: saving/process_groups.py) the process ends without interpreter teardown, whose C++
+    static destructors now and then raced the group's threads (SIGABRT after all the work was done)."""
+    code = main()
+    if kept_gloo_groups():
+        exit_without_teardown(code)  # stdout and stderr flushed; train() closed its files and trackers
+    sys.exit(code)
 
-    sys.exit(_main())
+
+if __name__ == "__main__":
+    from causal_adapter.commands.main import run_and_exit as _run  # the package's module: one CLIError class
+
+    _run()

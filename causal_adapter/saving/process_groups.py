@@ -17,7 +17,7 @@ runs before the interpreter clears its modules), takes one reference to each tha
 That leaves a rarer abort (CI: once, the FSDP2 resume launch under the 2-process suite; 0 in 24 stress
 launches): the kept group's threads still run while ``exit()`` runs C++ static destructors and the other rank
 closes its sockets. A script whose exit status matters ends with `exit_without_teardown()` once its files are
-written (the test workers do).
+written (the test workers do; so does the `causal-adapter` command after a run that kept a gloo group).
 """
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def keep_gloo_groups_to_process_end() -> None:
     if not _recorded:
         atexit.register(pin_gloo_groups)
     _recorded.extend(groups)
+
+
+def kept_gloo_groups() -> bool:
+    """Whether this process recorded a gloo group (`keep_gloo_groups_to_process_end`): its exit could race the
+    group's threads."""
+    return bool(_recorded)
 
 
 def exit_without_teardown(code: int = 0) -> None:
