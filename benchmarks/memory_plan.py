@@ -226,7 +226,7 @@ def activation_bytes(cfg, c: Counted, tokens: int, lora: bool, checkpointing: bo
 
 def per_gpu(c: Counted, engine: str, n: int, act: int) -> dict:
     """Bytes held by one GPU under `engine` with `n` GPUs (QLoRA: one GPU)."""
-    t_lora, t_heads = c.lora_numel, c.heads_trainable_numel
+    t_heads = c.heads_trainable_numel
     if engine == "DDP":
         row = dict(base=c.base_bytes + c.heads_frozen_bytes, adapter=c.trainable_bytes,
                    grads=2 * c.trainable_bytes, optim=8 * c.trainable_numel, gathered=0)

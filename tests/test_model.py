@@ -6,8 +6,6 @@ import torch
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model, verify_initialization
 from causal_adapter.saving.assets import QWEN_VOCAB_SIZE, build_tiny_qwen
-from causal_adapter.modeling.cauchy import cauchy_nll
-from causal_adapter.modeling.loss import reference_ovr_loss
 from conftest import small_vocab_qwen
 
 NUM_SMALL = 300  # <NUM> row in the small-vocabulary models (vocab 320)

@@ -4,7 +4,6 @@ the RESULT line. Plus: the plain-LoRA loss on the kept positions equals the full
 import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -78,7 +77,7 @@ def test_quick_run_writes_complete_tables(nq, tmp_path, capsys):
         assert float(kv[f"{corpus}_frozen_val_mae"]) == pytest.approx(res["causal_frozen"]["validation"]["mae"], rel=1e-3)
         smp = res["digit_lora"]["sampled"]
         assert smp["samples_per_prompt"] == 4 and smp["nll"] is None
-        assert f"| digit-token LoRA, quantiles of 4 samples (T = 1) |" in text
+        assert "| digit-token LoRA, quantiles of 4 samples (T = 1) |" in text
     # the baselines' figures, recomputed from the corpora (--quick: the first 12 train and 4 test rows):
     # the constant is the train median (not the mean, not a test statistic), persistence the window's last value
     from causal_adapter.data.corpora import build_corpus

@@ -8,7 +8,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import time
 

@@ -19,7 +19,7 @@ import math
 import os
 import random
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..numbers import format_number
 

@@ -3,12 +3,9 @@ flags through `transformers.HfArgumentParser`, ``--config FILE``)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
 from ..data.corpora import CORPORA

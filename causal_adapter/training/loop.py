@@ -513,7 +513,7 @@ def _after_step(run: Run, window: _Window, bar) -> dict:
 def _finish(run: Run) -> TrainResult:
     """After the last step: the value head fitted on the final features, the last evaluation, the
     calibration of the width, the adapter, final_metrics.json, the plot; the TrainResult."""
-    config, inner, state = run.config, run.inner, run.state
+    inner, state = run.inner, run.state
     with engines.whole_heads(run.accelerator, inner, modify=True):  # ZeRO-3: the heads gathered, the fits kept
         _fit_final_heads(run)
     adapter_dir = run.out_dir / ADAPTER_SUBDIR
