@@ -22,8 +22,8 @@ from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer
 from causal_adapter.saving.assets import load_base
 from causal_adapter.training.config import TrainConfig
-from causal_adapter.training.linear_fit import fit_linear_head
-from causal_adapter.training.value_fit import fit_value_units, num_label_features
+from causal_adapter.training.value_head.linear import fit_linear_head
+from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
 
 SPLITS = ("train", "validation", "test")
 
@@ -61,7 +61,7 @@ def fit_and_score(X_fit: dict, t: dict, scale: float, X_score: dict | None = Non
     f = fit_linear_head(X_fit["train"], t["train"], X_fit["validation"], t["validation"], loss="squared",
                         max_shift=math.inf)
     X_score = X_score or X_fit
-    return tuple(float((X_score[s] @ f["w"] + f["b"] - t[s]).abs().mean()) * scale for s in ("validation", "test"))
+    return tuple(float((X_score[s] @ f.w + f.b - t[s]).abs().mean()) * scale for s in ("validation", "test"))
 
 
 def main() -> None:

@@ -6,13 +6,13 @@ validation rows only.
 
 For each corpus: `train()` with its defaults (the CLI's recipe, embedded tiny base) for `--steps`,
 then the trained adapter's loc_U at the <NUM> targets of the training and validation rows and one
-ridge path over `linear_fit.RIDGE_GRID`. Each rule chooses a penalty with one half of the validation
+ridge path over `value_head.linear.RIDGE_GRID`. Each rule chooses a penalty with one half of the validation
 rows (the training rows' exact LOO residuals too, where the rule uses them) and is scored on the other
 half (interleaved halves and first / second halves, each both ways; the four MAEs averaged):
 
 * ``validation``: the validation MAE alone (the earlier rule);
 * ``loo``: the mean |LOO residual| alone;
-* ``both``: their mean (`linear_fit.penalty_score`, the rule now).
+* ``both``: their mean (`value_head.linear.penalty_score`, the rule now).
 
 Corpora: the bundled ones (sunspots, nile, co2, macro, diabetes, heteroscedastic) and three
 statsmodels data sets the package does not ship as corpora, written as prompt / completion rows here:
@@ -38,8 +38,8 @@ from causal_adapter.numbers import NumberTokenizer, format_number
 from causal_adapter.saving.assets import load_qwen_tokenizer
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
-from causal_adapter.training.linear_fit import RIDGE_GRID, _ridge_path, _standardized
-from causal_adapter.training.value_fit import num_label_features
+from causal_adapter.training.value_head.linear import RIDGE_GRID, ridge_path, standardized
+from causal_adapter.training.value_head.warm_start import num_label_features
 
 BUNDLED = ("sunspots", "nile", "co2", "macro", "diabetes", "heteroscedastic")
 STATSMODELS = ("engel", "grunfeld", "elnino")
@@ -94,9 +94,9 @@ def features(model, dataset, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def nested_scores(X, t, Xv, tv) -> dict[str, float]:
     """{rule: held-out MAE (standardised units)}, each rule choosing on half the validation rows."""
-    mean, sd, Xs, unit = _standardized(X)
+    mean, sd, Xs, unit = standardized(X)
     path = []
-    for _, w, b, loo in _ridge_path(Xs, t, torch.ones_like(t), [g * unit for g in RIDGE_GRID]):
+    for _, w, b, loo in ridge_path(Xs, t, torch.ones_like(t), [g * unit for g in RIDGE_GRID]):
         w_raw = w / sd
         path.append((loo.abs(), (Xv @ w_raw + b - mean @ w_raw - tv).abs()))
     n = len(tv)

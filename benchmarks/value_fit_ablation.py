@@ -6,7 +6,6 @@ fraction of the training targets shuffled (the anchor experiment).
     python benchmarks/value_fit_ablation.py sunspots 0.4        # corpus, shuffled fraction
     MS=0.005,0.01,1e9 python benchmarks/value_fit_ablation.py sunspots
 """
-import importlib.util
 import os
 import sys
 
@@ -14,17 +13,16 @@ import torch
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
 from causal_adapter.numbers import NumberTokenizer
-from causal_adapter.training.linear_fit import LOSSES, fit_linear_head
-from causal_adapter.training.value_fit import fit_value_units, num_label_features
+from causal_adapter.training.value_head.linear import LOSSES, fit_linear_head
+from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
 from causal_adapter.data.corpora import build_corpus
 from causal_adapter.saving.assets import load_qwen_tokenizer
+
+import numeric_quality as nq  # the benchmark's tiny base, its settings and label shuffling (a sibling script)
 
 
 def features(corpus: str, noise: float):
     """(value units, {split: centred loc_U [n, C]}, {split: standardised targets [n]}) of the benchmark's base."""
-    spec = importlib.util.spec_from_file_location("nq", os.path.join(os.path.dirname(__file__), "numeric_quality.py"))
-    nq = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nq)
     tok = load_qwen_tokenizer()
     args = nq.parse_args([])
     dd = build_corpus(corpus)
@@ -56,9 +54,9 @@ def main() -> None:
     for loss in LOSSES:
         for ms in [float(x) for x in os.environ.get("MS", "0.005,0.01,0.05,1e9").split(",")]:
             f = fit_linear_head(X["train"], t["train"], X["validation"], t["validation"], loss=loss, max_shift=ms)
-            mae = {k: float((X[k] @ f["w"] + f["b"] - t[k]).abs().mean()) * scale for k in ("validation", "test")}
-            print(f"{loss:8s} max_shift {ms:g}: lam {f['lam']:.3g} w_norm {float(f['w'].norm()):.4g} "
-                  f"bf16 shift {f['shift']:.4f} validation MAE {mae['validation']:.4g} test MAE {mae['test']:.4g}")
+            mae = {k: float((X[k] @ f.w + f.b - t[k]).abs().mean()) * scale for k in ("validation", "test")}
+            print(f"{loss:8s} max_shift {ms:g}: lam {f.lam:.3g} w_norm {float(f.w.norm()):.4g} "
+                  f"bf16 shift {f.shift:.4f} validation MAE {mae['validation']:.4g} test MAE {mae['test']:.4g}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,16 @@ THRESHOLD_INIT_MAX = 1e18
 MAX_RECENT_VALUES = 256
 #: the most members, or hidden units, of the value head's nonlinear correction (`value_row_net`)
 MAX_ROW_NET = 1024
-#: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units.RULES`)
+#: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units`)
 ROW_UNIT_RULES = ("last", "median")
+
+
+def check_row_rule(rule: str | None) -> str | None:
+    """`rule` itself when it is a rule of ROW_UNIT_RULES or None (the adapter's units), else a ValueError: the one
+    check of a per-row units rule (the config's, the head's `set_row_units`)."""
+    if rule not in (None, *ROW_UNIT_RULES):
+        raise ValueError(f"value_row_units must be one of {ROW_UNIT_RULES} or None, got {rule!r}")
+    return rule
 #: largest move of loc_Y' (value_scale units) that rounding loc_U to bf16 may cause in a value head run on 16-bit
 #: features (the fit's bound under `bf16_safe_head`; above it, a head fitted on float32 features warns under bf16)
 BF16_MAX_SHIFT = 0.005
@@ -141,8 +149,10 @@ class CausalAdapterConfig:
         is set by the closed-form fits of `train()` (0 before). 0 = the SPEC's head on loc_U alone. Adapters
         written before this field load as 0.
     value_row_units: per-row value units (`causal_adapter.modeling.row_units`): "last" or "median", the rule that
-        takes a location and a scale from each row's own numbers of the kind being predicted (dates and indices
-        left out), so that one head serves values of every scale; the head then reads those numbers in the row's
+        takes a location and a scale from each row's own numbers: those of the predicted kind when the row's
+        numbers come in records of 2 to 4 (a year and a value; year, month, value: `row_units.row_period`), else
+        all of them (ids, years and title numbers then stay in), so that one head serves values of every scale;
+        the head then reads those numbers in the row's
         units and not loc_U. None = the adapter's units (value_loc, value_scale) for every row. `train()` chooses
         on validation (`TrainConfig.row_units`). Needs `recent_values` > 0. Adapters written before this field
         load as None.
@@ -156,7 +166,7 @@ class CausalAdapterConfig:
         written before these fields).
     value_row_scale: in per-row units, a log-width of each row from the same inputs: the width above times
         exp(w_row_scale . x), clamped to its range on the rows it was fitted on (buffers that `train()` fits on
-        the validation rows' residuals, `training.row_head_fit.add_row_scale`; 0 until then, and where a constant
+        the validation rows' residuals, `training.value_head.row_head.add_row_scale`; 0 until then, and where a constant
         width predicts them as well). False = no such buffers (adapters written before this field).
     value_fit_dtype, value_bf16_shift: set by `train()`'s closed-form fit of the value head: the dtype of the
         backbone features it was fitted on ("float32", "bfloat16", "float16") and the largest move of loc_Y (value
@@ -267,8 +277,7 @@ class CausalAdapterConfig:
         if (isinstance(self.recent_values, bool) or not isinstance(self.recent_values, int)
                 or not 0 <= self.recent_values <= MAX_RECENT_VALUES):
             raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
-        if self.value_row_units not in (None, *ROW_UNIT_RULES):
-            raise ValueError(f"value_row_units must be one of {ROW_UNIT_RULES} or None, got {self.value_row_units!r}")
+        check_row_rule(self.value_row_units)
         if isinstance(self.value_row_width, bool) or not isinstance(self.value_row_width, (int, float)) \
                 or not 0.0 <= self.value_row_width <= 1.0:
             raise ValueError(f"value_row_width must be a number in [0, 1], got {self.value_row_width!r}")

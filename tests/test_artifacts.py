@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_causal_model
 from causal_adapter.saving.artifacts import CONFIG_NAME, WEIGHTS_NAME
 from causal_adapter.saving.assets import build_tiny_qwen
-from causal_adapter.training.value_fit import fit_depth
+from causal_adapter.training.value_head.warm_start import fit_depth
 
 NUM = 151_669
 

@@ -256,12 +256,12 @@ def test_train_bf16_fits_and_evaluates_the_value_head_without_autocast(tmp_path,
     swapped out, `engines.inference_precision`); LoRA stays float32; finite."""
     from accelerate.state import AcceleratorState
 
-    from causal_adapter.training import value_fit
+    from causal_adapter.training.value_head import warm_start
     from causal_adapter.training.loop import train
     from test_train import quick_config, small_model, synthetic_dataset
 
     where, inside = ["step"], []  # what runs now; the autocast state inside the decoder's forward, per call
-    features = value_fit.num_label_features
+    features = warm_start.num_label_features
 
     def recording(model, *a, **k):
         where[0] = "fit"
@@ -270,7 +270,7 @@ def test_train_bf16_fits_and_evaluates_the_value_head_without_autocast(tmp_path,
         finally:
             where[0] = "step"
 
-    monkeypatch.setattr(value_fit, "num_label_features", recording)
+    monkeypatch.setattr(warm_start, "num_label_features", recording)
     model = small_model(lora=True)
     model.decoder.register_forward_pre_hook(lambda m, a: inside.append((where[0], torch.is_autocast_enabled("cpu"))))
     try:

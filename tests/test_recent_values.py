@@ -134,7 +134,7 @@ def test_generate_reads_the_numbers_forward_reads(linear_law, qwen_tokenizer):
 def test_width_ignores_loc_U_distance_when_the_head_reads_no_loc_U():
     """The out-of-depth factor widens the interval with loc_U's distance from the training features: right for a
     head on loc_U, noise for a head on the recent values alone (co2: intervals 1.3x a constant width's Winkler)."""
-    from causal_adapter.training.value_fit import ridge_warm_start
+    from causal_adapter.training.value_head.warm_start import ridge_warm_start
     from test_values import batches, regime_rows, wrap
 
     train_ds, _ = regime_rows(120, 0)
@@ -173,15 +173,17 @@ def _inputs_case(seed: int, signal_in_loc_U: bool, n: int = 60, n_val: int = 20,
 
 
 def test_head_inputs_one_standard_error_rule():
-    from causal_adapter.training.value_fit import choose_head_inputs
+    from causal_adapter.training.value_head.warm_start import choose_head_inputs
 
-    noise_picks = [choose_head_inputs(*_inputs_case(seed, False), max_shift=math.inf)[0] for seed in range(12)]
+    noise_picks = [choose_head_inputs(*_inputs_case(seed, False), max_shift=math.inf).name for seed in range(12)]
     # the target reads the 2 most recent values: those alone (K // 2 of 4), and loc_U (noise) almost never
     assert sum(name.startswith("loc_U") for name in noise_picks) <= 1, noise_picks  # smallest score alone: 4 of 12
     assert sum(name == "recent[:2]" for name in noise_picks) >= 10, noise_picks
     for seed in range(3):
-        name, keep, _ = choose_head_inputs(*_inputs_case(seed, True), max_shift=math.inf)
+        chosen = choose_head_inputs(*_inputs_case(seed, True), max_shift=math.inf)
+        name, keep = chosen.name, chosen.keep
         assert name.startswith("loc_U") and bool(keep[:24].all()), name
         # an older value carries the signal: all K recent values are kept
-        name, keep, _ = choose_head_inputs(*_inputs_case(seed, False, columns=(3, 0)), max_shift=math.inf)
+        chosen = choose_head_inputs(*_inputs_case(seed, False, columns=(3, 0)), max_shift=math.inf)
+        name, keep = chosen.name, chosen.keep
         assert "recent[" not in name and bool(keep[24:].all()), name

@@ -1,4 +1,4 @@
-"""The value head's nonlinear correction in per-row units (`modeling.row_net`, `training.row_head_fit.add_row_net`).
+"""The value head's nonlinear correction in per-row units (`modeling.row_net`, `training.value_head.correction.add_correction`).
 
 Claims, each failing when its mechanism is removed:
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.modeling.row_units import row_units
-from causal_adapter.training.linear_fit import LOSSES
-from causal_adapter.training.row_head_fit import add_row_net, fit_row_head, set_row_head
+from causal_adapter.modeling.row_units import row_location_scale
+from causal_adapter.training.value_head.correction import add_correction
+from causal_adapter.training.value_head.linear import LOSSES
+from causal_adapter.training.value_head.row_head import fit_row_head, set_row_head
 
 from test_train import small_model
 
@@ -57,33 +58,33 @@ def _fit(mixed: bool, members: int = 3):
     R, y = _windows(600, 0, mixed)
     R_val, y_val = _windows(200, 1, mixed)
     row = fit_row_head(R, y, R_val, y_val, "last", act, loss="squared", losses=LOSSES, max_shift=math.inf)
-    row = add_row_net({**row, "rule": "last"}, R, y, R_val, y_val, act, seed=0)
+    row = add_correction(row, R, y, R_val, y_val, act, seed=0)
     return model, row, (R_val, y_val)
 
 
 def test_the_correction_is_kept_where_the_dynamics_are_nonlinear_and_the_forward_gives_its_fit():
     model, row, (R_val, y_val) = _fit(mixed=True)
-    assert row["net"] is not None, row
-    assert row["net_mae"] < 0.85 * row["linear_mae"], (row["net_mae"], row["linear_mae"])
-    set_row_head(model.action, row, model.action.w_reg.shape[0])
-    model.set_row_units("last", row["width_power"])
+    assert row.net is not None, row
+    assert row.net_mae < 0.85 * row.linear_mae, (row.net_mae, row.linear_mae)
+    set_row_head(model.action, row)
+    model.set_row_units("last", row.width_power)
     with torch.no_grad():
         loc_Y, scale_Y = model.action.double().row_regression(R_val, R_val[:, 0])
-    _, m, s, _ = row_units(R_val, "last", 0.0, 1.0)
+    _, m, s, _ = row_location_scale(R_val, "last", 0.0, 1.0)
     # the head's MAE in row units on the validation rows that judged the correction is the one the fit measured
-    assert float(((y_val - loc_Y) / s)[1::2].abs().mean()) == pytest.approx(row["net_mae"], rel=1e-5)
+    assert float(((y_val - loc_Y) / s)[1::2].abs().mean()) == pytest.approx(row.net_mae, rel=1e-5)
     assert torch.all(scale_Y > 0)
 
 
 def test_the_correction_is_not_kept_on_random_walks():
     _, row, _ = _fit(mixed=False)
-    assert row["net"] is None and row["net_mae"] >= row["linear_mae"] - 0.02, row
+    assert row.net is None and row.net_mae >= row.linear_mae - 0.02, row
 
 
 @pytest.mark.parametrize("c", [1e-3, 1e3])
 def test_a_window_multiplied_by_c_gives_c_times_the_value_with_the_correction(c):
     model, row, (R_val, _) = _fit(mixed=True, members=2)
-    set_row_head(model.action, row, model.action.w_reg.shape[0])
+    set_row_head(model.action, row)
     model.set_row_units("last", 0.5)
     head = model.action.double()
     assert any(bool(b.abs().sum() > 0) for b in head.row_net_parts().values())
@@ -105,8 +106,8 @@ def test_the_fields_are_validated_and_an_adapter_with_the_correction_round_trips
     del old["value_row_net"], old["value_row_net_width"]
     assert CausalAdapterConfig.from_dict(old).value_row_net == 0  # adapters written before the fields
     model, row, (R_val, _) = _fit(mixed=True, members=2)
-    set_row_head(model.action, row, model.action.w_reg.shape[0])
-    model.set_row_units("last", row["width_power"])
+    set_row_head(model.action, row)
+    model.set_row_units("last", row.width_power)
     model.save_pretrained(tmp_path / "net")
     loaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, vocab_size=320),
                                           tmp_path / "net")
@@ -137,7 +138,7 @@ def _batches(R: torch.Tensor, y: torch.Tensor, num_id: int, size: int = 100):
 def warm_started():
     """A model whose head `ridge_warm_start` fitted, as `train()` calls it, on mixed windows: (model, validation
     batches, validation windows and targets, the fit's summary)."""
-    from causal_adapter.training.value_fit import ridge_warm_start
+    from causal_adapter.training.value_head.warm_start import ridge_warm_start
 
     model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_net=3, value_row_net_width=16)
     R, y = _windows(600, 0, True)
@@ -158,7 +159,7 @@ def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_re
     assert model.action.row_width_power == summary["width_power"]
     with torch.no_grad():
         loc_Y = torch.cat([model(b["input_ids"], b["numeric_values"], b["attention_mask"]).loc_Y[:, -2] for b in val])
-    _, _, s, _ = row_units(R_val, "last", 0.0, 1.0)
+    _, _, s, _ = row_location_scale(R_val, "last", 0.0, 1.0)
     mae = float(((y_val - loc_Y.double()) / s)[1::2].abs().mean())  # the rows that judged the correction
     assert mae == pytest.approx(summary["row_net_mae"], rel=1e-3), (mae, summary)
 

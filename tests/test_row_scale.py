@@ -1,4 +1,4 @@
-"""The per-row log-width in per-row units (`heads.ActionHead.row_log_scale`, `training.row_head_fit.add_row_scale`).
+"""The per-row log-width in per-row units (`heads.ActionHead.row_log_scale`, `training.value_head.row_head.add_row_scale`).
 
 Claims, each failing when its mechanism is removed:
 
@@ -15,15 +15,17 @@ Claims, each failing when its mechanism is removed:
 * under a bf16 CPU autocast the forward's width equals a float64 head's (the GPU path's mixed precision).
 """
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig
-from causal_adapter.training.linear_fit import LOSSES
-from causal_adapter.training.row_head_fit import add_row_net, add_row_scale, fit_row_head, set_row_head
-from causal_adapter.training.value_head import base_scale, calibrate_regression_scale
+from causal_adapter.training.value_head.calibration import base_scale, calibrate_regression_scale
+from causal_adapter.training.value_head.correction import add_correction
+from causal_adapter.training.value_head.linear import LOSSES
+from causal_adapter.training.value_head.row_head import add_row_scale, fit_row_head, set_row_head
 
 from test_train import small_model
 
@@ -66,15 +68,15 @@ def fitted():
     R, y, _ = _windows(900, 0)
     R_val, y_val, _ = _windows(600, 1)
     row = fit_row_head(R, y, R_val, y_val, "last", act, loss="squared", losses=LOSSES, max_shift=math.inf)
-    row = add_row_net({**row, "rule": "last"}, R, y, R_val, y_val, act, seed=0)
+    row = add_correction(row, R, y, R_val, y_val, act, seed=0)
     row = add_row_scale(row, R_val, y_val, act)
-    set_row_head(act, row, act.w_reg.shape[0])
-    model.set_row_units("last", row["width_power"])
+    set_row_head(act, row)
+    model.set_row_units("last", row.width_power)
     calibrate(model, R_val, y_val)
     return (model, row, *_windows(1500, 2))
 
 
-def calibrate(model, R_val: torch.Tensor, y_val: torch.Tensor) -> dict | bool:
+def calibrate(model, R_val: torch.Tensor, y_val: torch.Tensor):
     """What the end of `train()` does on the validation predictions (`loop._fit_final_heads`)."""
     def predict() -> dict:
         with torch.no_grad():
@@ -94,7 +96,7 @@ def coverage_by_kind(model, R: torch.Tensor, y: torch.Tensor, kind: torch.Tensor
 
 def test_the_log_width_is_kept_and_the_intervals_hold_on_each_kind(fitted):
     model, row, R, y, kind = fitted
-    assert row["scale"] is not None, row
+    assert row.scale is not None, row
     for level, (lo, hi) in BANDS.items():
         # 750 rows a kind: a coverage's sd is ~0.02 at 50%, ~0.011 at 90%
         cover = coverage_by_kind(model, R, y, kind, level)
@@ -106,7 +108,7 @@ def test_without_the_log_width_one_width_misses_some_kind(fitted):
     kinds unevenly at both levels (the test above would fail)."""
     model, row, R, y, kind = fitted
     plain = copy.deepcopy(model)
-    set_row_head(plain.action, {**row, "scale": None, "noise": row["noise"]}, plain.action.w_reg.shape[0])
+    set_row_head(plain.action, dataclasses.replace(row, scale=None))
     R_val, y_val, _ = _windows(600, 1)
     calibrate(plain, R_val, y_val)
     for level, (lo, hi) in BANDS.items():
@@ -146,7 +148,7 @@ def test_the_calibration_keeps_an_informative_log_width_and_shrinks_a_noise_one(
     y = loc + spread * torch.randn(len(y), generator=g, dtype=torch.float64)
     fresh = copy.deepcopy(model)
     info = calibrate(model, R, y)
-    a = info["scale_exponent"]
+    a = info.scale_exponent
     assert a == (1.0 if informative else 0.0), info
     torch.testing.assert_close(act.w_row_scale, a * w)
     torch.testing.assert_close(act.row_log_scale_range, torch.tensor([-10.0 * a, 10.0 * a], dtype=torch.float64))
@@ -154,8 +156,7 @@ def test_the_calibration_keeps_an_informative_log_width_and_shrinks_a_noise_one(
     # in value units, the large rows alone would choose)
     c = torch.where(torch.arange(len(y)) % 2 == 0, 1e3, 1.0).double()
     scaled = calibrate(fresh, c[:, None] * R, c * y)
-    assert {k: v for k, v in scaled.items() if k.startswith("interval_score")} == pytest.approx(
-        {k: v for k, v in info.items() if k.startswith("interval_score")}, rel=1e-6)
+    assert scaled.interval_scores == pytest.approx(info.interval_scores, rel=1e-6)
 
 
 def test_the_field_is_validated_and_an_adapter_with_the_log_width_round_trips(fitted, tmp_path):
@@ -187,12 +188,12 @@ def test_a_log_width_is_not_kept_where_the_residuals_do_not_follow_the_window():
     """Targets m + s x (standard Cauchy noise) on random-walk windows: the residuals in row units are iid,
     whatever the window. The log-width is judged on validation rows it was not fitted on (one standard error):
     kept once in ten seeds here; judged on its own rows it was kept four times."""
-    from causal_adapter.modeling.row_units import row_units
+    from causal_adapter.modeling.row_units import row_location_scale
     from test_row_net import _windows as walks
 
     def rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         R, _ = walks(n, seed, False)
-        _, m, s, _ = row_units(R, "last", 0.0, 1.0)
+        _, m, s, _ = row_location_scale(R, "last", 0.0, 1.0)
         g = torch.Generator().manual_seed(seed + 100)
         return R, m + s * torch.tan(math.pi * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5))
 
@@ -202,7 +203,7 @@ def test_a_log_width_is_not_kept_where_the_residuals_do_not_follow_the_window():
                           value_row_scale=True).action.double()
         (R, y), (R_val, y_val) = rows(600, 10 + seed), rows(300, 40 + seed)
         row = fit_row_head(R, y, R_val, y_val, "last", act, loss="squared", losses=LOSSES, max_shift=math.inf)
-        kept += add_row_scale({**row, "rule": "last", "net": None}, R_val, y_val, act)["scale"] is not None
+        kept += add_row_scale(row, R_val, y_val, act).scale is not None
     assert kept <= 2, kept
 
 

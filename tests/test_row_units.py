@@ -23,8 +23,8 @@ import torch
 
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.commands.main import main
-from causal_adapter.modeling.row_units import row_period, row_units, row_width
-from causal_adapter.training.row_head_fit import choose_width_power
+from causal_adapter.modeling.row_units import row_location_scale, row_period, row_width
+from causal_adapter.training.value_head.row_head import choose_width_power
 from causal_adapter.numbers import format_number
 
 from test_default_recipe import _jsonl
@@ -50,13 +50,13 @@ def test_the_units_come_from_the_values_not_the_years(c):
     values = [3.12, 3.05, 3.3, 2.9, 3.0, 3.4]
     recent = _dated([v * c for v in values])
     assert int(row_period(recent)) == 2
-    same, loc, scale, own = row_units(recent, "last", 0.0, 1.0)
+    same, loc, scale, own = row_location_scale(recent, "last", 0.0, 1.0)
     steps = [abs(a - b) for a, b in zip(values, values[1:])]
     assert bool(own)
     assert float(loc) == pytest.approx(values[-1] * c, rel=1e-12)
     assert float(scale) == pytest.approx(c * sum(steps) / len(steps), rel=1e-9)
     assert torch.allclose(same[0, :len(values)], torch.tensor(values[::-1], dtype=torch.float64) * c)
-    _, med, spread, _ = row_units(recent, "median", 0.0, 1.0)
+    _, med, spread, _ = row_location_scale(recent, "median", 0.0, 1.0)
     m = sorted(values)[len(values) // 2 - 1: len(values) // 2 + 1]
     assert float(med) == pytest.approx(c * min(m), rel=1e-12)  # torch's median: the lower middle value
 
@@ -66,7 +66,7 @@ def test_a_row_of_one_kind_keeps_every_number_and_a_short_row_the_adapters_units
     assert int(row_period(walk)) == 1
     month = torch.tensor([[3, 1991, 350.2, 2, 1991, 349.8, 1, 1991, 349.1, 12, 1990, 348.7]], dtype=torch.float64)
     assert int(row_period(month)) == 3  # year, month, value
-    _, loc, scale, own = row_units(torch.tensor([[2.0, 1999.0, NAN, NAN]]), "last", 7.0, 3.0)
+    _, loc, scale, own = row_location_scale(torch.tensor([[2.0, 1999.0, NAN, NAN]]), "last", 7.0, 3.0)
     assert not bool(own) and float(loc) == 7.0 and float(scale) == 3.0
 
 
@@ -178,7 +178,7 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     config_file.write_text(text.replace('"value_row_units": null,', "").replace('"value_row_width": 0.0,', ""))
     loaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, vocab_size=320),
                                           tmp_path / "old")
-    assert loaded.action.row_units is None
+    assert loaded.action.row_rule is None
     ids = torch.tensor([[11, model.num_token_id, 12, model.num_token_id, 13, model.num_token_id, 14]])
     vals = torch.tensor([[0.0, 1999.0, 0.0, 3.5, 0.0, 2000.0, 0.0]])
     with torch.no_grad():
@@ -202,7 +202,7 @@ def _series_windows(n_rows: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("errors_follow_curvature", [True, False])
 def test_the_width_exponent_is_chosen_on_the_residuals(errors_follow_curvature):
     R = _series_windows(400, seed=3)
-    values, _, s, own = row_units(R, "last", 0.0, 1.0)
+    values, _, s, own = row_location_scale(R, "last", 0.0, 1.0)
     ratio = row_width(values, s, own, 1.0) / s
     assert own.all() and ratio.std() > 0.3  # smooth rows and rough rows differ in c / s
     g = torch.Generator().manual_seed(4)
@@ -210,7 +210,7 @@ def test_the_width_exponent_is_chosen_on_the_residuals(errors_follow_curvature):
     u = cauchy * (ratio if errors_follow_curvature else 1.0)
     assert choose_width_power(u, ratio) == (1.0 if errors_follow_curvature else 0.0)
     for c in (1e-3, 1e3):  # the width unit of a row multiplied by c is c times its own
-        values_c, _, s_c, own_c = row_units(R * c, "last", 0.0, 1.0)
+        values_c, _, s_c, own_c = row_location_scale(R * c, "last", 0.0, 1.0)
         assert torch.allclose(row_width(values_c, s_c, own_c, 0.5), c * row_width(values, s, own, 0.5), rtol=1e-9)
 
 
@@ -226,6 +226,41 @@ def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen
         assert nums, gen.texts
         assert nums[0]["value"] == pytest.approx(p["value"], rel=1e-4), (nums[0], p)
         assert nums[0]["scale"] == pytest.approx(p["scale"], rel=1e-4), (nums[0], p)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+def test_causal_sampling_writes_the_value_in_the_series_units(mixed_scales, qwen_tokenizer, c):
+    """Causal sampling (a sampled u per step) in per-row units: the value written is the head's value for the
+    row's own numbers, in the series' units, as predict gives it, for a small and a large series alike (a value
+    left in standardised row units would be ~1 whatever the series)."""
+    model = mixed_scales[0]["auto"]
+    assert model.action.row_rule is not None
+    prompts = [_scaled_prompt(r["prompt"], c) for r in mixed_scales[1]["test"] if r["scale"] == 1.0][:4]
+    gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2, mode="causal", seed=0)
+    pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
+    written = [(nums[0], p) for nums, p in zip(gen.numbers, pred) if nums]
+    assert len(written) >= 2, gen.texts  # the trained head writes a number after the label on most rows
+    for first, p in written:
+        assert first["value"] == pytest.approx(p["value"], rel=1e-4), (first, p)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+def test_the_causal_decision_value_is_the_row_regression_and_scales_with_the_row(mixed_scales, c):
+    """The unit form: `decision_scores(u, W_cls, recent)`'s value equals `row_regression(recent)`'s loc_Y, and a
+    window multiplied by c gives c times it."""
+    model = mixed_scales[0]["auto"]
+    act = copy.deepcopy(model.action).double()
+    R = _series_windows(40, seed=7)  # 17 numbers a row (8 dated values), NaN past them
+    R = torch.nn.functional.pad(R, (0, act.recent_values - R.shape[1]), value=math.nan)
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(len(R), act.w_reg.shape[0], generator=g, dtype=torch.float64)
+    W_cls = torch.randn(act.b_cls.shape[0], act.w_reg.shape[0], generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        _, value = act.decision_scores(u, W_cls, R)
+        loc_Y, _ = act.row_regression(R, R[:, 0])
+        _, value_c = act.decision_scores(u, W_cls, c * R)
+    torch.testing.assert_close(value, loc_Y, rtol=1e-12, atol=0)
+    torch.testing.assert_close(value_c, c * value, rtol=1e-9, atol=0)  # row units would not move with c
 
 
 def test_per_row_units_under_a_bf16_autocast_keep_full_precision_values(mixed_scales, qwen_tokenizer):

@@ -203,7 +203,7 @@ def test_freeze_parts_and_bad_names(tmp_path):
     after = adapter_tensors(model)
     for k in ("abduction.loc.weight", "abduction.scale.weight", "abduction.scale.bias"):
         assert torch.equal(after[k], heads[k]), k
-    # b_loc / b_cls only moved by the value fit's exact centring (value_fit.center_abduction): the token
+    # b_loc / b_cls only moved by the value fit's exact centring (value_head.warm_start.center_abduction): the token
     # scores other than the (trained) <NUM> row's are those of the start
     with torch.no_grad():
         moved = model(ids, return_scores=True).loc_S

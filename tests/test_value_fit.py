@@ -16,8 +16,8 @@ from causal_adapter.modeling.cauchy import cauchy_icdf
 from causal_adapter.training.metrics import evaluate_dataset
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
-from causal_adapter.training.linear_fit import ridge_loo
-from causal_adapter.training.value_fit import fit_value_units, value_decimals
+from causal_adapter.training.value_head.linear import fit_linear_head
+from causal_adapter.training.value_head.warm_start import fit_value_units, value_decimals
 from conftest import small_vocab_qwen
 
 NUM = 300
@@ -70,7 +70,8 @@ def test_ridge_loo_residuals_equal_refits():
                                                                                                  dtype=torch.float64)
     X = X * torch.tensor([1.0, 4.0, 0.01, 1.0], dtype=torch.float64)  # features on very different scales
     t = t / 10  # standardised-unit targets: the bf16 bound (BF16_MAX_SHIFT) is in these units
-    w, lam, loo = ridge_loo(X, t)
+    fit = fit_linear_head(X, t, loss="squared")
+    w, lam, loo = torch.cat([fit.w, torch.tensor([fit.b], dtype=fit.w.dtype)]), fit.lam, fit.loo
     Xs = (X - X.mean(0)) / X.std(0, unbiased=False)  # the fit is on per-feature standardised features
     lam = lam * float(torch.linalg.matrix_norm(Xs, ord=2) ** 2)  # the penalty is relative to the top sv^2
     for i in (0, 7, 29):  # leave row i out, refit with the same penalty and standardisation, predict it

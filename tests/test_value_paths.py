@@ -49,7 +49,7 @@ def test_width_beyond_the_fitted_range_is_the_edge_width_times_the_depth_factor(
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         act.w_scale_Y.copy_(torch.randn(C, generator=g) / math.sqrt(C))
-        act.log_scale_range.copy_(torch.tensor([-0.7, 0.4]))  # as value_fit fits it: the training rows' range
+        act.log_scale_range.copy_(torch.tensor([-0.7, 0.4]))  # as the warm start fits it: the training rows' range
         act.b_noise_Y.fill_(0.3)
         act.depth_resid.fill_(1.0)  # depth factor max(1, |loc_U|): grows away from the training features
     w = act.w_scale_Y.detach()

@@ -21,8 +21,8 @@ from causal_adapter.modeling.intervals import fit_calibration, interval
 from causal_adapter.training.metrics import coverage_metrics, evaluate_dataset
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
-from causal_adapter.training.linear_fit import LOSSES, RIDGE_GRID, bf16_shift, fit_linear_head, standardize
-from causal_adapter.training.value_fit import center_abduction, ridge_warm_start
+from causal_adapter.training.value_head.linear import LOSSES, RIDGE_GRID, bf16_shift, fit_linear_head, standardize
+from causal_adapter.training.value_head.warm_start import center_abduction, ridge_warm_start
 from conftest import small_vocab_qwen
 
 NUM = 300
@@ -102,11 +102,11 @@ def test_penalty_is_the_best_of_the_grid_on_validation_and_leave_one_out_togethe
         loo_mae.append(sum(loo) / len(loo))
     argmin = lambda scores: RIDGE_GRID[min(range(len(scores)), key=scores.__getitem__)]  # noqa: E731
     both = argmin([(a + b) / 2 for a, b in zip(val_mae, loo_mae)])
-    assert fit["lam"] == pytest.approx(both, rel=1e-9) and fit["chosen_on"] == "validation+leave-one-out"
+    assert fit.lam == pytest.approx(both, rel=1e-9) and fit.chosen_on == "validation+leave-one-out"
     # the problem separates the rules: validation alone and leave-one-out alone each pick another penalty
     assert argmin(val_mae) != pytest.approx(both, rel=1e-3) and argmin(loo_mae) != pytest.approx(both, rel=1e-3)
     loo = fit_linear_head(X, t, loss="squared")  # without validation: leave-one-out alone
-    assert loo["chosen_on"] == "leave-one-out" and loo["lam"] == pytest.approx(argmin(loo_mae), rel=1e-9)
+    assert loo.chosen_on == "leave-one-out" and loo.lam == pytest.approx(argmin(loo_mae), rel=1e-9)
 
 
 @pytest.mark.parametrize("loss", ["huber", "cauchy"])
@@ -120,7 +120,7 @@ def test_robust_fit_resists_shuffled_targets(loss):
     t_noisy[bad] = t[bad[torch.randperm(120, generator=g)]]
     Xv = torch.randn(100, 5, generator=g, dtype=torch.float64)
     tv = Xv @ w
-    err = {name: float((fit_linear_head(X, t_noisy, Xv, tv, loss=name, max_shift=math.inf)["w"] - w).norm())
+    err = {name: float((fit_linear_head(X, t_noisy, Xv, tv, loss=name, max_shift=math.inf).w - w).norm())
            for name in ("squared", loss)}
     assert err[loss] < 0.3 * err["squared"] and err["squared"] > 0.5, err
 
@@ -129,7 +129,7 @@ def test_tukey_fit_gives_far_shuffled_targets_no_weight():
     """Tukey's bisquare weight is 0 beyond TUKEY_C robust sds, so with 40% of the targets
     shuffled the rows far from the fit stop pulling (a Cauchy weight never reaches 0), the fit lands on
     least squares over the clean rows, and `auto` has it among its candidates."""
-    from causal_adapter.training.linear_fit import TUKEY_C
+    from causal_adapter.training.value_head.linear import TUKEY_C
 
     g = torch.Generator().manual_seed(0)
     X = torch.randn(300, 5, generator=g, dtype=torch.float64)
@@ -142,11 +142,11 @@ def test_tukey_fit_gives_far_shuffled_targets_no_weight():
     clean[bad] = False
     oracle = fit_linear_head(X[clean], t[clean], Xv, Xv @ w, loss="squared", max_shift=math.inf)
     fit = fit_linear_head(X, t, Xv, Xv @ w, loss="tukey", max_shift=math.inf)
-    resid = t - X @ fit["w"] - fit["b"]
+    resid = t - X @ fit.w - fit.b
     far = resid.abs() > TUKEY_C * float(resid.abs().median()) / 0.6745
-    assert int(far[bad].sum()) > 60 and float(fit["weights"][far].max()) <= 1e-12
-    assert float((fit["w"] - oracle["w"]).norm()) < 0.01  # least squares on all rows: 0.57
-    assert "tukey" in fit_linear_head(X, t, Xv, Xv @ w, loss="auto", max_shift=math.inf)["scores"]
+    assert int(far[bad].sum()) > 60 and float(fit.weights[far].max()) <= 1e-12
+    assert float((fit.w - oracle.w).norm()) < 0.01  # least squares on all rows: 0.57
+    assert "tukey" in fit_linear_head(X, t, Xv, Xv @ w, loss="auto", max_shift=math.inf).scores
 
 
 def test_auto_considers_tukey_only_for_a_head_no_training_follows():
@@ -154,7 +154,7 @@ def test_auto_considers_tukey_only_for_a_head_no_training_follows():
     sunspots' W_loc training astray at 40% shuffled targets); with W_loc frozen the warm start is the final
     head and Tukey competes (here it wins on validation)."""
     from causal_adapter.data.pipeline import NumericCollator
-    from causal_adapter.training.value_head import fit_value_head
+    from causal_adapter.training.value_head import fit_before_training
 
     ds, _ = regime_rows(300, 0)
     val, _ = regime_rows(80, 10)
@@ -170,8 +170,8 @@ def test_auto_considers_tukey_only_for_a_head_no_training_follows():
     for frozen in (False, True):
         model = wrap(seed=0)
         model.abduction.loc.requires_grad_(not frozen)
-        summary = fit_value_head(model, TrainConfig(output_dir="unused"), ds, NumericCollator(0),
-                                 torch.device("cpu"), eval_ds=val)
+        summary = fit_before_training(model, TrainConfig(output_dir="unused"), ds, NumericCollator(0),
+                                      torch.device("cpu"), eval_ds=val)
         losses[frozen] = summary["loss"]
     assert losses == {False: "cauchy", True: "tukey"}, losses
 
@@ -192,22 +192,22 @@ def _corrupted_problem(seed):
 def test_auto_loss_is_the_validation_best_fit():
     X, t, noisy, Xv, tv = _corrupted_problem(1)
     fits = {name: fit_linear_head(X, noisy, Xv, tv, loss=name, max_shift=math.inf) for name in LOSSES}
-    val_mae = {name: float((Xv @ f["w"] + f["b"] - tv).abs().mean()) for name, f in fits.items()}
+    val_mae = {name: float((Xv @ f.w + f.b - tv).abs().mean()) for name, f in fits.items()}
     auto = fit_linear_head(X, noisy, Xv, tv, loss="auto", max_shift=math.inf)
-    assert auto["loss"] == min(val_mae, key=val_mae.get) == "cauchy", val_mae
-    torch.testing.assert_close(auto["w"], fits["cauchy"]["w"])
-    assert auto["scores"] == pytest.approx(val_mae, rel=1e-9) and auto["chosen_on"] == "validation+leave-one-out"
+    assert auto.loss == min(val_mae, key=val_mae.get) == "cauchy", val_mae
+    torch.testing.assert_close(auto.w, fits["cauchy"].w)
+    assert auto.scores == pytest.approx(val_mae, rel=1e-9) and auto.chosen_on == "validation+leave-one-out"
     # without validation rows the LOO MAE decides, and picks another loss on these data
-    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf)["loss"] == "tukey"
+    assert fit_linear_head(X, noisy, loss="auto", max_shift=math.inf).loss == "tukey"
     # clean targets: least squares wins on validation and is kept
     X, t, _, Xv, tv = _corrupted_problem(0)
-    assert fit_linear_head(X, t, Xv, tv, loss="auto", max_shift=math.inf)["loss"] == "squared"
+    assert fit_linear_head(X, t, Xv, tv, loss="auto", max_shift=math.inf).loss == "squared"
     with pytest.raises(ValueError, match="robust loss"):
         fit_linear_head(X, t, loss="l1")
 
 
 def test_auto_loss_keeps_least_squares_unless_a_robust_fit_wins_by_one_standard_error():
-    from causal_adapter.training.linear_fit import _one_standard_error_choice
+    from causal_adapter.training.value_head.choice import one_standard_error_choice
 
     gen = torch.Generator().manual_seed(0)
     ref = torch.rand(40, generator=gen) * 10
@@ -215,14 +215,17 @@ def test_auto_loss_keeps_least_squares_unless_a_robust_fit_wins_by_one_standard_
 
     def fit(name, errors):
         return {"loss": name, "abs_errors": errors, "score": float(errors.mean())}
+
+    def choose(fits):  # as fit_linear_head's loss 'auto' chooses: paired held-out absolute errors, then the score
+        return one_standard_error_choice(fits, lambda r, f: (r["abs_errors"] - f["abs_errors"],), lambda f: f["score"])
     # a smaller MAE by less than one standard error of the paired difference: least squares stays
     slightly = fit("cauchy", ref - 0.05 + noise)
     assert slightly["score"] < ref.mean()
-    assert _one_standard_error_choice([fit("squared", ref), slightly])["loss"] == "squared"
+    assert choose([fit("squared", ref), slightly])["loss"] == "squared"
     # clearly smaller: the robust fit with the smallest MAE among those that clear the bar
     clearly_h, clearly_c = fit("huber", ref * 0.5), fit("cauchy", ref * 0.4)
-    assert _one_standard_error_choice([fit("squared", ref), clearly_h, clearly_c])["loss"] == "cauchy"
-    assert _one_standard_error_choice([fit("squared", ref), clearly_h, slightly])["loss"] == "huber"
+    assert choose([fit("squared", ref), clearly_h, clearly_c])["loss"] == "cauchy"
+    assert choose([fit("squared", ref), clearly_h, slightly])["loss"] == "huber"
 
 
 def test_bf16_bound_and_centring_keep_scores():
@@ -246,7 +249,7 @@ def test_bf16_bound_and_centring_keep_scores():
     X = loc_U.double()
     loose = fit_linear_head(X - X.mean(0), torch.tensor(val_ds["target"], dtype=torch.float64) / 25.0,
                             loss="squared", max_shift=math.inf)
-    assert bf16_shift(X, loose["w"]) > 0.01
+    assert bf16_shift(X, loose.w) > 0.01
 
 
 def test_centring_is_exact_for_the_num_row():
@@ -316,7 +319,7 @@ def test_calibrated_coverage_at_every_level_on_fresh_data(trained):
 
 @pytest.mark.parametrize("informative", [False, True])
 def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informative):
-    from causal_adapter.training.value_head import calibrate_regression_scale
+    from causal_adapter.training.value_head.calibration import calibrate_regression_scale
 
     model = wrap(value_loc=0.0, value_scale=1.0)
     act = model.action
@@ -330,7 +333,7 @@ def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informa
     y = torch.randn(300, generator=g, dtype=torch.float64) * (2.0 * ratio if informative else 2.0)
     preds = {"y_true": y.tolist(), "loc": [0.0] * 300, "scale": (base * ratio).tolist()}
     info = calibrate_regression_scale(model, preds, base.tolist())
-    a = info["scale_exponent"]
+    a = info.scale_exponent
     assert a == (1.0 if informative else 0.0), info
     torch.testing.assert_close(act.w_scale_Y.detach(), a * w0)  # the choice is in the adapter, not only the map
     torch.testing.assert_close(act.log_scale_range, torch.tensor([-a, a]))
@@ -345,24 +348,25 @@ def test_calibration_chooses_the_width_exponent_and_sets_it_in_the_model(informa
 @pytest.mark.parametrize("decimals", [2, None])
 def test_an_exact_validation_fit_is_calibrated_at_the_written_resolution(decimals):
     """Residuals exactly 0 (a head that fits deterministic validation rows, built here without float
-    rounding): calibration still runs, at half a unit in the last written place, and says so."""
-    from causal_adapter.training.value_head import calibrate_regression_scale
+    rounding): calibration still runs, at half a unit in the last written place, and says so. Each row has a
+    width of its own (20 resolutions), so each row's calibrated 50% interval must be its OWN resolution wide."""
+    from causal_adapter.training.value_head.calibration import calibrate_regression_scale
 
     model = wrap(value_loc=0.0, value_scale=1.0)
     model.causal_config.value_decimals = decimals
     y = [3.25, 12.5, 7.75, 40.0, 0.5, 19.25, 3.25, 8.0]
-    preds = {"y_true": y, "loc": list(y), "scale": [0.1] * len(y)}
-    info = calibrate_regression_scale(model, preds)
-    assert info and "8/8" in info["exact_rows"], info
-    cal = model.causal_config.value_calibration
-    assert cal is not None and cal["n"] == len(y)
     resolution = 0.5 * 10.0 ** (torch.floor(torch.log10(torch.tensor(y, dtype=torch.float64))) - 5)
     if decimals == 2:
         resolution = torch.full_like(resolution, 0.005)
-    width = 0.1 * float(model.action.b_noise_Y.detach().abs())  # the rows' scale, rescaled (|b_noise_Y| was 1)
-    lo, hi = interval(torch.tensor(y, dtype=torch.float64), torch.full((len(y),), width, dtype=torch.float64), 0.5, cal)
-    half = (hi - lo) / 2
-    assert float(half.min()) >= float(resolution.min()) * (1 - 1e-6) and float(half.max()) <= float(resolution.max()) * (1 + 1e-6)
+    scale = 20 * resolution
+    preds = {"y_true": y, "loc": list(y), "scale": scale.tolist()}
+    info = calibrate_regression_scale(model, preds)
+    assert info and "8/8" in info.exact_rows, info
+    cal = model.causal_config.value_calibration
+    assert cal is not None and cal["n"] == len(y)
+    width = scale * float(model.action.b_noise_Y.detach().abs())  # the rows' scales, rescaled (|b_noise_Y| was 1)
+    lo, hi = interval(torch.tensor(y, dtype=torch.float64), width, 0.5, cal)
+    torch.testing.assert_close((hi - lo) / 2, resolution, rtol=1e-6, atol=0)
 
 
 def test_independent_scale_adapters_still_load_and_behave(tmp_path):
@@ -382,7 +386,7 @@ def test_independent_scale_adapters_still_load_and_behave(tmp_path):
 
 
 def test_bf16_bound_is_on_for_16_bit_heads_only():
-    from causal_adapter.training.value_head import head_shift_bound
+    from causal_adapter.training.value_head.lifecycle import head_shift_bound
     from causal_adapter.config import BF16_MAX_SHIFT
 
     fp32 = wrap()

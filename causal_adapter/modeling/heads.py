@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .row_net import net_inputs, part_shapes, row_net, PARTS as ROW_NET_PARTS
-from .row_units import row_units, row_width
+from ..config import check_row_rule
+from .row_net import part_shapes, row_net, PARTS as ROW_NET_PARTS
+from .row_transform import row_frame
 
-#: principal directions of the training features kept for the out-of-depth width (value_fit.fit_depth)
+#: principal directions of the training features kept for the out-of-depth width
+#: (`training.value_head.warm_start.fit_depth`)
 DEPTH_RANK = 64
 
 
@@ -161,7 +163,7 @@ class ActionHead(nn.Module):
     carry it through the backbone (in bf16 residuals, after a log-compressing phi); w_recent is a fitted
     buffer (the closed-form fits set it), zero from the start. K = 0: the SPEC's head alone.
 
-    Per-row units (`row_units`, a rule of `modeling.row_units`; None = the adapter's units above): each row
+    Per-row units (`row_rule`, a rule of `modeling.row_units`; None = the adapter's units above): each row
     takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
     loc_Y = m_row + s_row (w_recent . r + b_reg + net(x)),
     scale_Y = s_row |b_noise_Y| (c_row / s_row)^a exp(w_row_scale . x)
@@ -221,7 +223,7 @@ class ActionHead(nn.Module):
             self.register_buffer("log_scale_range", torch.tensor([-30.0, 30.0], **kw))
 
         self.recent_values = recent_values
-        self.row_units: str | None = None  # `set_row_units`
+        self.row_rule: str | None = None  # the per-row units' rule (`set_row_units`), None = the adapter's units
         self.row_width_power = 0.0  # the width's exponent a in per-row units (`row_units.row_width`)
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
@@ -242,34 +244,30 @@ class ActionHead(nn.Module):
         self.value_loc, self.value_scale = float(value_loc), float(value_scale)
 
     def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
-        """Per-row units by `rule` (`row_units.RULES`), or None for the adapter's units; needs recent values.
+        """Per-row units by `rule` (`config.ROW_UNIT_RULES`), or None for the adapter's units; needs recent values.
         `width_power`: a of the width s (c / s)^a (`row_units.row_width`)."""
+        check_row_rule(rule)  # an unknown rule fails here, not at the first forward
         if rule is not None and (not self.recent_values or self.b_noise_Y is None):
             raise ValueError("per-row value units read the row's recent numbers and scale a width of the value's "
                              "own: set recent_values > 0 and regression_scale 'per_row' or 'independent'")
-        if rule is not None:
-            row_units(torch.zeros(1, 1), rule, 0.0, 1.0)  # an unknown rule fails here, not at the first forward
-        self.row_units = rule
+        self.row_rule = rule
         self.row_width_power = float(width_power)
 
     def units(self, recent: Tensor | None, like: Tensor
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        """Per-row units (`row_units` set): (m [...], s [...], r [..., K], width unit [...], x [..., 2 K + 2] or
+        """Per-row units (`row_rule` set): (m [...], s [...], r [..., K], width unit [...], x [..., 2 K + 2] or
         None) for raw recent values [..., K]: the value units of each row, the numbers the head reads in them (0
         where none), the unit of the value's width (`row_units.row_width`), in `like`'s dtype, and the inputs of
         the nonlinear correction and the log-width (`row_net.net_inputs`, r clamped to `recent_range`; None
-        without either) in the heads' dtype."""
+        without either) in the heads' dtype. The transform is `row_transform.row_frame`, the fit's own."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
-        values, loc, scale, own = row_units(recent, self.row_units, self.value_loc, self.value_scale)
-        width = row_width(values, scale, own, self.row_width_power)
-        r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
-        x = None
-        if self.row_net_members or self.row_scale:
-            lo, hi = self.recent_range.to(r.dtype)
-            x = net_inputs(values, scale, torch.minimum(torch.maximum(r, lo), hi)).to(self.b_reg.dtype)
-        return loc.to(like.dtype), scale.to(like.dtype), r.to(like.dtype), width.to(like.dtype), x
+        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale)
+        width = frame.width(self.row_width_power)
+        x = frame.inputs(self.recent_range).to(self.b_reg.dtype) if self.row_net_members or self.row_scale else None
+        return (frame.loc.to(like.dtype), frame.scale.to(like.dtype), frame.r.to(like.dtype), width.to(like.dtype),
+                x)
 
     def row_log_scale(self, x: Tensor) -> Tensor:
         """x [..., 2 K + 2] (`units`) -> [...] w_row_scale . x clamped to `row_log_scale_range` (with `row_scale`)."""
@@ -279,8 +277,8 @@ class ActionHead(nn.Module):
     def per_row_log_scale(self) -> tuple[Tensor, Tensor] | None:
         """The fitted per-row part of the width in use, (weights, clamp range): w_row_scale in per-row units,
         w_scale_Y in the adapter's; None without one. Multiplying both by a keeps an exact Cauchy with that part
-        raised to the power a (`training.value_head.calibrate_regression_scale`)."""
-        if self.row_units is not None:
+        raised to the power a (`training.value_head.calibration.calibrate_regression_scale`)."""
+        if self.row_rule is not None:
             return (self.w_row_scale, self.row_log_scale_range) if self.row_scale else None
         return None if self.w_scale_Y is None else (self.w_scale_Y, self.log_scale_range)
 
@@ -351,15 +349,16 @@ class ActionHead(nn.Module):
         return scores.index_copy(-1, col, value.unsqueeze(-1))
 
     def set_depth(self, stats: dict) -> None:
-        """Load `value_fit.fit_depth` statistics (mean, basis, weight, resid, ref) into the depth buffers."""
+        """Load out-of-depth statistics (`training.value_head.warm_start.fit_depth`: tensors mean, basis, weight,
+        resid, ref) into the depth buffers."""
         with torch.no_grad():
             for name in ("mean", "basis", "weight", "resid", "ref"):
                 buf = getattr(self, f"depth_{name}")
-                buf.copy_(stats[name].to(dtype=buf.dtype, device=buf.device))
+                buf.copy_(getattr(stats, name).to(dtype=buf.dtype, device=buf.device))
 
     def depth_factor(self, loc_U: Tensor) -> Tensor:
         """[..., C] -> [...] sqrt(max(1, d2 / ref)): 1 where loc_U looks like the training <NUM> positions'
-        features, growing with the (regularised) Mahalanobis distance d2 from them (`value_fit.fit_depth`):
+        features, growing with the (regularised) Mahalanobis distance d2 from them (`fit_depth`):
         a linear head's error grows linearly with that distance."""
         x = loc_U - self.depth_mean
         d2 = (x * x).sum(-1) * self.depth_resid.reshape(()) + (x @ self.depth_basis.T).square() @ self.depth_weight
@@ -402,7 +401,7 @@ class ActionHead(nn.Module):
     def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],
         scale_Y [...] in value units."""
-        if self.row_units is not None:
+        if self.row_rule is not None:
             return self.row_regression(recent, loc_U[..., 0])
         loc_Y = self.to_value(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
@@ -424,7 +423,7 @@ class ActionHead(nn.Module):
         """Noise-free action for a sampled individual u [..., C] (recent [..., K] as in `regression`):
         (s - C_k) [..., V] and y [...]."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
-        if self.row_units is not None:  # the value reads the row's numbers, not U (`row_regression`)
+        if self.row_rule is not None:  # the value reads the row's numbers, not U (`row_regression`)
             return s - self.threshold_scores(), self.row_regression(recent, u[..., 0])[0]
         y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
         return s - self.threshold_scores(), self.to_value(y)

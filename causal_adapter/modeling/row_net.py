@@ -9,7 +9,7 @@ number, and two scale-free shape statistics, log(s / mean |S|) (how far the seri
 level) and log(c / s) (how smooth it is: `row_units.floored_curvature`). Every input is scale-free, so a context
 multiplied by c still gives c times the value.
 
-The weights are buffers fitted after the linear head (`training.row_net_fit.fit_row_net`), zero until then:
+The weights are buffers fitted after the linear head (`training.value_head.correction.fit_row_net`), zero until then:
 a zero last layer adds exactly 0 (initialisation and adapters without the net behave as before).
 """
 from __future__ import annotations

@@ -31,7 +31,6 @@ import math
 import torch
 from torch import Tensor
 
-from ..config import ROW_UNIT_RULES as RULES  # the rules `row_units` knows
 #: the longest record (numbers per record: a date's parts and the value) the period search tries
 MAX_PERIOD = 4
 #: same-kind numbers a row needs before its own units replace the adapter's
@@ -142,20 +141,20 @@ def row_period(recent: Tensor) -> Tensor:
     return torch.where(near.any(-1), first, best)
 
 
-def row_units(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """recent [..., K] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
-    float64. `own` marks the rows that got their own units; the others keep (fallback_loc, fallback_scale) and
-    their numbers as they come (p = 1)."""
-    if rule not in RULES:
-        raise ValueError(f"value_row_units must be one of {RULES} or None, got {rule!r}")
+    float64, by `rule` (`config.ROW_UNIT_RULES`). `own` marks the rows that got their own units; the others keep
+    (fallback_loc, fallback_scale) and their numbers as they come (p = 1)."""
     recent = recent.double()
     values = same_role(recent, row_period(recent))
     if rule == "last":
         loc, scale = values[..., 0], _mean_step(values)
-    else:
+    elif rule == "median":
         loc = values.nanmedian(-1).values
         scale = mean_abs(values - loc.unsqueeze(-1))
+    else:  # checked where a rule is set (`config.check_row_rule`)
+        raise ValueError(f"unknown per-row units rule {rule!r}")
     scale = torch.maximum(scale, RELATIVE_FLOOR * mean_abs(values))
     own = (_count(values) >= MIN_CONTEXT) & (scale > 0) & torch.isfinite(scale) & torch.isfinite(loc)
     loc = torch.where(own, loc, fallback_loc)
@@ -176,7 +175,7 @@ def floored_curvature(values: Tensor) -> Tensor:
 
 
 def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float) -> Tensor:
-    """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_units`' values,
+    """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_location_scale`'s values,
     s, own), c = `floored_curvature`; s where a row has no
     second difference or keeps the adapter's units, and for power 0."""
     if power == 0:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import DEFAULT_LORA_TARGETS, CausalAdapterConfig, LoraSettings
+from ..config import DEFAULT_LORA_TARGETS, ROW_UNIT_RULES, CausalAdapterConfig, LoraSettings
 from ..data.corpora import CORPORA
 from ..saving.assets import DTYPES
 
@@ -112,12 +112,13 @@ class TrainConfig:
                               "head); 0 = loc_U alone, the SPEC's head. docs/values.md has the validation figures "
                               "behind the default")
     row_units: str = flag("auto", "per-row value units: each row's values, width and the numbers the value head "
-                          "reads are put in a location and scale taken from the row's own numbers of the kind being "
-                          "predicted (dates and indices left out), so one adapter serves values of every scale. "
+                          "reads are put in a location and scale taken from the row's own numbers: those of the "
+                          "predicted kind when the numbers come in records (a year and a value), else all of them "
+                          "(ids, years and title numbers included), so one adapter serves values of every scale. "
                           "'auto' = the rule ('last': the last value and the mean step; 'median': the median and "
                           "the mean deviation) or the adapter's one unit system, whichever predicts the validation "
                           "rows better, each error divided by its row's own scale; 'off' = the adapter's units; "
-                          "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", "last", "median"])
+                          "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", *ROW_UNIT_RULES])
     row_net: int = flag(5, "in per-row units, the value head's nonlinear correction: the mean of N small MLPs "
                         "(2 x 64 GELU units) on the row's numbers and its window's shape, fitted after the linear "
                         "head and kept when it predicts the validation rows better (one standard error); 0 = the "

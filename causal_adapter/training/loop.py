@@ -84,7 +84,7 @@ from .config import PARAMETER_GROUPS, TrainConfig
 from .data import EpochSampler, loader_rows, pad_token_id, prepare_datasets, read_datasets, rows_at, step_plan
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate, train_median
 from .plotting import plot_training
-from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
+from .value_head import fit_after_training, fit_before_training, refit_value_head
 
 ADAPTER_SUBDIR = "adapter"
 METRICS_LOG = "metrics.jsonl"
@@ -276,8 +276,8 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
         model.causal_config.number_prefix_id, model.causal_config.number_contexts = prefix, contexts
     if run.resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
         with engines.inference_precision(model):  # the features the saved adapter will see (no autocast)
-            fit_value_head(model, config, run.train_ds, run.collator, run.accelerator.device, verbose=run.is_main,
-                           eval_ds=run.eval_ds)
+            fit_before_training(model, config, run.train_ds, run.collator, run.accelerator.device,
+                                verbose=run.is_main, eval_ds=run.eval_ds)
 
 
 def _training_rows(run: Run) -> None:
@@ -379,7 +379,7 @@ def _eval_refitted(run: Run) -> dict:
         heads = {name: {k: v.clone() for k, v in getattr(inner, name).state_dict().items()}
                  for name in ("numeric_embedding", "abduction", "action")}
         refitted = run.config.value_refit == "eval" and refit_value_head(
-            run.eval_model, run.config, run.train_ds, run.collator, run.device, run.accelerator, False, run.eval_ds)
+            run.eval_model, run.config, run.train_ds, run.collator, run.device, False, run.eval_ds)
         try:
             return _run_eval(run)
         finally:
@@ -531,20 +531,23 @@ def _finish(run: Run) -> TrainResult:
 
 
 def _fit_final_heads(run: Run) -> None:
-    """The value head refitted on the final features, the last evaluation, the calibration of the width."""
-    config, inner, state = run.config, run.inner, run.state
-    if refit_value_head(run.eval_model, config, run.train_ds, run.collator, run.device, run.accelerator, run.is_main,
-                         run.eval_ds) and run.refitted_eval_step != state.global_step:
-        run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
-    if run.eval_ds is not None and run.last_eval_step != state.global_step:
-        _run_eval(run)
-    if run.eval_ds is not None and config.calibrate_scale:
-        base = base_scale(inner, lambda: _evaluate(run).predictions())
-        calibrated = calibrate_regression_scale(inner, run.predictions, base)
-        if calibrated:
-            if run.is_main and calibrated is not True:
-                print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.items()), file=sys.stderr)
-            _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
+    """The value head after training (`value_head.fit_after_training`: refitted on the final features, the last
+    evaluation, the calibration of the width), then the calibrated evaluation."""
+    step = run.state.global_step
+
+    def final_evaluation(refitted: bool) -> dict:
+        if refitted and run.refitted_eval_step != step:
+            run.last_eval_step = -1  # the head changed since the step's evaluation (not taken with this same refit)
+        if run.last_eval_step != step:
+            _run_eval(run)
+        return run.predictions
+
+    calibrated = fit_after_training(run.eval_model, run.config, run.train_ds, run.collator, run.device, run.is_main,
+                                    run.eval_ds, final_evaluation, lambda: _evaluate(run).predictions())
+    if calibrated is not None:
+        if run.is_main and calibrated.log_items():
+            print("value scale: " + ", ".join(f"{k}={v}" for k, v in calibrated.log_items().items()), file=sys.stderr)
+        _run_eval(run, "eval_calibrated")  # the final metrics, logged apart from the step's own evaluation
 
 
 def _write_outputs(run: Run, adapter_dir: Path, tensors: dict | None = None) -> Path | None:

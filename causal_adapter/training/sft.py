@@ -46,7 +46,7 @@ from .config import TrainConfig
 from .data import pad_token_id, rows_at
 from .engines import inference_precision
 from .metrics import MODEL_INPUTS, MetricAccumulator, accumulate
-from .value_head import base_scale, calibrate_regression_scale, fit_value_head, refit_value_head
+from .value_head import Calibration, fit_after_training, fit_before_training
 
 #: SFTConfig options that rearrange tokens in ways numbers-as-values does not support (none left: assistant-only
 #: loss is what conversations get, from the rendered text's assistant spans, `data.conversations`)
@@ -166,21 +166,18 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         inner = unwrap_causal_model(self.model)
         if not resume_from_checkpoint:  # a resumed run takes the units and heads from its checkpoint
             with inference_precision(inner):  # the features the saved adapter will see
-                fit_value_head(inner, self.value_fit, self.unpacked_train_dataset, self.row_collator, self.args.device,
-                               verbose=self.is_world_process_zero(), eval_ds=self._eval_rows())
+                fit_before_training(inner, self.value_fit, self.unpacked_train_dataset, self.row_collator,
+                                    self.args.device, verbose=self.is_world_process_zero(), eval_ds=self._eval_rows())
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.fit_value_head_after_training()
         return output
 
-    def fit_value_head_after_training(self) -> dict | bool:
+    def fit_value_head_after_training(self) -> Calibration | None:
         """The value head refitted on the final features (when training moved them) and the width
-        calibrated on the evaluation rows, as at the end of `train()`. Every process computes the same."""
+        calibrated on the evaluation rows (`value_head.fit_after_training`), as at the end of `train()`. Every
+        process computes the same. Returns the `Calibration`, None when not calibrated."""
         inner = unwrap_causal_model(self.accelerator.unwrap_model(self.model))
         eval_ds, cfg = self._eval_rows(), self.value_fit
-        refit_value_head(inner, cfg, self.unpacked_train_dataset, self.row_collator, self.args.device, self.accelerator,
-                         self.is_world_process_zero(), eval_ds)
-        if eval_ds is None or not cfg.calibrate_scale:
-            return False
 
         def predict() -> dict:
             bs = cfg.per_device_eval_batch_size
@@ -191,7 +188,10 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
             with torch.no_grad(), inference_precision(inner):
                 return accumulate(inner, batches, acc, device=self.args.device).predictions()
 
-        return calibrate_regression_scale(inner, predict(), base_scale(inner, predict))
+        # the Trainer logs its own evaluations: the final predictions are needed only for the calibration
+        return fit_after_training(inner, cfg, self.unpacked_train_dataset, self.row_collator, self.args.device,
+                                  self.is_world_process_zero(), eval_ds,
+                                  lambda refitted: predict() if cfg.calibrate_scale else {}, predict)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """The CausalModel's loss (Trainer's compute_loss: ``outputs.loss``), not TRL's softmax NLL."""

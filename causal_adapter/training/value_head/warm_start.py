@@ -1,44 +1,53 @@
-"""Data-fitted starting point of the regression head (what `train()` does before step 1).
+"""The warm start of the value head (what a run does before step 1, and again on the final features): the
+value units and decimals from the training targets, then the head fitted in closed form on the model's own
+features at its <NUM> targets.
 
 * `fit_value_units`: the value units Y = value_loc + value_scale * Y' from the training targets
   (median and IQR / 1.349, the normal-consistent robust spread), so the head predicts O(1)
   numbers: raw-unit regression with b_reg = 0 could not reach sunspots' median (39) in 300 steps.
 * `value_decimals`: the most decimals the training targets are written with (generated values
   are shown that way).
-* `ridge_warm_start`: the regression head from the model's own loc_U at the positions that predict
-  a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
-  (`center_abduction`, exact for every token score), ridge on per-feature standardised features
-  with the penalty chosen on the validation split and exact leave-one-out together (else leave-one-out) under an optional
-  bf16-rounding bound (`fit_linear_head`), the loss (least squares, or a Huber / Cauchy M-estimate by
-  IRLS) chosen per fit on validation by default, and, with
-  the per-row scale, a log-linear width (`fit_log_scale`) and the out-of-depth statistics
-  (`fit_depth`). docs/values.md has the validation figures behind each default. Measured before:
-  the information about the value sits in low-variance directions of the final-norm features, where
-  Adam from a random w_reg needs far more steps than a training run has (sunspots, frozen tiny base:
-  MAE 48 after 3000 Adam steps vs 31 for the warm start).
-
-The linear fits themselves are `linear_fit`'s; the head in per-row units (its choice, nonlinear correction and
-log-width) is `row_head_fit`'s.
+* `ridge_warm_start`: the regression head from the model's own loc_U and the row's recent numbers at the positions
+  that predict a <NUM> target (a linear probe, then fine-tuning: "LP-FT"): loc_U centred there
+  (`center_abduction`, exact for every token score); the head's inputs chosen on held-out error
+  (`choose_head_inputs`); a ridge / robust fit (`linear.fit_linear_head`); with the per-row scale, a log-linear
+  width (`linear.fit_log_scale`) and the out-of-depth statistics (`fit_depth`); then the per-row units when they
+  win (`row_head.choose_row_units`, `correction.add_correction`, `row_head.add_row_scale`). docs/values.md has the
+  validation figures behind each default. Measured before: the information about the value sits in low-variance
+  directions of the final-norm features, where Adam from a random w_reg needs far more steps than a training run
+  has (sunspots, frozen tiny base: MAE 48 after 3000 Adam steps vs 31 for the warm start).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from ..config import BF16_MAX_SHIFT
-from ..numbers import format_number
-from ..saving.fsdp import whole_root_parameters
-from ..saving.unwrap import unwrap_causal_model
-from .linear_fit import (LOSSES, _one_standard_error_choice, _score_gap, choose_recent_width, fit_linear_head,
-                         fit_log_scale, penalty_score, recent_range)
-from .row_head_fit import add_row_net, add_row_scale, choose_row_units, set_row_head
+from ...config import BF16_MAX_SHIFT
+from ...numbers import format_number
+from ...saving.fsdp import whole_root_parameters
+from ...saving.unwrap import unwrap_causal_model
+from .choice import Scored, choose_recent_width, one_standard_error_choice, score_diffs
+from .correction import add_correction
+from .linear import LOSSES, fit_linear_head, fit_log_scale, penalty_score, recent_range
+from .row_head import add_row_scale, choose_row_units, set_row_head
 
 #: loss of the value head's fit: 'auto' = least squares unless a robust one of LOSSES wins on validation, per fit
 #: (docs/values.md); 'cauchy', 'huber', 'tukey' or 'squared' fix it
 ROBUST_LOSS = "auto"
+
+
+@dataclass
+class DepthStats:
+    """The out-of-depth statistics of the training features (`fit_depth`; `ActionHead.set_depth` loads them)."""
+    mean: Tensor
+    basis: Tensor
+    weight: Tensor
+    resid: Tensor
+    ref: Tensor
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -106,12 +115,12 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
     return X, torch.cat(targets)[:max_rows], R
 
 
-def fit_depth(X: Tensor, rank: int, rel_eps: float = 1e-3) -> dict:
+def fit_depth(X: Tensor, rank: int, rel_eps: float = 1e-3) -> DepthStats:
     """Statistics of the training features X [n, C] for the out-of-depth width: with x~ = x - mean,
     d2(x) = resid |x~|^2 + sum_k weight_k (basis_k . x~)^2 is the Mahalanobis distance under the
     covariance's top `rank` directions plus an isotropic rest (both regularised by rel_eps x the mean
     variance), and ref = its largest value on the training rows. Tensors: mean [C], basis [rank, C],
-    weight [rank], resid [1], ref [1] (zero rows pad the basis when n - 1 < rank)."""
+    weight [rank], resid [1], ref [1] (zero rows pad the basis when n - 1 < rank): a `DepthStats`."""
     n, C = X.shape
     mean = X.mean(0)
     _, S, Vh = torch.linalg.svd((X - mean) / math.sqrt(max(n - 1, 1)), full_matrices=False)
@@ -125,8 +134,8 @@ def fit_depth(X: Tensor, rank: int, rel_eps: float = 1e-3) -> dict:
     basis[:k], weight[:k] = Vh[:k], 1.0 / (eig[:k] + reg) - resid
     Xc = X - mean
     d2 = resid * (Xc ** 2).sum(-1) + ((Xc @ basis.T) ** 2) @ weight
-    return {"mean": mean, "basis": basis, "weight": weight, "resid": torch.tensor([resid], dtype=X.dtype),
-            "ref": torch.tensor([max(float(d2.max()), 1e-30)], dtype=X.dtype)}
+    return DepthStats(mean, basis, weight, torch.tensor([resid], dtype=X.dtype),
+                      torch.tensor([max(float(d2.max()), 1e-30)], dtype=X.dtype))
 
 
 def center_abduction(model, mean: Tensor) -> Tensor:
@@ -156,45 +165,52 @@ HEAD_INPUTS = (("recent", False, True, 1.0), ("loc_U", True, False, 1.0), ("loc_
                ("loc_U+recent", True, True, 1.0))
 
 
+@dataclass
+class HeadInputs:
+    """Which inputs the value head reads (`choose_head_inputs`): its name (e.g. ``loc_U+recent[:16]``), the kept
+    columns of [loc_U, recent values] [C + K] bool, the recent values' penalty gain."""
+    name: str
+    keep: Tensor
+    gain: float
+
+
 def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor | None, C: int,
-                       max_shift: float) -> tuple[str, Tensor, float]:
+                       max_shift: float) -> HeadInputs:
     """Which inputs the value head reads, chosen per fit on held-out error: F [n, C + K] = loc_U, then the K
     recent values. Each candidate set is fitted by least squares (its own penalty) and scored by `penalty_score`
     (validation and leave-one-out MAE); a reference is kept unless another set is better by more than one
-    standard error (the one-standard-error rule, as for the loss: on a few dozen validation rows a smaller MAE
-    alone is mostly noise, and the C-column sets are the ones that then extrapolate badly). Two steps:
+    standard error (`choice.one_standard_error_choice`: on a few dozen validation rows a smaller MAE alone is mostly
+    noise, and the C-column sets are the ones that then extrapolate badly). Two steps:
 
     1. How many recent values: the K // 4 most recent, then K // 2, then all K, each step taken only when it
-       beats the current choice by more than one standard error. K is one default for every corpus: a series
-       whose prompts label each value with a number (a year, or year and month) fills half or more of the
-       slots with labels, and on a short series the older values may be noise.
+       beats the current choice by more than one standard error (`choice.choose_recent_width`). K is one default
+       for every corpus: a series whose prompts label each value with a number (a year, or year and month) fills
+       half or more of the slots with labels, and on a short series the older values may be noise.
     2. Which set of `HEAD_INPUTS` with those recent values: the recent values alone (the reference), loc_U
        alone (the SPEC's head), loc_U + the recent values with their penalty divided by 100, or both.
 
-    Returns (name, e.g. ``loc_U+recent[:16]``, the kept columns [C + K] as a mask, the recent values' penalty
-    gain). Without recent values (K = 0): loc_U."""
+    Without recent values (K = 0): loc_U."""
     k = F.shape[1] - C
     if not k:
-        return "loc_U", torch.ones(C, dtype=torch.bool), 1.0
+        return HeadInputs("loc_U", torch.ones(C, dtype=torch.bool), 1.0)
     has_val = F_val is not None and t_val is not None and len(t_val) > 0
 
-    def fit_set(name: str, use_u: bool, width: int, gain: float) -> dict:
+    def fit_set(name: str, use_u: bool, width: int, gain: float) -> Scored:
         keep = torch.cat([torch.full((C,), use_u), torch.arange(k) < width])
         fit = fit_linear_head(F[:, keep], t, F_val[:, keep] if has_val else None, t_val if has_val else None,
                               loss="squared", max_shift=max_shift, exact_columns=width, exact_gain=gain)
-        val_errors = fit["abs_errors"] if has_val else None
-        score = penalty_score(float(fit["loo"].abs().mean()), None if val_errors is None else float(val_errors.mean()))
-        return {"name": name, "keep": keep, "gain": gain, "score": score, "loo": fit["loo"], "val_errors": val_errors,
-                "width": width}
+        val_errors = fit.abs_errors if has_val else None
+        score = penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean()))
+        return Scored(score, fit.loo, val_errors, (HeadInputs(name, keep, gain), width))
 
     chosen = choose_recent_width(lambda w: fit_set("recent", False, w, 1.0), k)
-    width = chosen["width"]
+    width = chosen.what[1]
     label = "recent" if width == k else f"recent[:{width}]"
     # HEAD_INPUTS[0], the recent values alone, is the fit step 1 chose: reused as the reference
-    fits = [{**chosen, "name": label}] + [fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
-                                         for name, use_u, use_recent, gain in HEAD_INPUTS[1:]]
-    best = _one_standard_error_choice(fits, gap=_score_gap)
-    return best["name"], best["keep"], best["gain"]
+    reference = Scored(chosen.score, chosen.loo, chosen.val_errors, (HeadInputs(label, chosen.what[0].keep, 1.0), width))
+    fits = [reference] + [fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
+                          for name, use_u, use_recent, gain in HEAD_INPUTS[1:]]
+    return one_standard_error_choice(fits, score_diffs, lambda f: f.score).what[0]
 
 
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
@@ -202,16 +218,16 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
                      max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES,
                      row_rules: Sequence[str] = (), force_row_units: bool = False, row_correction: bool = True
                      ) -> dict | None:
-    """Set the regression head from a robust ridge fit (`fit_linear_head`) on the model's own features at
-    its <NUM> targets, in standardised units: w_reg, b_reg; |b_noise_Y| (the median |LOO residual|, a
+    """Set the regression head from a robust ridge fit (`linear.fit_linear_head`) on the model's own features at
+    its <NUM> targets, in standardised units: w_reg, w_recent, b_reg; |b_noise_Y| (the median |LOO residual|, a
     Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
-    `fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor of 1, when the head reads no
-    loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates
-    of loss 'auto'. `row_rules`: per-row units to try (`fit_row_head`); one is kept over the adapter's units when
-    its held-out errors, each divided by its row's naive error (`scale_free_errors`), are smaller by more than
-    one standard error (`force_row_units`: the first rule, unconditionally), with its nonlinear correction when
-    `row_correction` and it wins (`add_row_net`), then its log-width (`add_row_scale`). Returns a summary, or None with
-    fewer than 2 targets. `model`: as for `num_label_features`."""
+    `linear.fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor of 1, when the head reads no
+    loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound
+    `max_shift` (inf: none); `losses`: the candidates of loss 'auto'. `row_rules`: per-row units to try
+    (`row_head.choose_row_units`; `force_row_units`: the first rule, unconditionally), with the nonlinear
+    correction when `row_correction` and it wins (`correction.add_correction`), then the log-width
+    (`row_head.add_row_scale`). Returns a summary for the log, or None with fewer than 2 targets. `model`: as for
+    `num_label_features`."""
     X, y, R = num_label_features(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
@@ -230,58 +246,60 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     C, k = X.shape[1], R.shape[1]
     F = torch.cat([X, act.standardized_recent(R)], 1)
     F_val = None if X_val is None else torch.cat([X_val, act.standardized_recent(R_val)], 1)
-    inputs, keep, gain = choose_head_inputs(F, t, F_val, t_val, C, max_shift)
+    inputs = choose_head_inputs(F, t, F_val, t_val, C, max_shift)
+    keep = inputs.keep
     fit = fit_linear_head(F[:, keep], t, None if F_val is None else F_val[:, keep], t_val, loss=loss,
-                          max_shift=max_shift, losses=losses, exact_columns=int(keep[C:].sum()), exact_gain=gain)
-    w = torch.zeros(C + k, dtype=fit["w"].dtype)
-    w[keep] = fit["w"]
-    fit["w"] = w
-    summary = {"rows": int(X.shape[0]), "inputs": inputs, "loss": fit["loss"], "ridge_lambda": fit["lam"],
-               "chosen_on": fit["chosen_on"],
-               "w_norm": float(fit["w"].norm()), "bf16_shift": fit["shift"] * act.value_scale,
-               "loo_mae": float(fit["loo"].abs().mean()) * act.value_scale,
-               "finite": bool(math.isfinite(float(fit["w"].abs().sum())))}
-    scale = max(float(fit["loo"].abs().median()), 1e-3)
+                          max_shift=max_shift, losses=losses, exact_columns=int(keep[C:].sum()),
+                          exact_gain=inputs.gain).padded(keep)
+    summary = {"rows": int(X.shape[0]), "inputs": inputs.name, "loss": fit.loss, "ridge_lambda": fit.lam,
+               "chosen_on": fit.chosen_on,
+               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.value_scale,
+               "loo_mae": float(fit.loo.abs().mean()) * act.value_scale,
+               "finite": bool(math.isfinite(float(fit.w.abs().sum())))}
+    scale = max(float(fit.loo.abs().median()), 1e-3)
     if k:
-        summary["w_recent_norm"] = float(fit["w"][C:].norm())
-    row = choose_row_units(fit, F_val, X_val, R, y, R_val, y_val if val_batches is not None else None, act,
-                           row_rules, force_row_units, loss=loss, losses=losses, max_shift=max_shift) if k else None
+        summary["w_recent_norm"] = float(fit.w[C:].norm())
+    has_val = val_batches is not None
+    row = choose_row_units(fit, F_val, R, y, R_val, y_val if has_val else None, act, row_rules, force_row_units,
+                           loss=loss, losses=losses, max_shift=max_shift) if k else None
     if row is not None and row_correction:
-        row = add_row_net(row, R, y, R_val, y_val if val_batches is not None else None, act, inner.causal_config.seed)
-        row = add_row_scale(row, R_val, y_val if val_batches is not None else None, act)
-    inner.set_row_units(None if row is None else row["rule"], 0.0 if row is None else row["width_power"])
+        row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed)
+        row = add_row_scale(row, R_val, y_val if has_val else None, act)
+    inner.set_row_units(None if row is None else row.rule, 0.0 if row is None else row.width_power)
     if row is not None:
-        set_row_head(act, row, C)
-        summary.update(units=row["rule"], inputs=f"recent[:{row['width']}] in row units", loss=row["loss"],
-                       ridge_lambda=row["lam"], bf16_shift=0.0, w_recent_norm=float(row["w"].norm()),
-                       units_score=row["units_score"], adapter_units_score=row["adapter_score"],
-                       width_power=row["width_power"])
-        if "net_mae" in row:  # the correction was tried: validation MAEs in row units
-            summary.update(row_net="kept" if row["net"] is not None else "not kept", row_net_mae=row["net_mae"],
-                           row_linear_mae=row["linear_mae"])
-        if "scale" in row:  # the log-width was tried
-            summary.update(row_scale="kept" if row["scale"] is not None else "not kept")
+        set_row_head(act, row)
+        summary.update(units=row.rule, inputs=f"recent[:{row.width}] in row units", loss=row.linear.loss,
+                       ridge_lambda=row.linear.lam, bf16_shift=0.0, w_recent_norm=float(row.linear.w.norm()),
+                       units_score=row.units_score, adapter_units_score=row.adapter_score,
+                       width_power=row.width_power)
+        if row.net_mae is not None:  # the correction was tried: validation MAEs in row units
+            summary.update(row_net="kept" if row.net is not None else "not kept", row_net_mae=row.net_mae,
+                           row_linear_mae=row.linear_mae)
+        if row.scale_tried:
+            summary.update(row_scale="kept" if row.scale is not None else "not kept")
         return summary
     summary["units"] = "adapter"
     with torch.no_grad():
-        act.w_reg.copy_(fit["w"][:C].to(act.w_reg.dtype))
-        act.b_reg.fill_(fit["b"])
+        act.w_reg.copy_(fit.w[:C].to(act.w_reg.dtype))
+        act.b_reg.fill_(fit.b)
         if k:
-            act.w_recent.copy_(fit["w"][C:].to(act.w_recent.dtype))
+            act.w_recent.copy_(fit.w[C:].to(act.w_recent.dtype))
             act.recent_range.copy_(recent_range(F[:, C:], R).to(act.recent_range))
         if act.w_scale_Y is not None:
-            resid_val = None if t_val is None else t_val - (F_val @ fit["w"] + fit["b"])
-            sfit = fit_log_scale(X, fit["loo"], X_val, resid_val)
-            act.w_scale_Y.copy_(sfit["w"].to(act.w_scale_Y.dtype))
-            seen = X @ sfit["w"]
+            resid_val = None if t_val is None else t_val - (F_val @ fit.w + fit.b)
+            sfit = fit_log_scale(X, fit.loo, X_val, resid_val)
+            act.w_scale_Y.copy_(sfit.w.to(act.w_scale_Y.dtype))
+            seen = X @ sfit.w
             act.log_scale_range.copy_(torch.stack([seen.min(), seen.max()]).to(act.log_scale_range))
-            scale = math.exp(sfit["b"])
+            scale = math.exp(sfit.b)
+            reads_u = bool(keep[:C].any())
             depth = fit_depth(X, act.depth_basis.shape[0])
-            if not bool(keep[:C].any()):  # the head reads no loc_U: loc_U's distance says nothing of its error
-                depth = {**depth, "weight": torch.zeros_like(depth["weight"]), "resid": torch.zeros_like(depth["resid"])}
+            if not reads_u:  # the head reads no loc_U: loc_U's distance says nothing of its error
+                depth = DepthStats(depth.mean, depth.basis, torch.zeros_like(depth.weight),
+                                   torch.zeros_like(depth.resid), depth.ref)
             act.set_depth(depth)
-            summary.update(scale_lambda=sfit["lam"], scale_w_norm=float(sfit["w"].norm()),
-                           depth="loc_U" if bool(keep[:C].any()) else "off")
+            summary.update(scale_lambda=sfit.lam, scale_w_norm=float(sfit.w.norm()),
+                           depth="loc_U" if reads_u else "off")
         if act.b_noise_Y is not None:
             act.b_noise_Y.fill_(scale)
     return summary

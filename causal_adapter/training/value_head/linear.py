@@ -1,19 +1,22 @@
 """Closed-form linear fits of the value head, on tensors (no model): ridge regression on per-feature standardised
 features with exact leave-one-out residuals along a penalty path, under an optional bf16-rounding bound
-(`fit_linear_head`); robust M-estimates by IRLS (Huber, Cauchy, Tukey; `robust_weights`); the penalty rule
-(`penalty_score`: the mean of the validation and leave-one-out MAEs); the one-standard-error choice among fits;
-a log-linear Cauchy width (`fit_log_scale`); the clamp range of the recent values (`recent_range`).
-`value_fit` and `row_head_fit` fit the value head with them; docs/values.md has the figures behind each default.
+(`fit_linear_head` -> `LinearFit`); robust M-estimates by IRLS (Huber, Cauchy, Tukey; `robust_weights`); the
+penalty rule (`penalty_score`: the mean of the validation and leave-one-out MAEs); a log-linear Cauchy width
+(`fit_log_scale` -> `LogScaleFit`); the clamp range of the recent values (`recent_range`). docs/values.md has the
+figures behind each default.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from ..config import BF16_MAX_SHIFT
+from ...config import BF16_MAX_SHIFT
+from .choice import one_standard_error_choice
 
 
 #: ridge penalties tried, relative to the largest squared singular value of the centred features
@@ -35,6 +38,43 @@ WARM_START_LOSSES = ("squared", "huber", "cauchy")
 #: textbook 4.685: on sunspots with 40% shuffled targets the MAD is inflated by the shuffled rows
 #: (validation MAE 22.9 at 3 vs 25.2 at 4.685 and 37.6 at 2; docs/values.md)
 TUKEY_C = 3.0
+
+
+@dataclass
+class LinearFit:
+    """A linear head t ~ X @ w + b (`fit_linear_head`), in the raw units of X's columns.
+
+    w [C], b; lam: the relative penalty chosen; loo [n]: leave-one-out residuals; weights [n]: the IRLS weights
+    (ones for least squares); shift: the bf16-rounding shift of X @ w; chosen_on: what chose the penalty; loss:
+    the loss used; score: the mean held-out absolute error; scores: {loss: score} of the candidates of
+    loss='auto'; abs_errors [n_val] (or [n]): held-out absolute errors (validation, else leave-one-out)."""
+    w: Tensor
+    b: float
+    lam: float
+    loo: Tensor
+    weights: Tensor
+    shift: float
+    chosen_on: str
+    loss: str
+    score: float
+    scores: dict[str, float]
+    abs_errors: Tensor
+
+    def padded(self, keep: Tensor) -> "LinearFit":
+        """The fit with w spread over the columns `keep` [C'] bool marks (zeros elsewhere)."""
+        w = torch.zeros(keep.numel(), dtype=self.w.dtype)
+        w[keep] = self.w
+        return dataclasses.replace(self, w=w)
+
+
+@dataclass
+class LogScaleFit:
+    """A log-linear Cauchy width s(x) = exp(w . x + b) (`fit_log_scale`): w [C], b, the relative penalty (inf for
+    a constant width) and its held-out Cauchy NLL."""
+    w: Tensor
+    b: float
+    lam: float
+    nll: float
 
 
 def standardize(X: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -60,7 +100,7 @@ def bf16_shift(X: Tensor, w: Tensor, exact_columns: int = 0) -> float:
     return float(((rounded - X) @ w).abs().max())
 
 
-def _ridge_path(Xs: Tensor, t: Tensor, weights: Tensor, lams: Sequence[float]):
+def ridge_path(Xs: Tensor, t: Tensor, weights: Tensor, lams: Sequence[float]):
     """Weighted ridge on standardised features Xs [n, C] for every penalty of `lams`; yields (lam, w_s [C], intercept,
     LOO residuals [n]). Exact LOO residuals of the weighted problem, from one SVD."""
     wn = weights / weights.sum()
@@ -110,7 +150,7 @@ def _choose(path, score_fn, X: Tensor, sd: Tensor, max_shift: float, X_val: Tens
     return best or first
 
 
-def _standardized(X: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+def standardized(X: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
     """(mean [C], sd [C], the standardised X [n, C], the largest squared singular value of its centred
     form: the unit of the relative ridge penalties)."""
     mean, sd = standardize(X)
@@ -121,7 +161,7 @@ def _standardized(X: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
 def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Tensor | None = None, *,
                     loss: str = "cauchy", grid: Sequence[float] = RIDGE_GRID, max_shift: float = BF16_MAX_SHIFT,
                     iters: int = IRLS_ITERS, losses: Sequence[str] = LOSSES, exact_columns: int = 0,
-                    exact_gain: float = 1.0) -> dict:
+                    exact_gain: float = 1.0) -> LinearFit:
     """Robust ridge regression t [n] ~ X [n, C] on per-feature standardised features, folded back to
     raw units (a plain linear head). The penalty (relative to the largest squared singular value of
     the standardised features) is the grid entry with the smallest mean of the validation MAE (X_val, t_val)
@@ -131,18 +171,16 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     loss != 'squared' ('huber', 'cauchy', 'tukey'): IRLS M-estimate started from the ridge solution, then the penalty is chosen again
     under the final weights and IRLS runs once more. loss 'auto': each of `losses` is fitted so; least
     squares is kept unless a robust fit's validation MAE (else mean |LOO residual|) is smaller by more
-    than one standard error of the paired difference (`_one_standard_error_choice`).
+    than one standard error of the paired difference (`choice.one_standard_error_choice`).
 
-    Returns {"w": [C], "b": float, "lam": relative penalty, "loo": LOO residuals [n], "weights": [n],
-    "shift": bf16 shift, "chosen_on": str, "loss": the loss used, "score": its selection score,
-    "scores": {loss: score} (the candidates'), "abs_errors": [n_val] (or [n]) held-out absolute errors}."""
+    Returns a `LinearFit`."""
     if loss == "auto":
         fits = [fit_linear_head(X, t, X_val, t_val, loss=name, grid=grid, max_shift=max_shift, iters=iters,
                                 exact_columns=exact_columns, exact_gain=exact_gain) for name in losses]
-        best = _one_standard_error_choice(fits)
-        return {**best, "scores": {f["loss"]: f["score"] for f in fits}}
+        best = one_standard_error_choice(fits, lambda ref, f: (ref.abs_errors - f.abs_errors,), lambda f: f.score)
+        return dataclasses.replace(best, scores={f.loss: f.score for f in fits})
     robust_weights(t[:1], loss)  # an unknown loss fails here, before any work
-    mean, sd, Xs, unit = _standardized(X)
+    mean, sd, Xs, unit = standardized(X)
     if exact_columns and exact_gain != 1.0:  # the last columns scaled up: their penalty is lam / gain^2
         sd = sd.clone()
         sd[-exact_columns:] /= exact_gain
@@ -156,20 +194,20 @@ def fit_linear_head(X: Tensor, t: Tensor, X_val: Tensor | None = None, t_val: Te
     weights = torch.ones_like(t)
     rounds = 1 if loss == "squared" else 2
     for _ in range(rounds):
-        _, lam, w, b, loo = _choose(_ridge_path(Xs, t, weights, [r * unit for r in grid]), score, X, sd,
+        _, lam, w, b, loo = _choose(ridge_path(Xs, t, weights, [r * unit for r in grid]), score, X, sd,
                                     max_shift, X_val if has_val else None, exact_columns)
         if loss == "squared":
             break
         for _ in range(iters):  # IRLS at this penalty
             resid = t - b - Xs @ w
             weights = robust_weights(resid, loss).clamp_min(1e-12)
-            _, w, b, loo = next(_ridge_path(Xs, t, weights, [lam]))
+            _, w, b, loo = next(ridge_path(Xs, t, weights, [lam]))
     w_raw = w / sd
     abs_errors = (X_val @ w_raw + b - mean @ w_raw - t_val).abs() if has_val else loo.abs()
-    return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "loo": loo, "weights": weights,
-            "shift": bf16_shift(X, w_raw, exact_columns), "chosen_on": "validation+leave-one-out" if has_val else "leave-one-out",
-            "loss": loss, "score": float(abs_errors.mean()), "scores": {loss: float(abs_errors.mean())},
-            "abs_errors": abs_errors}
+    return LinearFit(w=w_raw, b=b - float(mean @ w_raw), lam=lam / unit, loo=loo, weights=weights,
+                     shift=bf16_shift(X, w_raw, exact_columns),
+                     chosen_on="validation+leave-one-out" if has_val else "leave-one-out", loss=loss,
+                     score=float(abs_errors.mean()), scores={loss: float(abs_errors.mean())}, abs_errors=abs_errors)
 
 
 def penalty_score(loo_mae: float, val_mae: float | None) -> float:
@@ -181,25 +219,6 @@ def penalty_score(loo_mae: float, val_mae: float | None) -> float:
     return loo_mae if val_mae is None else 0.5 * (loo_mae + val_mae)
 
 
-def _abs_error_gap(ref: dict, other: dict) -> tuple[float, float]:
-    """(how much smaller `other`'s held-out absolute errors [n] are than `ref`'s on average, its standard error)."""
-    diff = ref["abs_errors"] - other["abs_errors"]
-    return float(diff.mean()), float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
-
-
-def _one_standard_error_choice(fits: Sequence[dict], gap=_abs_error_gap) -> dict:
-    """The first fit (the reference: least squares among the losses, the recent values alone among the head's
-    inputs) unless a later one is better by more than one standard error of the paired difference (`gap`: of
-    the held-out absolute errors, or `_score_gap`); among those, the smallest score (the one-standard-error
-    rule: on a few dozen validation rows a smaller MAE alone is mostly noise)."""
-    better = []
-    for f in fits[1:]:
-        drop, se = gap(fits[0], f)
-        if drop > se:
-            better.append(f)
-    return min(better, key=lambda f: f["score"]) if better else fits[0]
-
-
 def log_abs_residuals(resid: Tensor) -> Tensor:
     """[n] log |resid|, floored at 1e-3 of the median |resid| (an exact fit's zeros): what `fit_log_scale`
     regresses; its mean is a constant Cauchy's log-scale (for a Cauchy, E log |r| = log s)."""
@@ -207,13 +226,13 @@ def log_abs_residuals(resid: Tensor) -> Tensor:
 
 
 def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_val: Tensor | None = None, *,
-                  grid: Sequence[float] = RIDGE_GRID, max_shift: float = 0.05) -> dict:
+                  grid: Sequence[float] = RIDGE_GRID, max_shift: float = 0.05) -> LogScaleFit:
     """A per-row Cauchy scale s(x) = exp(w . x + b) from residuals [n] (out-of-sample: LOO) of a location
     head: ridge of log|r| on standardised X (for a Cauchy, E log|r| = log s exactly). The penalty is
     the one with the smallest Cauchy NLL of the validation residuals `resid_val` (else of the LOO
-    log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse. Returns {"w": [C], "b": float, "lam": relative penalty, "nll": float}."""
+    log-residuals' predictions); a constant scale (w = 0, lam = inf) is kept when its NLL is no worse."""
     target = log_abs_residuals(resid)
-    mean, sd, Xs, unit = _standardized(X)
+    mean, sd, Xs, unit = standardized(X)
     has_val = X_val is not None and resid_val is not None and len(resid_val) > 0
 
     def score(w_raw, b, loo):
@@ -223,7 +242,7 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
             log_s, r = target - loo, resid
         return float((log_s + math.log(math.pi) + torch.log1p((r / log_s.exp()) ** 2)).mean())
 
-    nll, lam, w, b, _ = _choose(_ridge_path(Xs, target, torch.ones_like(target), [r * unit for r in grid]),
+    nll, lam, w, b, _ = _choose(ridge_path(Xs, target, torch.ones_like(target), [r * unit for r in grid]),
                                 score, X, sd, max_shift, X_val if has_val else None)
     w_raw = w / sd
     # a constant width (log |r| 's mean, LOO-exact) competes on the same held-out NLL: keep it when it wins
@@ -231,32 +250,8 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
     const_loo = target - (target.sum() - target) / max(n - 1, 1)
     const_nll = score(torch.zeros_like(w_raw), float(target.mean()), const_loo)
     if const_nll <= nll:
-        return {"w": torch.zeros_like(w_raw), "b": float(target.mean()), "lam": math.inf, "nll": const_nll}
-    return {"w": w_raw, "b": b - float(mean @ w_raw), "lam": lam / unit, "nll": nll}
-
-
-def _score_gap(ref: dict, other: dict) -> tuple[float, float]:
-    """(how much smaller `other`'s `penalty_score` is than `ref`'s, its standard error): the paired differences of
-    absolute errors, validation and leave-one-out each averaged, as `penalty_score` weighs them."""
-    parts = [ref["loo"].abs() - other["loo"].abs()]
-    if ref["val_errors"] is not None:
-        parts.append(ref["val_errors"] - other["val_errors"])
-    means = [float(d.mean()) for d in parts]
-    ses = [float(d.std() / math.sqrt(len(d))) if len(d) > 1 else math.inf for d in parts]
-    return sum(means) / len(parts), math.sqrt(sum(se * se for se in ses)) / len(parts)
-
-
-def choose_recent_width(fit_width, k: int) -> dict:
-    """Step 1 of `choose_head_inputs`: `fit_width(w)` (a fit with `penalty_score`'s "score" and held-out
-    errors) for the K // 4, K // 2, then all K most recent values, each step taken only when it beats the
-    current choice by more than one standard error."""
-    chosen = None
-    for w in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
-        f = fit_width(w)
-        drop, se = _score_gap(chosen, f) if chosen is not None else (math.inf, 0.0)
-        if drop > se:
-            chosen = f
-    return chosen
+        return LogScaleFit(w=torch.zeros_like(w_raw), b=float(target.mean()), lam=math.inf, nll=const_nll)
+    return LogScaleFit(w=w_raw, b=b - float(mean @ w_raw), lam=lam / unit, nll=nll)
 
 
 def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
@@ -270,11 +265,3 @@ def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
     lo, hi = torch.where(none, 0.0, lo), torch.where(none, 0.0, hi)
     width = hi - lo
     return torch.stack([lo - width, hi + width])
-
-
-def ridge_loo(X: Tensor, t: Tensor, grid: Sequence[float] = RIDGE_GRID, X_val: Tensor | None = None,
-              t_val: Tensor | None = None) -> tuple[Tensor, float, Tensor]:
-    """Least-squares `fit_linear_head`: (w [C + 1], the intercept last; the relative penalty; LOO
-    residuals [n])."""
-    fit = fit_linear_head(X, t, X_val, t_val, loss="squared", grid=grid)
-    return torch.cat([fit["w"], torch.tensor([fit["b"]], dtype=fit["w"].dtype)]), fit["lam"], fit["loo"]

@@ -1,0 +1,117 @@
+"""The value head's width after training, calibrated on the validation rows (`calibrate_regression_scale`): how
+much of a fitted per-row width to keep (its exponent, against the width without it: `base_scale`), the scale
+|b_noise_Y| at the median normalised residual, and the split-conformal map of every level
+(`modeling.intervals.fit_calibration`), a residual below the written resolution counted at it
+(`written_resolution`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import DEFAULT_SCALE_FLOOR
+from ...modeling.intervals import choose_scale_exponent, fit_calibration
+
+
+@dataclass
+class Calibration:
+    """What `calibrate_regression_scale` did. scale_exponent: a of the per-row width's fitted part (None: not
+    chosen, no such part); interval_scores: the held-out interval score of each exponent tried; exact_rows: the
+    validation rows whose residual is below the written resolution (None: none)."""
+    scale_exponent: float | None = None
+    interval_scores: dict[float, float] = field(default_factory=dict)
+    exact_rows: str | None = None
+
+    def log_items(self) -> dict[str, object]:
+        """The items of the log line ``value scale: ...`` (only what was done)."""
+        items: dict[str, object] = {}
+        if self.scale_exponent is not None:
+            items["scale_exponent"] = self.scale_exponent
+            items.update({f"interval_score_a{k:g}": round(v, 6) for k, v in self.interval_scores.items()})
+        if self.exact_rows is not None:
+            items["exact_rows"] = self.exact_rows
+        return items
+
+
+def base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
+    """With a fitted per-row part of the width (`ActionHead.per_row_log_scale`: w_scale_Y . loc_U in the adapter's
+    units, w_row_scale . x in per-row units): the validation widths without it (that part 0; the out-of-depth factor
+    and the row's own units kept), from one more pass of `predict` (rows in the order of the last evaluation's);
+    else None."""
+    act = inner.action
+    part = act.per_row_log_scale()
+    if part is None or act.b_noise_Y is None:
+        return None
+    saved = tuple(t.detach().clone() for t in part)
+    try:
+        with torch.no_grad():
+            for t in part:
+                t.zero_()
+        return predict()["scale"]
+    finally:
+        with torch.no_grad():
+            for t, old in zip(part, saved):
+                t.copy_(old)
+
+
+def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
+                                ) -> Calibration | None:
+    """After training, on the validation predictions. With a per-row scale and `base_scale` (`base_scale`):
+    shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
+    interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
+    validation rows; in per-row units on the rows divided by their base width, so that every scale counts alike)
+    and applied to that part's weights and clamp range (`ActionHead.per_row_log_scale`: w_scale_Y and
+    log_scale_range, or w_row_scale and row_log_scale_range) as *= a (still an exact Cauchy; the out-of-depth
+    factor stays). Then multiply |b_noise_Y| by the median normalised residual
+    |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
+    calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
+    (`intervals.fit_calibration`) into `config.value_calibration`. Returns a `Calibration`; None (nothing done)
+    without a regression scale of its own or validation values."""
+    act = inner.action
+    if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
+        return None
+    y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    info = Calibration()
+    part = act.per_row_log_scale()
+    if base_scale is not None and part is not None and len(base_scale) == len(scale):
+        base = torch.tensor(base_scale, dtype=torch.float64)
+        if act.row_rule is not None:  # scored in each row's own width: a series of 0.07 counts as one of 9,000
+            a, scores = choose_scale_exponent(y / base, loc / base, torch.ones_like(base), scale / base)
+        else:
+            a, scores = choose_scale_exponent(y, loc, base, scale / base)
+        info = Calibration(scale_exponent=a, interval_scores=scores)
+        if a != 1.0:
+            with torch.no_grad():
+                for t in part:
+                    t.mul_(a)
+            scale = base * (scale / base) ** a
+    # a residual below the resolution of the written value (half a unit in its last place) says only that the
+    # head matched the text: it counts as that resolution, so an exact fit (deterministic data: arithmetic, a
+    # column copied from the prompt) still gets calibrated intervals, as narrow as the text can tell
+    resolution = written_resolution(y, inner.causal_config.value_decimals)
+    resid = (y - loc).abs()
+    exact = int((resid < resolution).sum())
+    factor = float((resid.clamp_min(resolution) / scale).median())
+    if not math.isfinite(factor) or factor <= 0:
+        return None
+    with torch.no_grad():
+        new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
+        act.b_noise_Y.fill_(new)
+    floored_loc = torch.where(resid < resolution, y - resolution, loc)  # |y - loc| at least the resolution
+    inner.causal_config.value_calibration = fit_calibration(y, floored_loc, (scale * factor).clamp_min(act.scale_floor))
+    if exact:
+        info.exact_rows = f"{exact}/{len(y)} (residual below the written resolution: counted at it)"
+    return info
+
+
+def written_resolution(y: Tensor, decimals: int | None) -> Tensor:
+    """[n] half a unit in the last place of each value as the adapter writes it: 0.5 * 10^-decimals, or with
+    `decimals` None (6 significant digits, `numbers.format_number`) half a unit of the 6th significant digit."""
+    if decimals is not None:
+        return torch.full_like(y, 0.5 * 10.0 ** -decimals)
+    magnitude = torch.floor(torch.log10(y.abs().clamp_min(1e-300)))
+    return 0.5 * 10.0 ** (magnitude - 5)

@@ -1,0 +1,141 @@
+"""The value head's fit in a run, two calls: `fit_before_training` (before step 1 of a fresh run) and
+`fit_after_training` (after the last step). The plain loop (`training.loop.train`) and the TRL trainer
+(`training.sft.CausalSFTTrainer`) both make them, and nothing else of the fit.
+
+    before training   value units and decimals (`warm_start.fit_value_units`), then the warm start
+                      (`warm_start.ridge_warm_start`: the head in closed form on the model's own features)
+    after training    the refit on the features training moved (`refit_value_head`), the validation
+                      predictions, the width without its per-row part (`calibration.base_scale`), the
+                      calibration (`calibration.calibrate_regression_scale`)
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable
+
+import torch
+
+from ...config import BF16_MAX_SHIFT, ROW_UNIT_RULES
+from ...saving.unwrap import unwrap_causal_model
+from ..config import TrainConfig
+from ..data import rows_at
+from ..engines import inference_precision
+from .calibration import Calibration, base_scale, calibrate_regression_scale
+from .linear import LOSSES, WARM_START_LOSSES
+from .warm_start import fit_value_units, ridge_warm_start, value_decimals
+
+
+def features_trained(inner) -> bool:
+    """True when training changed what the regression head reads (LoRA, W_loc / b_loc, d)."""
+    return any(p.requires_grad for n, p in inner.named_parameters()
+               if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
+
+
+def fit_before_training(model, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
+                        max_rows: int = 8192, eval_ds=None, final: bool | None = None) -> dict:
+    """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets when the adapter
+    has none, then, with ``regression_init='ridge'``, the warm start of the regression head
+    (`warm_start.ridge_warm_start`). Every process computes the same from the same rows. `model`: the
+    CausalModel, or the module whose forward runs it (an FSDP1 root unit). `final`: no gradient training follows
+    this head (default: when nothing moves the features), so `value_loss='auto'` chooses among all of `LOSSES`
+    and the per-row head its nonlinear correction; else among `WARM_START_LOSSES`, without the correction.
+    Returns the summary the log prints."""
+    inner = unwrap_causal_model(model)
+    summary: dict = {}
+    rows = train_ds.select(range(min(len(train_ds), max_rows)))
+    num_id = inner.num_token_id
+    value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
+    values = [v for labels, vals in zip(rows["labels"], rows[value_column])
+              for lab, v in zip(labels, vals) if lab == num_id]
+    if not values:
+        return summary
+    if inner.causal_config.value_loc is None:
+        loc, scale = fit_value_units(values)
+        inner.set_value_units(loc, scale, value_decimals(values))
+        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
+    if config.regression_init == "ridge":
+        final = not features_trained(inner) if final is None else final
+        if model is inner:  # not yet prepared: on the accelerator's device for the features' forwards
+            inner.to(device)
+        bs = config.per_device_eval_batch_size
+
+        def batches(ds):
+            return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
+
+        val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
+        fit = ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val, loss=config.value_loss,
+                               max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES,
+                               row_correction=final, **row_unit_choice(config.row_units))
+        if fit:
+            record_fit_precision(inner, fit["bf16_shift"])
+        summary.update(fit or {})
+    if verbose and summary:
+        print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in summary.items()), file=sys.stderr)
+    return summary
+
+
+def row_unit_choice(setting: str) -> dict:
+    """`TrainConfig.row_units` ('auto', 'off' or a rule of `config.ROW_UNIT_RULES`) -> `ridge_warm_start`'s
+    row_rules / force_row_units."""
+    if setting == "auto":
+        return {"row_rules": ROW_UNIT_RULES, "force_row_units": False}
+    if setting == "off":
+        return {"row_rules": (), "force_row_units": False}
+    return {"row_rules": (setting,), "force_row_units": True}
+
+
+def record_fit_precision(inner, bf16_shift: float) -> None:
+    """Save with the adapter what the value head was fitted on: the features' dtype (the fit runs without
+    autocast, `engines.inference_precision`, so the base's) and the bf16 shift of loc_Y (value units). A
+    float32-fitted head with a large shift warns when it runs on 16-bit features (`CausalModel.forward`)."""
+    inner.causal_config.value_fit_dtype = str(inner.backbone.get_input_embeddings().weight.dtype).replace("torch.", "")
+    inner.causal_config.value_bf16_shift = float(bf16_shift)
+
+
+def refit_value_head(model, config: TrainConfig, train_ds, collator, device, verbose: bool, eval_ds=None) -> bool:
+    """When training moves the features the value head reads (LoRA, W_loc, d; `features_trained`) and
+    ``regression_init='ridge'``: fit the head again on them (`fit_before_training` with final=True, on the features
+    inference computes: `engines.inference_precision`) and drop the calibration map, which described the old head.
+    Without this a head fitted at step 0 reads features that drifted (a stale head: sunspots validation MAE
+    21,963,900 mid-run with W_loc trained). Also what a mid-run evaluation of the adapter a run would save does
+    (`loop._eval_refitted`). `model`: as for `fit_before_training`. Returns whether it refitted."""
+    inner = unwrap_causal_model(model)
+    if config.regression_init != "ridge" or not features_trained(inner):
+        return False
+    with inference_precision(inner):  # the features the saved adapter will see (no autocast)
+        fit_before_training(model, config, train_ds, collator, device, verbose=verbose, eval_ds=eval_ds, final=True)
+    inner.causal_config.value_calibration = None
+    return True
+
+
+def fit_after_training(model, config: TrainConfig, train_ds, collator, device, verbose: bool, eval_ds,
+                       validation_predictions: Callable[[bool], dict], predict: Callable[[], dict]
+                       ) -> Calibration | None:
+    """After the last step: the head refitted on the final features (`refit_value_head`), then, with validation
+    rows, `validation_predictions(refitted)` (the predictions of the head as it now is, as the caller evaluates
+    it: it may log them), and with ``calibrate_scale`` the width calibrated on them (`calibrate_regression_scale`,
+    with `base_scale` from one more pass of `predict`, which predicts the validation rows in the same order).
+    Returns the `Calibration` (None: not calibrated)."""
+    inner = unwrap_causal_model(model)
+    refitted = refit_value_head(model, config, train_ds, collator, device, verbose, eval_ds)
+    if eval_ds is None:
+        return None
+    predictions = validation_predictions(refitted)
+    if not config.calibrate_scale:
+        return None
+    return calibrate_regression_scale(inner, predictions, base_scale(inner, predict))
+
+
+def head_shift_bound(inner, config: TrainConfig) -> float:
+    """The bf16 bound of the value head's fit (`config.BF16_MAX_SHIFT`) or inf, per `bf16_safe_head`.
+    'auto' = on only when the heads themselves are 16-bit (`autocast_adapter_dtype=False` on a 16-bit base):
+    the only case where loc_U is rounded. On a bf16 base the heads compute in fp32 and the fit sees the
+    16-bit features it will run on, so its validation-chosen penalty already accounts for them (sunspots,
+    60 bf16 steps, validation MAE 24.97 with the bound off vs 36.89 on: docs/values.md); under bf16
+    autocast on a float32 base the fit sees the float32 features inference computes
+    (`engines.inference_precision`)."""
+    if config.bf16_safe_head == "auto":
+        return BF16_MAX_SHIFT if inner.action.w_reg.dtype in (torch.bfloat16, torch.float16) else math.inf
+    return BF16_MAX_SHIFT if config.bf16_safe_head == "on" else math.inf

@@ -1,0 +1,92 @@
+"""One per-row transform for training and serving (`modeling.row_transform.row_frame`): the rows the value head's fit
+reads (`training.value_head.row_head.row_rows`) and the rows the head reads at inference (`ActionHead.units`) are
+the same tensors, for the same raw recent values. Either side changed alone (a clamp, a unit, an input of the
+correction) fails here."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from causal_adapter.training.value_head.correction import add_correction
+from causal_adapter.training.value_head.linear import LOSSES
+from causal_adapter.training.value_head.row_head import add_row_scale, fit_row_head, row_rows, set_row_head
+
+from test_train import small_model
+
+K = 16
+
+
+def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dated windows (a year before each value, newest first) at levels 10^-2 .. 10^4, some shorter than K (NaN
+    past them), some too short for their own units; and each row's next value."""
+    g = torch.Generator().manual_seed(seed)
+    R = torch.full((n, K), math.nan, dtype=torch.float64)
+    y = torch.empty(n, dtype=torch.float64)
+    for i in range(n):
+        level = 10.0 ** (torch.rand(1, generator=g).item() * 6 - 2)
+        length = (2, 4, 6)[i % 3]  # values in the window
+        path = level * (1 + 0.02 * torch.randn(length + 1, generator=g, dtype=torch.float64).cumsum(0))
+        numbers = []
+        for j, v in enumerate(path[:-1].tolist()):
+            numbers += [2000.0 + j, v] if length > 2 else [v]  # two bare numbers: too few for their own units
+        numbers += [2000.0 + length] if length > 2 else []
+        R[i, :len(numbers)] = torch.tensor(numbers[::-1], dtype=torch.float64)
+        y[i] = path[-1]
+    return R, y
+
+
+@pytest.fixture(scope="module")
+def fitted_head():
+    """A float64 head in per-row units with a correction and a log-width fitted by the fit's own steps."""
+    model = small_model(recent_values=K, value_loc=5.0, value_scale=3.0, value_row_units="last",
+                        value_row_net=2, value_row_net_width=8, value_row_scale=True)
+    act = model.action.double()
+    R, y = _rows(300, 0)
+    R_val, y_val = _rows(120, 1)
+    row = fit_row_head(R, y, R_val, y_val, "last", act, loss="squared", losses=LOSSES, max_shift=math.inf)
+    row = add_row_scale(add_correction(row, R, y, R_val, y_val, act, seed=0), R_val, y_val, act)
+    set_row_head(act, row)
+    act.set_row_units("last", 0.5)
+    return act, row
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_the_fit_and_the_head_read_the_same_rows(fitted_head, narrow):
+    """`narrow`: the head's clamp shrunk (and the fit given the same), so that r leaves it on most rows and the
+    clamp reaches the correction's inputs."""
+    act, row = fitted_head
+    assert torch.equal(act.recent_range, row.clamp())  # the head clamps r to the fit's range
+    if narrow:
+        act = copy.deepcopy(act)
+        act.recent_range.mul_(0.05)
+    R, y = _rows(90, 2)
+    fit = row_rows(R, y, "last", act, act.recent_range)
+    loc, scale, r, width, x = act.units(R, R[:, 0])
+    own = fit.frame.own
+    assert bool(own.any()) and not bool(own.all())  # both kinds of rows: their own units and the adapter's
+    assert torch.equal(loc, fit.frame.loc) and torch.equal(scale, fit.frame.scale)
+    assert torch.equal(r, fit.frame.r)  # what the linear head reads (it clamps r to recent_range itself)
+    assert torch.equal(x, fit.x)  # the correction's and the log-width's inputs, r clamped
+    if narrow:
+        assert not torch.equal(fit.r, fit.frame.r)  # the clamp was reached
+    assert torch.equal(width, fit.frame.width(act.row_width_power))
+    torch.testing.assert_close(width / scale, fit.ratio ** act.row_width_power, rtol=1e-12, atol=0)
+    # the target the fit regresses is the head's value in the same units: loc_Y = m + s t for the fit's t
+    torch.testing.assert_close(loc + scale * fit.t, y, rtol=1e-12, atol=0)
+
+
+def test_the_head_gives_the_value_the_fit_fitted(fitted_head):
+    """The head's loc_Y, in row units, is the fit's linear head plus its correction on the fit's inputs."""
+    act, row = fitted_head
+    R, y = _rows(60, 3)
+    fit = row_rows(R, y, "last", act, row.clamp())
+    with torch.no_grad():
+        loc_Y, _ = act.row_regression(R, R[:, 0])
+    expected = fit.r @ row.linear.w + row.linear.b
+    if row.net is not None:
+        from causal_adapter.modeling.row_net import row_net
+        expected = expected + row_net(fit.x, row.net)
+    torch.testing.assert_close((loc_Y - fit.frame.loc) / fit.frame.scale, expected, rtol=1e-9, atol=1e-9)
