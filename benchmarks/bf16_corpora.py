@@ -11,17 +11,15 @@ computes it (CPU, float32) and again on the GPU under bf16 autocast (``gpu_autoc
 ``--variants``: more runs against the same fp32 one: ``fp16`` (fp16 mixed precision: on a GPU accelerate's
 GradScaler; on CPU accelerate runs plain fp32) and ``bf16-base`` (the base held in bf16, bf16 mixed precision,
 scored on a bf16 base: the fit sees the features it runs on). One ``RESULT variant=...`` line each.
-docs/mixed_precision.md ("The value under bf16 autocast", "On a GPU") has the figures.
+docs/mixed_precision.md ("The value under bf16 autocast", "On a GPU") has the figures. The fp32 / bf16 pair is
+`common.bf16_against_fp32` (benchmarks/mixed_precision.py runs it on sunspots).
 """
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mixed_precision import test_mae, train_run  # noqa: E402
+from common import bf16_against_fp32, test_mae, train_run
 
 
 def main() -> None:
@@ -36,17 +34,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     overrides = {} if args.recent_values is None else {"recent_values": args.recent_values}
     for corpus in args.corpora.split(","):
-        val, test, amp = {}, {}, {}
         with tempfile.TemporaryDirectory() as tmp:
-            for mp in ("no", "bf16"):
-                run = train_run(mp, args.steps, Path(tmp) / mp, corpus, args.device, **overrides)
-                val[mp], test[mp] = run["val_mae"], test_mae(run["adapter"], False, corpus)
-                if args.device != "cpu":
-                    amp[mp] = test_mae(run["adapter"], mp == "bf16", corpus, args.device)
-                print(f"{corpus} {args.steps} steps on {args.device}, mixed_precision={mp}: {run['seconds']:.0f} s, "
-                      f"value fit {run['ridge']}, validation MAE {val[mp]:.4g}, test MAE {test[mp]:.4g}"
-                      + (f" (on {args.device}{' under bf16 autocast' if mp == 'bf16' else ''}: {amp[mp]:.4g})"
-                         if amp else ""), flush=True)
+            runs = bf16_against_fp32(corpus, args.steps, Path(tmp), args.device, args.device != "cpu", **overrides)
+            val = {mp: r["val_mae"] for mp, r in runs.items()}
+            test = {mp: r["test_mae"] for mp, r in runs.items()}
+            amp = {mp: r["device_test_mae"] for mp, r in runs.items() if "device_test_mae" in r}
             for variant in filter(None, args.variants.split(",")):
                 mp, dtype = {"fp16": ("fp16", "float32"), "bf16-base": ("bf16", "bfloat16")}[variant]
                 run = train_run(mp, args.steps, Path(tmp) / variant, corpus, args.device, torch_dtype=dtype, **overrides)

@@ -28,20 +28,12 @@ import copy
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.modeling import scoring
+from common import build_base
 
 MODES = ("softmax", "deterministic", "causal")
-
-
-def build_base(layers: int, seed: int = 0) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def prompts(batch: int, seed: int = 1):
@@ -125,7 +117,7 @@ def main() -> None:
     T = args.new_tokens
 
     t0 = time.perf_counter()
-    base = build_base(args.layers)
+    base = build_base(args.layers, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
     model = get_causal_model(base, CausalAdapterConfig(num_token_id=151_665))
     gc = copy.deepcopy(base.generation_config)
     gc.eos_token_id, gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = None, False, T, None

@@ -13,15 +13,12 @@ CPU's value_scale; texts equal to the CPU's; test MAE of the bf16 base / the CPU
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mixed_precision import train_run  # noqa: E402
+from common import train_run
 
 
 def read(adapter: Path, prompts: list[str], targets: list[float], device: str, dtype, n_generate: int) -> dict:

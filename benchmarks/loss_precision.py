@@ -34,16 +34,14 @@ import argparse
 import contextlib
 import io
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GEMMS, gemm_errors, grad_errors, loss_and_grads, machine_line, test_mae
 
-GEMMS = ("fp32", "tf32", "bf16")
 REGIMES = {"init": (100.0, 10.0), "recipe": (1.0, 0.1)}  # (thresholds, scale_U')
 
 
@@ -60,15 +58,6 @@ def problem(N: int, V: int, C: int, thr: float, scale: float, device, seed: int 
                 labels=torch.randint(0, V, (N,), generator=g, device=device))
 
 
-def loss_and_grads(fn, x: dict, dtype: torch.dtype, train_W: bool, **kw) -> tuple[float, dict]:
-    """The loss (float) and the gradients (float64) of fn on leaf copies of x in `dtype`."""
-    leaves = {k: x[k].to(dtype, copy=True).requires_grad_(k != "W" or train_W)
-              for k in ("loc_U", "scale_Up", "W", "b", "thr")}
-    loss = fn(leaves["loc_U"], leaves["scale_Up"], leaves["W"], leaves["b"], leaves["thr"], x["labels"], **kw)
-    loss.backward()
-    return float(loss.detach()), {k: t.grad.double() for k, t in leaves.items() if t.grad is not None}
-
-
 def plain_lora_ce(lu, su, W, b, thr, labels):
     """The yardstick: cross-entropy as plain LoRA computes it under bf16 autocast (bf16 logits, upcast);
     in float64 (the reference) without autocast. Same signature as the OvR losses (su, b, thr unused)."""
@@ -82,36 +71,19 @@ def plain_lora_ce(lu, su, W, b, thr, labels):
 
 
 def accuracy(device, rows: int, vocab: int, backends: list[str], gemms: list[str]) -> list[dict]:
-    from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
-    from device_bench import ovr_loss_kwargs
-
+    """`common.gemm_errors` per regime and W mode; in the init regime also the CE yardstick against itself in
+    float64."""
     out = []
     for regime, (thr, scale) in REGIMES.items():
         x = problem(rows, vocab, 896, thr, scale, device)
         for train_W in (False, True):
-            ref_loss, ref = loss_and_grads(reference_ovr_loss, x, torch.float64, train_W)
-            for backend in backends:
-                for gemm in gemms:
-                    row = dict(regime=regime, w_mode="trained" if train_W else "frozen", backend=backend, gemm=gemm)
-                    try:
-                        loss, grads = loss_and_grads(fused_ovr_loss, x, torch.float32, train_W,
-                                                     **ovr_loss_kwargs(backend, gemm))
-                    except Exception as e:  # a backend that cannot run here: reported
-                        row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}"
-                        out.append(row)
-                        continue
-                    row["loss"] = abs(loss - ref_loss) / abs(ref_loss)
-                    for k, r in ref.items():
-                        row[k] = float((grads[k] - r).norm() / r.norm())
-                    out.append(row)
+            w_mode = "trained" if train_W else "frozen"
+            out += [dict(regime=regime, w_mode=w_mode, **row) for row in gemm_errors(x, train_W, backends, gemms)]
         if regime == "init":  # the yardstick once: CE reads loc_U and W only
             for train_W in (False, True):
-                ref_loss, ref = loss_and_grads(plain_lora_ce, x, torch.float64, train_W)
-                loss, grads = loss_and_grads(plain_lora_ce, x, torch.float32, train_W)
-                row = dict(regime="-", w_mode="trained" if train_W else "frozen", backend="CE", gemm="bf16",
-                           loss=abs(loss - ref_loss) / abs(ref_loss))
-                row.update({k: float((grads[k] - ref[k]).norm() / ref[k].norm()) for k in ("loc_U", "W") if k in ref})
-                out.append(row)
+                ref = loss_and_grads(plain_lora_ce, x, torch.float64, train_W)
+                out.append(dict(regime="-", w_mode="trained" if train_W else "frozen", backend="CE", gemm="bf16",
+                                **grad_errors(ref, *loss_and_grads(plain_lora_ce, x, torch.float32, train_W))))
     return out
 
 
@@ -139,7 +111,6 @@ def train_with_gemm(gemm: str, args, out_dir: Path) -> dict:
     from causal_adapter.modeling.loss import GEMM_ENV
     from causal_adapter.training.config import TrainConfig
     from causal_adapter.training.loop import train
-    from mixed_precision import test_mae
 
     curve = []
 
@@ -235,8 +206,6 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    from device_bench import machine_line
-
     print(machine_line(device), flush=True)
     result: dict = {"device": device.type}
     if args.part in ("a", "all"):

@@ -58,7 +58,7 @@ def reset_peak() -> bool:
 def child(args) -> dict:
     """Build one variant, step it, and return its figures (runs in its own process)."""
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from train_step import build_base
+    from common import build_base
 
     torch.set_num_threads(args.threads)
     v = args.variant
@@ -139,5 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_step.build_base
     raise SystemExit(main())

@@ -51,7 +51,6 @@ import argparse
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -314,5 +313,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise SystemExit(main())

@@ -23,17 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import build_base
+
 NUM_TOKEN_ID = 151_665  # Qwen2.5's first reserved row
-
-
-def build_base(layers: int):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def make_adapters(directory: Path, n: int, layers: int) -> list[Path]:

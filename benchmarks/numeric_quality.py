@@ -56,7 +56,6 @@ frozen adapter / sampled digit intervals), ``<c>_digit_sample_parse_rate``, ``<c
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -66,6 +65,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from common import fmt, log, ridge_fit, ridge_predict, write_report
 
 CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "heteroscedastic")
 TABULAR = ("diabetes", "engel", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
@@ -106,18 +107,6 @@ DEFAULTS = dict(steps=150, batch_size=16, hidden_size=64, layers=2, max_train=No
 
 
 # ----------------------------------------------------------------------------- small helpers
-def _log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _fmt(v, digits=4):
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    if isinstance(v, (bool, int)):
-        return str(v)
-    return f"{v:.{digits}g}"
-
-
 def _base(args):
     from causal_adapter.saving.assets import build_tiny_qwen
 
@@ -219,23 +208,10 @@ def history(prompt: str) -> list[float]:
     return [float(part.rsplit(": ", 1)[1]) for part in prompt.split("; ")[:-1]]
 
 
-def ridge_fit(X: torch.Tensor, t: torch.Tensor, lam: float) -> torch.Tensor:
-    """w [d + 1] (intercept last, unpenalised) of ridge regression, features standardised inside."""
-    mu, sd = X.mean(0), X.std(0).clamp_min(1e-12)
-    Xs = (X - mu) / sd
-    A = Xs.T @ Xs + lam * len(X) * torch.eye(X.shape[1], dtype=X.dtype)
-    w = torch.linalg.solve(A, Xs.T @ (t - t.mean()))
-    return torch.cat([w / sd, (t.mean() - (mu / sd) @ w).reshape(1)])
-
-
-def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    return X @ w[:-1] + w[-1]
-
-
 def huber_fit(X: torch.Tensor, t: torch.Tensor, lam: float, iters: int = 50) -> torch.Tensor:
-    """Huber M-estimate (IRLS, k = 1.345 robust sd, `linear_fit.robust_weights`) of the ridge model of
+    """Huber M-estimate (IRLS, k = 1.345 robust sd, `value_head.linear.robust_weights`) of the ridge model of
     `ridge_fit`, started from its least-squares solution; w [d + 1] with the intercept last."""
-    from causal_adapter.training.linear_fit import robust_weights
+    from causal_adapter.training.value_head.linear import robust_weights
 
     mu, sd = X.mean(0), X.std(0).clamp_min(1e-12)
     A = torch.cat([(X - mu) / sd, torch.ones(len(X), 1, dtype=X.dtype)], 1)
@@ -304,7 +280,7 @@ def run_probe(args, splits, tokenizer, **input_path) -> dict:
     from causal_adapter import CausalAdapterConfig, get_causal_model
     from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
     from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.training.value_fit import fit_value_units, num_label_features
+    from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
 
     loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
     model = get_causal_model(_base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale,
@@ -486,7 +462,7 @@ def train_plain_lora(args, model, rows: list[dict], pad_id: int) -> dict:
             step += 1
             losses.append(loss.item())
             if step % log_every == 0 or step == args.steps:
-                _log(f"  digit_lora step {step}/{args.steps} loss {statistics.fmean(losses[-log_every:]):.4g}")
+                log(f"  digit_lora step {step}/{args.steps} loss {statistics.fmean(losses[-log_every:]):.4g}")
         epoch += 1
     model.eval()
     return {"train_seconds": time.perf_counter() - t0, "train_loss": losses[-1] if losses else None, "steps": step}
@@ -602,10 +578,10 @@ def format_table(corpus: str, results: dict, constant: float) -> str:
             continue
         r = results[name]
         t, v = r["test"], r["validation"]
-        lines.append(f"| {LABELS[name]} | {_fmt(t['mae'])} | {_fmt(t['median_ae'])} | {_fmt(t['mae'] / ref_mae, 3)} "
-                     f"| {_fmt(t['coverage_50'], 3)} | {_fmt(t['coverage_90'], 3)} | {_fmt(t['width_90'])} "
-                     f"| {_fmt(t['nll'])} | {_fmt(v['mae'])} | {r.get('choice', '')} |")
-    tails = ", ".join(f"{LABELS[k].split(',')[-1].strip()} {_fmt(results[k]['test']['tail_ratio'], 3)}"
+        lines.append(f"| {LABELS[name]} | {fmt(t['mae'])} | {fmt(t['median_ae'])} | {fmt(t['mae'] / ref_mae, 3)} "
+                     f"| {fmt(t['coverage_50'], 3)} | {fmt(t['coverage_90'], 3)} | {fmt(t['width_90'])} "
+                     f"| {fmt(t['nll'])} | {fmt(v['mae'])} | {r.get('choice', '')} |")
+    tails = ", ".join(f"{LABELS[k].split(',')[-1].strip()} {fmt(results[k]['test']['tail_ratio'], 3)}"
                       for k in ("causal_frozen", "causal_lora") if k in results)
     lines.append(f"\n|error| 90%/50% quantile ratio on test (Cauchy 6.31, Gaussian 2.44, Laplace 3.32): {tails}.")
     d = results.get("digit_lora")
@@ -681,7 +657,7 @@ def format_noise_table(all_results: dict, noisy: dict) -> str:
             if name not in all_results[corpus]:
                 continue
             maes = [all_results[corpus][name]["test"]["mae"]] + [by_frac[f][name]["test"]["mae"] for f in by_frac]
-            lines.append(f"| {LABELS[name]} | " + " | ".join(_fmt(m) for m in maes) + f" | {_fmt(max(maes) / maes[0], 3)} |")
+            lines.append(f"| {LABELS[name]} | " + " | ".join(fmt(m) for m in maes) + f" | {fmt(max(maes) / maes[0], 3)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -698,22 +674,22 @@ def format_interval_table(corpus: str, results: dict) -> str:
         if name not in results:
             continue
         t, cw, v = results[name]["test"], results[name]["constwidth"], results[name]["validation"]
-        covs = "/".join(_fmt(t[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
-        lines.append(f"| {LABELS[name]} | {covs} | {_fmt(t['cauchy_coverage_50'], 2)}/{_fmt(t['cauchy_coverage_90'], 2)} "
-                     f"| {_fmt(t['winkler_50'])} | {_fmt(t['winkler_90'])} | {_fmt(t['pinball'])} | {_fmt(t['nll'])} "
-                     f"| {_fmt(t['forwards_per_prediction'], 3)} | {_fmt(t['seconds_per_prediction'], 2)} "
-                     f"| {_fmt(v['mae'])} | {_fmt(v['winkler_90'])} |")
-        covs = "/".join(_fmt(cw[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
-        lines.append(f"| same points, constant-width conformal | {covs} | | {_fmt(cw['winkler_50'])} "
-                     f"| {_fmt(cw['winkler_90'])} | {_fmt(cw['pinball'])} | {_fmt(cw['nll'])} | | | | |")
+        covs = "/".join(fmt(t[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| {LABELS[name]} | {covs} | {fmt(t['cauchy_coverage_50'], 2)}/{fmt(t['cauchy_coverage_90'], 2)} "
+                     f"| {fmt(t['winkler_50'])} | {fmt(t['winkler_90'])} | {fmt(t['pinball'])} | {fmt(t['nll'])} "
+                     f"| {fmt(t['forwards_per_prediction'], 3)} | {fmt(t['seconds_per_prediction'], 2)} "
+                     f"| {fmt(v['mae'])} | {fmt(v['winkler_90'])} |")
+        covs = "/".join(fmt(cw[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| same points, constant-width conformal | {covs} | | {fmt(cw['winkler_50'])} "
+                     f"| {fmt(cw['winkler_90'])} | {fmt(cw['pinball'])} | {fmt(cw['nll'])} | | | | |")
     smp = results.get("digit_lora", {}).get("sampled")
     if smp:
-        covs = "/".join(_fmt(smp[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
-        lines.append(f"| digit-token LoRA, quantiles of {_fmt(smp['samples_per_prompt'], 3)} samples (T = 1) | {covs} "
-                     f"| | {_fmt(smp['winkler_50'])} | {_fmt(smp['winkler_90'])} | {_fmt(smp['pinball'])} "
-                     f"| n/a (samples) | {_fmt(smp['forwards_per_prediction'], 3)} "
-                     f"| {_fmt(smp['seconds_per_prediction'], 2)} | | |")
-        lines.append(f"\ndigit-token LoRA samples: {_fmt(100 * smp['parse_rate'], 3)}% held a number; "
+        covs = "/".join(fmt(smp[f"coverage_{round(100 * q)}"], 2) for q in LEVELS)
+        lines.append(f"| digit-token LoRA, quantiles of {fmt(smp['samples_per_prompt'], 3)} samples (T = 1) | {covs} "
+                     f"| | {fmt(smp['winkler_50'])} | {fmt(smp['winkler_90'])} | {fmt(smp['pinball'])} "
+                     f"| n/a (samples) | {fmt(smp['forwards_per_prediction'], 3)} "
+                     f"| {fmt(smp['seconds_per_prediction'], 2)} | | |")
+        lines.append(f"\ndigit-token LoRA samples: {fmt(100 * smp['parse_rate'], 3)}% held a number; "
                      f"{smp['prompts_without_number']}/{smp['n']} prompts had none (their interval is the point "
                      "train median). No NLL: samples give no density. Forwards = rows of the base's forward calls "
                      "(KV cache on) per prompt.")
@@ -817,7 +793,7 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
     if label_noise:  # training targets only: validation and test stay clean
         splits["train"] = shuffle_labels(splits["train"], label_noise, args.seed)
     constant = train_median([float(v) for v in splits["train"]["target"]])
-    _log(f"== {corpus}: train {len(splits['train'])}, validation {len(splits['validation'])}, "
+    log(f"== {corpus}: train {len(splits['train'])}, validation {len(splits['validation'])}, "
          f"test {len(splits['test'])} rows; train median {constant:g}; shuffled labels {label_noise:g}")
     results = run_simple(corpus, splits, constant)
     results["ridge_probe"] = run_probe(args, splits, tokenizer, **input_path(args))
@@ -828,15 +804,15 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
         if name not in args.variants:
             continue
         results[name] = run_causal(args, name == "causal_lora", splits, tokenizer, work / corpus)
-        _log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {_fmt(results[name]['test']['mae'])}, "
-             f"validation MAE {_fmt(results[name]['validation']['mae'])}")
+        log(f"[{corpus} {name}] {results[name]['train_seconds']:.0f} s, test MAE {fmt(results[name]['test']['mae'])}, "
+             f"validation MAE {fmt(results[name]['validation']['mae'])}")
         if corpus == "heteroscedastic":
             sds = [noise_sd(p) for p in splits["test"]["prompt"]]
             results[name]["scale_spearman"] = scale_spearman(results[name]["test"]["scales"], sds)
     if "digit_lora" in args.variants:
         results["digit_lora"] = run_plain(args, splits, tokenizer, constant)
-        _log(f"[{corpus} digit_lora] {results['digit_lora']['train_seconds']:.0f} s, "
-             f"test MAE {_fmt(results['digit_lora']['test']['mae'])}")
+        log(f"[{corpus} digit_lora] {results['digit_lora']['train_seconds']:.0f} s, "
+             f"test MAE {fmt(results['digit_lora']['test']['mae'])}")
     return results, constant
 
 
@@ -857,7 +833,7 @@ def main(argv=None) -> int:
             tables.append(format_table(corpus, results, constant))
             tables.append(format_interval_table(corpus, results))
             # this corpus's figures now (a long run that is stopped keeps the corpora it finished)
-            _log("\n".join(tables[-2:]) + f"\n[{corpus} done] " + result_line({corpus: results}, args)[len("RESULT "):])
+            log("\n".join(tables[-2:]) + f"\n[{corpus} done] " + result_line({corpus: results}, args)[len("RESULT "):])
             for frac in args.label_noise:
                 if frac > 0:
                     noisy.setdefault(corpus, {})[frac] = run_corpus(args, corpus, tokenizer, Path(tmp) / f"noise{frac}",
@@ -873,19 +849,6 @@ def main(argv=None) -> int:
     write_report(Path(args.output), text, line, seconds, {"settings": vars(args), "results": all_results,
                                                           "label_noise": noisy})
     return 0
-
-
-def write_report(out: Path, text: str, line: str, seconds: float, summary: dict) -> None:
-    """The markdown tables at `out`, `summary` (+ seconds, the RESULT line) as JSON beside it (.json); then the
-    tables, where they went, and the RESULT line last on stdout."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
-    summary = {**summary, "seconds": seconds, "result_line": line}
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-    print()
-    print(text)
-    print(f"\ntables: {out}  json: {out.with_suffix('.json')}  time: {seconds:.0f} s")
-    print(line)
 
 
 if __name__ == "__main__":

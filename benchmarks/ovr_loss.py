@@ -47,19 +47,13 @@ CPU (tiny shapes, a smoke test: no memory figures; Liger runs there only under T
 """
 from __future__ import annotations
 
+import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
-
-# Running a file puts its folder first on sys.path, where a sibling script named like a
-# stdlib module (say benchmarks/tokenize.py) would shadow it inside torch's imports: drop it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+import time
 
 MIB = 2**20
 
@@ -227,7 +221,7 @@ def _device_step(variant: str, x: dict, device):
         return (lambda: linear_cross_entropy(x["h16"], x["W16"], y).backward()), [x["h16"], x["W16"]]
     if variant.startswith("ovr_"):
         from causal_adapter.modeling.loss import fused_ovr_loss
-        from device_bench import ovr_loss_kwargs
+        from common import ovr_loss_kwargs
 
         _, backend, gemm = variant.split("_")
         kw = ovr_loss_kwargs(backend, gemm)
@@ -248,7 +242,7 @@ def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, de
                        repeats: int, w_dtype=None) -> dict:
     import torch
 
-    from device_bench import PeakMemory, best_time, free_device_memory, is_oom
+    from common import PeakMemory, best_time, free_device_memory, is_oom
 
     if variant == "ce" and torch.device(device).type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -286,7 +280,7 @@ def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, de
 def device_main(args) -> None:
     import torch
 
-    from device_bench import machine_line, triton_status
+    from common import machine_line, triton_status
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -398,7 +392,6 @@ def main(argv=None) -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     if args.device:
-        sys.path.append(_HERE)  # device_bench.py (appended: a sibling never shadows a stdlib module)
         device_main(args)
         return
     args.variants = args.variants or ["naive", "fused", "compiled", "ce"]

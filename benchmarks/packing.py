@@ -36,19 +36,15 @@ import time
 
 import torch
 
+from common import build_base
+
 NUM_TOKEN_ID = 151_665  # Qwen2.5's first reserved row
 
 
 def build_model(layers: int, recent: int, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
 
-    cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=4096, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    base = Qwen2ForCausalLM(cfg).eval()
+    base = build_base(layers, seed, attn_implementation="sdpa")
     model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM_TOKEN_ID, recent_values=recent,
                                                        lora=LoraSettings(r=8, alpha=16, dropout=0.0)))
     model.action.set_value_units(50.0, 40.0)

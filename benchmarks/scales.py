@@ -66,8 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from numeric_quality import _fmt, _log, ridge_fit, ridge_predict, write_report  # noqa: E402  (a sibling script, not a package)
+from common import fmt as _fmt, log as _log, ridge_fit, ridge_predict, write_report
 
 SETS = ("a", "b", "c")
 SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)

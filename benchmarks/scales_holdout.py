@@ -5,14 +5,12 @@ Scored as benchmarks/scales.py scores a set (baselines per series, the best chos
 
     python benchmarks/scales_holdout.py [STEPS]     # default 60 optimizer steps; about 3 minutes on 2 cores
 """
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
 import numpy as np
 import statsmodels.api as sm
-spec = importlib.util.spec_from_file_location("scales", Path(__file__).resolve().parent / "scales.py")
-S = importlib.util.module_from_spec(spec); spec.loader.exec_module(S)
+import scales as S
 
 def series():
     m = sm.datasets.macrodata.load_pandas().data

@@ -53,20 +53,7 @@ import time
 
 import torch
 
-
-def build_base(layers: int, seed: int = 0, vocab_size: int = 151_936, device=None, dtype=None):
-    """The 0.5B shape with random weights; on `device` (initialised there: fast on a GPU), cast to `dtype`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=4096)
-    torch.manual_seed(seed)
-    if device is None:
-        return Qwen2ForCausalLM(cfg).eval()
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
-    return model.to(dtype or torch.float32).eval()
+from common import best_time, build_base, machine_line
 
 
 def lora_settings(r: int):
@@ -174,9 +161,6 @@ def child_main(args) -> dict:
     weights = torch.cuda.memory_allocated(device) if cuda else 0
     _, step, n_train = make_step(mode.replace("_liger", ""), args.layers, args.lora_r, ids, base, accelerator)
     build_s = time.perf_counter() - t0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from device_bench import best_time
-
     losses = []
     best, times = best_time(lambda: losses.append(step()), device, warmup=args.warmup, repeats=args.steps)
     res = dict(mode=mode, s=best, times=[round(t, 4) for t in times], loss=losses[-1], n_train=n_train,
@@ -216,9 +200,6 @@ def run_mode(mode: str, args) -> dict:
 
 
 def device_main(args) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from device_bench import machine_line
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")

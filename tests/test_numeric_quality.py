@@ -4,6 +4,7 @@ the RESULT line. Plus: the plain-LoRA loss on the kept positions equals the full
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "numeric_quality.py
 
 @pytest.fixture(scope="module")
 def nq():
+    if str(BENCH.parent) not in sys.path:
+        sys.path.append(str(BENCH.parent))  # the script imports benchmarks/common.py
     spec = importlib.util.spec_from_file_location("numeric_quality_bench", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

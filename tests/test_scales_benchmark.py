@@ -5,6 +5,7 @@ The coverage reference (what exact intervals would give on the same series) agai
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scales.py"
@@ -14,6 +15,8 @@ KEYS = ("gm_vs_persistence", "gm_vs_best", "gm_vs_ar", "gm_vs_ets", "worst_vs_pe
 
 
 def _load():
+    if str(BENCH.parent) not in sys.path:
+        sys.path.append(str(BENCH.parent))  # the script imports benchmarks/common.py
     spec = importlib.util.spec_from_file_location("scales_bench", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
