@@ -1,7 +1,8 @@
 """The playground page of `causal-adapter serve` (GET /) in a real browser: Debian's chromium and chromium-driver
 driven by Selenium, against a live server (with --api-key) on two toy adapters. The page's numbers, intervals and
 plot are compared with what the API returns for the same requests (deterministic decoding: the same text and
-values). The browser tests skip without selenium, chromium or chromedriver (CI installs them: .ci/run).
+values). Without selenium, chromium or chromedriver the browser tests skip (the reason names what is missing); under
+CI=true they fail instead, so a CI whose browser install broke cannot pass with them skipped (.ci/run installs them).
 
 CAUSAL_ADAPTER_PLAYGROUND_SHOTS=docs/images: also writes the two screenshots docs/serving.md shows there."""
 import json
@@ -32,11 +33,23 @@ except ImportError:  # the tests that need no browser still run
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 CHROMEDRIVER = shutil.which("chromedriver")
-needs_browser = pytest.mark.skipif(
-    webdriver is None or CHROMIUM is None or CHROMEDRIVER is None,
-    reason="no browser to drive: " + ("selenium is not installed (pip install selenium; the dev extra has it)"
-                                      if webdriver is None else "no chromium / chromedriver on PATH (Debian: apt-get "
-                                      "install chromium chromium-driver; .ci/run installs them)"))
+
+
+def missing_browser() -> str | None:
+    """What the browser tests lack (selenium, chromium, chromedriver), in words; None when nothing is missing."""
+    missing = [what for what, found in (("selenium (pip install selenium; the dev extra has it)", webdriver),
+                                        ("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)) if found is None]
+    if not missing:
+        return None
+    return ("no browser to drive: missing " + ", ".join(missing) + " (PATH searched: chromium / chromium-browser / "
+            "google-chrome and chromedriver; Debian: apt-get install chromium chromium-driver; .ci/run installs them)")
+
+
+MISSING_BROWSER = missing_browser()
+# CI (.ci/run) installs the browser: there a missing one is a broken install, and the browser tests fail (in the
+# `browser` fixture) rather than skip; a skip would let CI pass without the page ever being driven.
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+needs_browser = pytest.mark.skipif(MISSING_BROWSER is not None and not IN_CI, reason=str(MISSING_BROWSER))
 
 KEY = "playground-key"
 PROMPT = "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971:"
@@ -59,6 +72,9 @@ def server(tmp_path_factory, qwen_tokenizer):
 
 @pytest.fixture(scope="module")
 def browser():
+    """Headless chromium driven by chromedriver; under CI=true a missing browser fails the tests that need it."""
+    if MISSING_BROWSER is not None:  # only reached under CI: needs_browser skips these tests elsewhere
+        pytest.fail(f"CI=true and {MISSING_BROWSER}", pytrace=False)
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,900",
@@ -130,13 +146,56 @@ def screenshot(driver, path: Path, docs_name: str | None = None):
 def test_page_is_open_relative_and_holds_no_key(server):
     r = httpx.get(server.url + "/", timeout=30)  # no key: the page holds nothing secret
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    csp = r.headers["content-security-policy"]
-    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     page = r.text
     assert KEY not in page and "Apache License, Version 2.0" in page
     assert not re.search(r"""["'`]/v1""", page), "an absolute /v1 URL: the page must work behind a path prefix"
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page), "the page loads something from elsewhere"
     assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API itself still needs it
+
+
+#: The page's whole Content-Security-Policy: its own origin only (app.PAGE_HEADERS says why).
+CSP = {
+    "default-src": {"'none'"},
+    "script-src": {"'unsafe-inline'"},
+    "style-src": {"'unsafe-inline'"},
+    "img-src": {"'self'", "data:"},
+    "connect-src": {"'self'"},
+    "base-uri": {"'none'"},
+    "form-action": {"'none'"},
+    "frame-ancestors": {"'none'"},
+}
+#: The schemes a source may name: the ones the policy uses (data: for the inline favicon). Never http: / https:.
+CSP_SCHEMES = {"data:"}
+
+
+def csp_directives(policy: str) -> dict[str, set[str]]:
+    """A Content-Security-Policy header as {directive: its sources} (directives split on ';', then whitespace)."""
+    directives = {}
+    for part in policy.split(";"):
+        words = part.split()
+        if not words:  # the empty part after a trailing ';'
+            continue
+        name, *sources = words
+        assert name.lower() not in directives, f"{name} twice in {policy!r}: browsers keep the first, silently"
+        directives[name.lower()] = set(sources)
+    return directives
+
+
+def test_page_csp_is_the_whole_policy_with_no_wildcard_or_host(server):
+    """GET /'s Content-Security-Policy, directive by directive: exactly CSP, and no source anywhere that opens the
+    page to another host (*, http:, https:, a host name): each is a quoted keyword or a scheme of CSP_SCHEMES."""
+    r = httpx.get(server.url + "/", timeout=30)
+    assert r.status_code == 200
+    headers = r.headers.get_list("content-security-policy")
+    assert len(headers) == 1, headers  # two policies would both apply: one is the policy
+    directives = csp_directives(headers[0])
+    for name, sources in directives.items():
+        for source in sources:
+            # a keyword is quoted ('self', 'none', 'unsafe-inline'); anything else bare is a host, a wildcard or a
+            # scheme, and only the schemes the page needs pass
+            assert re.fullmatch(r"'[a-z-]+'", source) or source in CSP_SCHEMES, \
+                f"{name} {source}: not a quoted keyword nor one of {sorted(CSP_SCHEMES)} (a wildcard or a host)"
+    assert directives == CSP
 
 
 def test_no_ui_turns_the_page_off():
@@ -282,6 +341,52 @@ def test_predict_plots_the_bands_of_the_api(server, browser, tmp_path):
         lo, hi = shown_interval(cells[col])
         assert close(lo, row[f"lower_{level}"]) and close(hi, row[f"upper_{level}"])
     screenshot(d, tmp_path / "predict.png", "playground-predict.png")
+
+
+def svg_points(polygon) -> list[tuple[float, float]]:
+    """An SVG polygon's or polyline's points attribute ("x,y x,y ...") as (x, y) pairs."""
+    return [tuple(map(float, p.split(","))) for p in polygon.get_attribute("points").split()]
+
+
+@needs_browser
+def test_predict_draws_the_bands_and_fans_at_the_bounds_of_the_api(server, browser):
+    """The drawn geometry, not only the data attributes: the plot's y axis is linear, so the 90% band's drawn height
+    over the 50% band's is the ratio of the API's interval widths, each band sits where its bounds are, and each fan
+    runs from the last context point to its own band's top and bottom."""
+    d = browser
+    open_page(d, server)
+    d.find_element(By.ID, "tab-predict").click()
+    prompt = json.loads(d.find_element(By.ID, "series-prompt").text)
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]"), "the plot")
+    row = api(server, "/v1/predict", {"model": "a", "prompts": [prompt]}).json()["data"][0]
+    svg = d.find_element(By.CSS_SELECTOR, "#plot svg")
+    width = {level: row[f"upper_{level}"] - row[f"lower_{level}"] for level in (50, 90)}
+    assert all(map(math.isfinite, width.values())) and width[90] > width[50] > 0  # a: finite, nested intervals
+
+    band = {}  # level: (top, height) as drawn, in the plot's viewBox units (its pixels)
+    for level in (50, 90):
+        rect = svg.find_element(By.CSS_SELECTOR, f"rect[data-band='{level}']")
+        band[level] = float(rect.get_attribute("y")), float(rect.get_attribute("height"))
+    # the 50% band taller than the page's 1-pixel minimum: the ratio below is of drawn widths, not of the minimum
+    assert band[50][1] > 5, band
+    ratio = width[90] / width[50]
+    assert band[90][1] == pytest.approx(band[50][1] * ratio, abs=1.0), (band, ratio)
+    # where: pixels per unit from the 50% band, the 90% band's edges and the point placed by the API's numbers
+    scale = band[50][1] / width[50]
+    top = {level: band[50][0] - (row[f"upper_{level}"] - row["upper_50"]) * scale for level in (50, 90)}
+    assert band[90][0] == pytest.approx(top[90], abs=1.0), (band, top)
+    cy = float(svg.find_element(By.CSS_SELECTOR, "[data-band=point]").get_attribute("cy"))
+    assert cy == pytest.approx(band[50][0] + (row["upper_50"] - row["value"]) * scale, abs=1.0)
+
+    last = svg_points(svg.find_element(By.CSS_SELECTOR, "[data-band=context]"))[-1]
+    for level in (50, 90):
+        fan = svg.find_elements(By.CSS_SELECTOR, f"polygon[data-fan='{level}']")
+        assert len(fan) == 1, f"{len(fan)} fans for the {level}% band"
+        points = svg_points(fan[0])
+        assert len(points) == 3 and points[0] == pytest.approx(last)  # from the window's last value
+        y_top, height = band[level]
+        assert [y for _, y in points[1:]] == pytest.approx([y_top, y_top + height], abs=1e-6), (level, points, band)
 
 
 @needs_browser
