@@ -3,6 +3,7 @@ import cycle, counting imports made inside functions."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -127,3 +128,42 @@ def test_the_layer_checks_catch_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     with pytest.raises(AssertionError, match="modeling/heads.py:2 imports training.loop"):
         test_no_import_goes_up_a_layer()
+
+
+def _stated_layer(docstring: str | None) -> int | None:
+    """The N of a docstring that opens with ``Layer N``."""
+    match = re.match(r"Layer (\d+)\b", docstring or "")
+    return int(match.group(1)) if match else None
+
+
+def _table_layers() -> dict[str, int]:
+    """{package or module: layer} from docs/architecture.md's layer table (``| 2 | `modeling/` | ...``)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return {name.strip("/").removesuffix(".py"): int(n)
+            for n, name in re.findall(r"^\| (\d+) \| `([^`]+)`", text, flags=re.MULTILINE)}
+
+
+def test_the_stated_layers_are_the_declared_ones():
+    """Every subpackage's docstring opens with its layer, and that number, docs/architecture.md's table and LAYERS
+    agree (a package moved without its docstring or the table, and the numbers drift apart)."""
+    stated = {}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        stated[init.parent.name] = _stated_layer(ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))))
+    assert stated and None not in stated.values(), f"a subpackage's docstring does not open with 'Layer N': {stated}"
+    wrong = {name: (n, LAYERS[name]) for name, n in stated.items() if n != LAYERS[name]}
+    assert not wrong, f"docstring layer != declared layer (stated, declared): {wrong}"
+    table = _table_layers()
+    assert set(stated) <= set(table), f"packages missing from docs/architecture.md's table: {set(stated) - set(table)}"
+    wrong = {name: (n, LAYERS[name]) for name, n in table.items() if n != LAYERS.get(name)}
+    assert not wrong, f"docs/architecture.md's layer != declared layer (table, declared): {wrong}"
+
+
+def test_the_stated_layer_check_catches_a_stale_number(tmp_path, monkeypatch):
+    """Not vacuous: a subpackage whose docstring says another layer is reported."""
+    fake = tmp_path / "causal_adapter"
+    (fake / "data").mkdir(parents=True)
+    (fake / "data" / "__init__.py").write_text('"""Layer 4, data: stale."""\n')
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(sys.modules[__name__], "_table_layers", lambda: {"data": 5})
+    with pytest.raises(AssertionError, match=r"'data': \(4, 5\)"):
+        test_the_stated_layers_are_the_declared_ones()

@@ -1,1 +1,1 @@
-"""Layer 6, the command line: one module per command on one shared parser helper."""
+"""Layer 8, the command line: one module per command on one shared parser helper."""

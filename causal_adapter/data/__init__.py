@@ -1,4 +1,4 @@
-"""Layer 4, data: the text -> <NUM> pipeline (`pipeline.py`) and the bundled offline corpora (`corpora.py`).
+"""Layer 5, data: the text -> <NUM> pipeline (`pipeline.py`) and the bundled offline corpora (`corpora.py`).
 The package exports the data API, so `from causal_adapter.data import tokenize_dataset` (the path of
 earlier versions, when `data` was one module) keeps working."""
 from .corpora import CORPORA, SPLITS, build_corpus, noise_sd, write_corpus_jsonl

@@ -1,1 +1,1 @@
-"""Layer 2, the model: Cauchy math, heads, the fused loss, families, decoding, intervals."""
+"""Layer 2, the model's math: Cauchy math, heads, the fused loss, families, decoding, intervals."""

@@ -1,1 +1,1 @@
-"""Layer 5, training: config, loop, checkpoints, value-head fitting, metrics, plots, evaluation."""
+"""Layer 6, training: config, loop, checkpoints, value-head fitting, metrics, plots, evaluation."""
