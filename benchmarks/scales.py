@@ -114,12 +114,12 @@ def split_bounds(n: int, window: int) -> tuple[int, int]:
 
 
 def series_entry(name: str, title: str, times: list[str], values: list[float], window: int, season, **extra) -> dict:
-    """A series of set a or c: its rows in the bundled corpora's layout (`corpora._series_rows`: the window of
+    """A series of set a or c: its rows in the bundled corpora's layout (`corpora.series_rows`: the window of
     "time: value" pairs, the value as `format_number` writes it) and the values as written, for the baselines."""
-    from causal_adapter.data.corpora import _series_rows
+    from causal_adapter.data.corpora import series_rows
     from causal_adapter.numbers import format_number
 
-    rows = _series_rows(name, title, times, values, window)
+    rows = series_rows(name, title, times, values, window)
     train_end, val_end = split_bounds(len(values), window)
     return {"name": name, "y": np.array([float(format_number(v)) for v in values]), "window": window,
             "season": season, "train_end": train_end, "val_end": val_end, "rows": rows, **extra}
@@ -155,15 +155,15 @@ def set_a(args) -> list[dict]:
 def set_b(args) -> list[dict]:
     """The chat corpus split 70/15/15 per series; each row's target is the value at its t_index of the series,
     so the baselines forecast that step from the series' true history."""
-    from causal_adapter.data.corpora import _CHAT_SERIES, _canonical, chat_corpus
+    from causal_adapter.data.corpora import CHAT_SERIES, canonical_value, chat_corpus
 
     dd = chat_corpus(window=CHAT_WINDOW, seed=args.seed, split_fractions=SPLIT, series=list(args.chat_series))
     out = []
     for name in args.chat_series:
-        times, values = _CHAT_SERIES[name][0]("chat")
+        times, values = CHAT_SERIES[name][0]("chat")
         parts = {k: [r for r in dd[k] if r["series"] == name] for k in ("train", "validation", "test")}
         # a split's answers all lie inside its steps, and its last step is answered: max t_index + 1 is its end
-        out.append({"name": name, "y": np.array([_canonical(v)[1] for v in values]), "window": AR_MAX_P,
+        out.append({"name": name, "y": np.array([canonical_value(v)[1] for v in values]), "window": AR_MAX_P,
                     "season": CHAT_SEASON.get(name), "train_end": max(r["t_index"] for r in parts["train"]) + 1,
                     "val_end": max(r["t_index"] for r in parts["validation"]) + 1, "parts": parts})
     return out
@@ -578,9 +578,9 @@ def parse_args(argv=None):
         args.max_val_rows = QUICK["max_val_rows"] if args.max_val_rows is None else args.max_val_rows
         args.tiny = QUICK["tiny"]
     if args.chat_series is None:
-        from causal_adapter.data.corpora import _CHAT_SERIES
+        from causal_adapter.data.corpora import CHAT_SERIES
 
-        args.chat_series = tuple(_CHAT_SERIES)
+        args.chat_series = tuple(CHAT_SERIES)
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
     for k in ("max_train_rows", "max_val_rows"):

@@ -222,7 +222,7 @@ class NumberEncoding:
         return len(self.input_ids)
 
 
-def _to_list(x: Any) -> list:
+def to_list(x: Any) -> list:
     if x is None:
         return None
     if hasattr(x, "tolist"):
@@ -427,8 +427,8 @@ class NumberTokenizer:
 
     def batch_decode(self, input_ids, numeric_values=None, number_texts=None, skip_special_tokens: bool = False) -> list[str]:
         """`decode` of each row of a batch (2-D tensor / list of lists)."""
-        rows = _to_list(input_ids)
-        vals = _to_list(numeric_values) if numeric_values is not None else [None] * len(rows)
+        rows = to_list(input_ids)
+        vals = to_list(numeric_values) if numeric_values is not None else [None] * len(rows)
         texts = list(number_texts) if number_texts is not None else [None] * len(rows)
         if len(vals) != len(rows) or len(texts) != len(rows):
             raise ValueError(
@@ -442,10 +442,10 @@ class NumberTokenizer:
         runs: list[list[int]] = []
         plans = []
         for r, (ids, vals, ntexts) in enumerate(zip(rows, vals_rows, texts_rows)):
-            ids = _to_list(ids)
+            ids = to_list(ids)
             if ids and isinstance(ids[0], list):
                 raise ValueError("decode expects one sequence (1-D); use batch_decode for a batch")
-            vals = _to_list(vals)
+            vals = to_list(vals)
             if vals is not None and len(vals) != len(ids):
                 raise ValueError(f"row {r}: {len(ids)} input_ids but {len(vals)} numeric_values")
             if isinstance(ntexts, Mapping):

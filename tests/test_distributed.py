@@ -183,12 +183,12 @@ def split_model(head_device: str):
 def test_split_placement_inputs_go_to_the_embedding_not_to_lm_head():
     """Shapes only (lm_head on the meta device): what can be checked without a second device. Before,
     generate put prompts on model.device (lm_head's) and check_inputs refused them."""
-    from causal_adapter.modeling.generation import _resolve_inputs
+    from causal_adapter.modeling.generation.prepare import resolve_inputs
 
     model = split_model("meta")
     assert model.input_device == torch.device("cpu") and model.device.type == "meta"
     assert model.action.b_cls.device.type == model.abduction.loc.weight.device.type == "meta"
-    ids, vals, mask = _resolve_inputs(model, None, [[1, 2, 300, 4]], [[0.0, 0.0, 3.5, 0.0]], None, None)
+    ids, vals, mask = resolve_inputs(model, None, [[1, 2, 300, 4]], [[0.0, 0.0, 3.5, 0.0]], None, None)
     assert ids.device == vals.device == mask.device == torch.device("cpu")
     model.check_inputs(ids, vals, ids, vals, mask)  # raised before: the prompts were on lm_head's device
     with pytest.raises(ValueError, match="input_ids is on device meta but the model's embedding is on cpu"):

@@ -711,7 +711,7 @@ def test_streamed_deltas_join_to_generate_text_on_any_tokens(qwen_tokenizer):
 
     import torch
 
-    from causal_adapter.modeling.generation import _decode  # the decode of GenerationOutput.texts
+    from causal_adapter.modeling.generation.stream import decode_continuation  # GenerationOutput.texts' decode
     from causal_adapter.modeling.generation.stream import RowText, streamable
 
     ntok = NumberTokenizer(qwen_tokenizer)
@@ -728,7 +728,8 @@ def test_streamed_deltas_join_to_generate_text_on_any_tokens(qwen_tokenizer):
             ids.append(tok)
             values.append(v)
         prompt, prompt_values = ([ntok.num_token_id], [12.5]) if trial % 2 else ([785], [0.0])
-        text = _decode(ntok, torch.tensor(ids), torch.tensor(values, dtype=torch.float64), prompt[-1], prompt_values[-1])
+        text = decode_continuation(ntok, torch.tensor(ids), torch.tensor(values, dtype=torch.float64), prompt[-1],
+                                   prompt_values[-1])
         stop = text[len(text) // 2:len(text) // 2 + 2] if trial % 3 == 0 and len(text) > 4 else None
         stops = (stop,) if stop and "\ufffd" not in stop else ()
         row = RowText(ntok, prompt[-1], prompt_values[-1])

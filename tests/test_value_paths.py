@@ -92,7 +92,7 @@ def test_generate_heads_are_float32_under_bf16_autocast():
 
 def test_predict_p_num_is_float32_under_bf16_autocast():
     from causal_adapter.modeling.cauchy import ovr_probability
-    from causal_adapter.modeling.prediction import _predict_batch
+    from causal_adapter.modeling.prediction import predict_batch
 
     model = bf16_model()
     with torch.no_grad():  # P(<NUM>) mid-range, where a bf16 rounding of loc_S moves it
@@ -100,7 +100,7 @@ def test_predict_p_num_is_float32_under_bf16_autocast():
     ids, values = prompt_ids(seed=2)
     enc = {"input_ids": ids, "numeric_values": values, "attention_mask": torch.ones_like(ids)}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loc, scale, p_num = _predict_batch(model, enc)
+        loc, scale, p_num = predict_batch(model, enc)
         out = model(ids, values)
     act = model.action
     loc_U, scale_Up = out.loc_U[:, -1].double(), act.noisy_scale(out.scale_U[:, -1]).double()

@@ -76,17 +76,17 @@ def _to_dataset_dict(rows: list[dict], split_fractions, name: str):
     })
 
 
-def _canonical(v: float) -> tuple[str, float]:
+def canonical_value(v: float) -> tuple[str, float]:
     s = format_number(v)
     return s, float(s)
 
 
-def _series_rows(series: str, title: str, times: list[str], values: list[float], window: int) -> list[dict]:
+def series_rows(series: str, title: str, times: list[str], values: list[float], window: int) -> list[dict]:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
     if window >= len(values) - 2:
         raise ValueError(f"window={window} too large for the {series!r} series of {len(values)} points")
-    texts = [_canonical(v) for v in values]
+    texts = [canonical_value(v) for v in values]
     rows = []
     for i in range(window, len(values)):
         hist = "; ".join(f"{times[j]}: {texts[j][0]}" for j in range(i - window, i))
@@ -145,14 +145,14 @@ def sunspots_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPL
     completion: the next value. Split by time (test = latest target years). ``seed`` is unused
     (deterministic), kept for a uniform builder signature."""
     times, values = _sunspots_data()
-    rows = _series_rows("sunspots", "Yearly sunspot numbers.", times, values, window)
+    rows = series_rows("sunspots", "Yearly sunspot numbers.", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "sunspots")
 
 
 def nile_corpus(window: int = 10, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     """Annual Nile flow at Aswan 1871-1970 (10^8 m^3, statsmodels), split by time."""
     times, values = _nile_data()
-    rows = _series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times, values, window)
+    rows = series_rows("nile", "Annual flow of the Nile at Aswan (10^8 m^3).", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "nile")
 
 
@@ -161,7 +161,7 @@ def co2_corpus(window: int = 12, seed: int = 0, split_fractions=DEFAULT_SPLIT):
     data averaged per month, rounded to 0.01; the 5 months without data are skipped), split by
     time. Time labels ``YYYY-MM`` (read as two numbers by the grammar)."""
     times, values = _co2_data()
-    rows = _series_rows("co2", "Monthly mean CO2 at Mauna Loa (ppm).", times, values, window)
+    rows = series_rows("co2", "Monthly mean CO2 at Mauna Loa (ppm).", times, values, window)
     return _to_dataset_dict(rows, split_fractions, "co2")
 
 
@@ -170,7 +170,7 @@ def elnino_corpus(window: int = 12, seed: int = 0, split_fractions=(0.7, 0.15, 0
     (statsmodels elnino, NOAA), split by time; by default the last 15% of months are the test split (the
     ordered-data case of docs/predict.md, "Ordered data"). Time labels ``YYYY-MM``."""
     times, values = _elnino_data()
-    rows = _series_rows("elnino", "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", times, values,
+    rows = series_rows("elnino", "Monthly sea surface temperature, Pacific 0-10 S 90-80 W (deg C).", times, values,
                         window)
     return _to_dataset_dict(rows, split_fractions, "elnino")
 
@@ -191,7 +191,7 @@ def macro_corpus(window: int = 8, seed: int = 0, split_fractions=DEFAULT_SPLIT, 
     Time labels ``YYYY Qn`` (the year is a number, ``Qn`` is text)."""
     times, values = _macro_data(column)
     title = _MACRO_TITLES.get(column, f"US quarterly {column}.")
-    rows = _series_rows(f"macro/{column}", title, times, values, window)
+    rows = series_rows(f"macro/{column}", title, times, values, window)
     return _to_dataset_dict(rows, split_fractions, "macro")
 
 
@@ -212,8 +212,8 @@ def diabetes_corpus(window: int | None = None, seed: int = 0, split_fractions=DE
     random.Random(seed).shuffle(order)
     rows = []
     for i in order:
-        feats = [_canonical(float(v)) for v in bunch.data[i]]
-        tgt = _canonical(float(bunch.target[i]))
+        feats = [canonical_value(float(v)) for v in bunch.data[i]]
+        tgt = canonical_value(float(bunch.target[i]))
         desc = ", ".join(f"{n} {s}" for n, (s, _) in zip(names, feats))
         rows.append({
             "prompt": f"Diabetes patient: {desc}. Disease progression one year later:",
@@ -243,7 +243,8 @@ def engel_corpus(window: int | None = None, seed: int = 0, split_fractions=(0.7,
     random.Random(seed).shuffle(order)
     rows = []
     for i in order:
-        income, food = _canonical(round(float(df["income"][i]), 2)), _canonical(round(float(df["foodexp"][i]), 2))
+        income = canonical_value(round(float(df["income"][i]), 2))
+        food = canonical_value(round(float(df["foodexp"][i]), 2))
         rows.append({"prompt": f"Household income {income[0]}; food expenditure:", "completion": " " + food[0],
                      "target": food[1], "previous": income[1], "time": "", "t_index": i, "series": "engel"})
     return _to_dataset_dict(rows, split_fractions, "engel")
@@ -291,7 +292,7 @@ def _unique_rows(n: int, seed: int, make: Callable[[random.Random], tuple[str, f
         if prompt in seen:
             continue
         seen.add(prompt)
-        s, v = _canonical(value)
+        s, v = canonical_value(value)
         rows.append({"prompt": prompt, "completion": " " + s, "target": v, "previous": previous,
                      "time": "", "t_index": len(rows), "series": series})
     return rows
@@ -375,7 +376,7 @@ def noise_sd(prompt: str) -> float:
 
 # --------------------------------------------------------------------------- chat (TRL conversational rows)
 #: the chat corpus's series: name -> (loader of (time labels, values), title, what a value is called)
-_CHAT_SERIES = {
+CHAT_SERIES = {
     "sunspots": (_sunspots_data, "Yearly sunspot numbers", "sunspot number"),
     "nile": (_nile_data, "Annual flow of the Nile at Aswan (10^8 m^3)", "flow"),
     "co2": (_co2_data, "Monthly mean CO2 at Mauna Loa (ppm)", "CO2 level"),
@@ -407,7 +408,7 @@ CHAT_MIN_WINDOW = 3
 def _chat_conversation(rng: random.Random, series: str, texts: list[tuple[str, float]], times: list[str],
                        i: int, end: int, max_window: int) -> dict:
     """One conversation whose first answer is the value at ``i`` and whose answers all lie before ``end``."""
-    _, title, noun = _CHAT_SERIES[series]
+    _, title, noun = CHAT_SERIES[series]
     hi = min(max_window, i)
     # log-uniform window length in [CHAT_MIN_WINDOW, hi]: short and long prompts alike
     w = min(hi, max(CHAT_MIN_WINDOW, int(round(math.exp(rng.uniform(math.log(CHAT_MIN_WINDOW),
@@ -439,7 +440,7 @@ def chat_corpus(window: int = 48, seed: int = 0, split_fractions=DEFAULT_SPLIT, 
     """Multi-turn chats that ask for values of real series, in TRL's conversational language-modelling format:
     a ``messages`` column of ``{"role", "content"}`` dicts (an optional system message, then 1 to 3 user /
     assistant exchanges). The first user turn gives a window of a series (sunspots, nile, co2, elnino and three
-    macrodata columns, `_CHAT_SERIES`; ``series`` picks some) and asks for the next time step; each later user
+    macrodata columns, `CHAT_SERIES`; ``series`` picks some) and asks for the next time step; each later user
     turn asks for the step after. Every assistant reply's FIRST number is the true value, in canonical format.
 
     ``window`` is the LONGEST window: each conversation draws its own length log-uniformly in [3, window], and
@@ -457,15 +458,15 @@ def chat_corpus(window: int = 48, seed: int = 0, split_fractions=DEFAULT_SPLIT, 
     if isinstance(window, bool) or not isinstance(window, int) or window < CHAT_MIN_WINDOW:
         raise ValueError(f"window must be an int >= {CHAT_MIN_WINDOW} (the longest window of the chat corpus), "
                          f"got {window!r}")
-    names = list(_CHAT_SERIES) if series is None else list(series)
-    unknown = [n for n in names if n not in _CHAT_SERIES]
+    names = list(CHAT_SERIES) if series is None else list(series)
+    unknown = [n for n in names if n not in CHAT_SERIES]
     if unknown or not names:
-        raise ValueError(f"chat series {unknown or names!r} unknown; choose from {list(_CHAT_SERIES)}")
+        raise ValueError(f"chat series {unknown or names!r} unknown; choose from {list(CHAT_SERIES)}")
     rng = random.Random(seed)
     parts: dict[str, list[tuple[float, int, dict]]] = {k: [] for k in SPLITS}
     for order, name in enumerate(names):
-        times, values = _CHAT_SERIES[name][0]("chat")
-        texts = [_canonical(v) for v in values]
+        times, values = CHAT_SERIES[name][0]("chat")
+        texts = [canonical_value(v) for v in values]
         n_steps = len(values) - CHAT_MIN_WINDOW
         sizes = _split_sizes(n_steps, split_fractions, f"chat/{name}")
         start = CHAT_MIN_WINDOW

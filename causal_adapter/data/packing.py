@@ -31,7 +31,7 @@ import bisect
 from typing import Any, Mapping, Sequence
 
 from ..config import IGNORE_INDEX
-from ..numbers import _to_list
+from ..numbers import to_list
 from .pipeline import batch_length, padded_features
 
 __all__ = ["PACKED_COLUMNS", "PackedCollator", "pack_dataset", "pack_rows"]
@@ -69,14 +69,14 @@ def pack_rows(batch: Mapping[str, Sequence[Sequence]], max_length: int) -> dict[
         raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
     rows = []
     for i, ids in enumerate(batch["input_ids"]):
-        ids = _to_list(ids)[:max_length]
+        ids = to_list(ids)[:max_length]
         n = len(ids)
         if not n:
             continue
-        vals = _to_list(batch["numeric_values"][i])[:n] if "numeric_values" in batch else [0.0] * n
-        labels = _to_list(batch["labels"][i])[:n] if "labels" in batch else [IGNORE_INDEX] * n
+        vals = to_list(batch["numeric_values"][i])[:n] if "numeric_values" in batch else [0.0] * n
+        labels = to_list(batch["labels"][i])[:n] if "labels" in batch else [IGNORE_INDEX] * n
         if "label_values" in batch:
-            lvals = _to_list(batch["label_values"][i])[:n]
+            lvals = to_list(batch["label_values"][i])[:n]
         else:
             lvals = [v if lab != IGNORE_INDEX else 0.0 for v, lab in zip(vals, labels)]
         if not len(vals) == len(labels) == len(lvals) == n:
@@ -147,15 +147,15 @@ class PackedCollator:
     def _row(self, i: int, f: Mapping[str, Any]) -> tuple[list, list, list, list, list]:
         if "input_ids" not in f:
             raise ValueError(f"feature {i} has no 'input_ids' (keys: {sorted(f)})")
-        ids = _to_list(f["input_ids"])
+        ids = to_list(f["input_ids"])
         n = len(ids)
-        vals = _to_list(f["numeric_values"]) if f.get("numeric_values") is not None else [0.0] * n
-        labels = _to_list(f["labels"]) if f.get("labels") is not None else [IGNORE_INDEX] * n
+        vals = to_list(f["numeric_values"]) if f.get("numeric_values") is not None else [0.0] * n
+        labels = to_list(f["labels"]) if f.get("labels") is not None else [IGNORE_INDEX] * n
         if f.get("label_values") is not None:
-            lvals = _to_list(f["label_values"])
+            lvals = to_list(f["label_values"])
         else:
             lvals = [v if lab != IGNORE_INDEX else 0.0 for v, lab in zip(vals, labels)]
-        pos = _to_list(f["position_ids"]) if f.get("position_ids") is not None else list(range(n))
+        pos = to_list(f["position_ids"]) if f.get("position_ids") is not None else list(range(n))
         for name, seq in (("numeric_values", vals), ("labels", labels), ("label_values", lvals),
                           ("position_ids", pos)):
             if len(seq) != n:

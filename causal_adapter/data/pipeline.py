@@ -32,7 +32,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from ..config import IGNORE_INDEX
-from ..numbers import NUMBER_RE, NumberTokenizer, _to_list
+from ..numbers import NUMBER_RE, NumberTokenizer, to_list
 from .conversations import CONVERSATION_FORMATS, check_chat_template, detect_format, encode_conversations
 
 __all__ = [
@@ -601,12 +601,12 @@ class NumericCollator:
                 raise ValueError(f"feature {i} has no 'input_ids' (keys: {sorted(f)})")
             if ("labels" in f) != has_labels:
                 raise ValueError(f"feature {i}: 'labels' present in some features of the batch but not all")
-            ids = _to_list(f["input_ids"])
+            ids = to_list(f["input_ids"])
             n = len(ids)
-            vals = _to_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
-            mask = _to_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
-            labels = _to_list(f["labels"]) if has_labels else None
-            lvals = _to_list(f.get("label_values")) if f.get("label_values") is not None else None
+            vals = to_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
+            mask = to_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
+            labels = to_list(f["labels"]) if has_labels else None
+            lvals = to_list(f.get("label_values")) if f.get("label_values") is not None else None
             for name, seq in (("numeric_values", vals), ("attention_mask", mask), ("labels", labels),
                               ("label_values", lvals)):
                 if seq is not None and len(seq) != n:

@@ -76,7 +76,7 @@ def _encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
 
 
 @torch.no_grad()
-def _predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loc_Y, scale_Y, P(<NUM>)) [B] at the last position of left-padded encodings."""
     dev = model.input_device  # the embedding's device; the heads' outputs come back on lm_head's
     ids, vals, mask = (enc[k].to(dev) for k in ("input_ids", "numeric_values", "attention_mask"))
@@ -139,7 +139,7 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
             if bool((enc["attention_mask"].sum(-1) == 0).any()):
                 i = start + int((enc["attention_mask"].sum(-1) == 0).nonzero()[0])
                 raise ValueError(f"prompt {i} encodes to no token")
-            loc, scale, p_num = _predict_batch(model, enc)
+            loc, scale, p_num = predict_batch(model, enc)
             out += _rows(model, loc, scale, p_num, levels, start)
             if progress is not None:
                 progress(len(loc))

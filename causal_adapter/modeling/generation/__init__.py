@@ -33,9 +33,7 @@ from .api import generate, generate_batched
 from .options import MODES, accepted_generate_kwargs
 from .output import GenerationOutput
 from .prepare import default_eos_ids, text_prompts_tokenizer
-from .prepare import number_tokenizer as _number_tokenizer  # noqa: F401 (the names before the split)
-from .prepare import resolve_inputs as _resolve_inputs  # noqa: F401
-from .stream import NumberStreamer, _decode  # noqa: F401
+from .stream import NumberStreamer
 
 __all__ = ["GenerationOutput", "MODES", "NumberStreamer", "accepted_generate_kwargs", "default_eos_ids", "generate",
            "generate_batched", "text_prompts_tokenizer"]

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..intervals import interval
 from .record import Row
-from .stream import _format, decode_text
+from .stream import format_value, decode_text
 
 
 @dataclass
@@ -77,7 +77,8 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
     for t in at:
         v = row.fed_values[t]
         out.append({"position": t, "index": prompt_length + t, "value": v,
-                    "text": _format(v) if math.isfinite(v) else str(v), "loc": row.loc_Y[t], "scale": row.scale_Y[t],
+                    "text": format_value(v) if math.isfinite(v) else str(v), "loc": row.loc_Y[t],
+                    "scale": row.scale_Y[t],
                     "exact": row.exact[t], "p_num": float(row.probs[t])})
     if out:  # every number's intervals at once (float64, elementwise: what one number alone gives)
         loc = torch.tensor([d["loc"] for d in out], dtype=torch.float64)

@@ -29,12 +29,12 @@ def decode_text(ntok, ids: Sequence[int], values: Sequence[float], prev_id: int 
     return ntok.decode(ids, values, skip_special_tokens=True)
 
 
-def _decode(ntok, ids: Tensor, values: Tensor, prev_id: int | None = None, prev_value: float = 0.0) -> str:
+def decode_continuation(ntok, ids: Tensor, values: Tensor, prev_id: int | None = None, prev_value: float = 0.0) -> str:
     """`decode_text` of tensors (the decode of GenerationOutput.texts)."""
     return decode_text(ntok, ids.tolist(), values.tolist(), prev_id, prev_value)
 
 
-def _format(value: float) -> str:
+def format_value(value: float) -> str:
     return format_number(value)
 
 
