@@ -34,18 +34,26 @@ def tabular():
     return _load()
 
 
-def test_quick_run_on_mpg_prints_a_finite_result_line(tabular, tmp_path, capsys):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for torch and for scikit-learn's OpenMP: the toy base and the small tables gain nothing
+    from two, and two threads on cores that other jobs share wait on each other (the quick run: 10 s on one
+    thread, 57 s on two beside another suite; the baselines' test 0.6 s against 22 s, measured)."""
     import torch
+    from threadpoolctl import threadpool_limits
 
-    out = tmp_path / "tabular.md"
-    # one intra-op thread: the toy base gains nothing from two, and two threads on cores that other jobs share
-    # wait on each other (this run: 10 s on one thread, 57 s on two beside another suite, measured)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert tabular.main(["--quick", "--sets", "mpg", "--output", str(out)]) == 0
+        with threadpool_limits(limits=1):
+            yield
     finally:
         torch.set_num_threads(threads)
+
+
+def test_quick_run_on_mpg_prints_a_finite_result_line(tabular, tmp_path, capsys, one_thread):
+    out = tmp_path / "tabular.md"
+    assert tabular.main(["--quick", "--sets", "mpg", "--output", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     last = printed[-1]
     assert last.startswith("RESULT ") and sum(line.startswith("RESULT") for line in printed) == 1
@@ -112,7 +120,7 @@ def _synthetic(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def test_baselines_see_the_words(tabular):
+def test_baselines_see_the_words(tabular, one_thread):
     train, test = _synthetic(400, 0), _synthetic(200, 1)
     y = np.array([r["target"] for r in test])
     truth = np.array([r["truth"] for r in test])
