@@ -20,6 +20,8 @@ THRESHOLD_INIT_MAX = 1e18
 MAX_RECENT_VALUES = 256
 #: the most members, or hidden units, of the value head's nonlinear correction (`value_row_net`)
 MAX_ROW_NET = 1024
+#: the scales the value's Cauchy can live on (`CausalAdapterConfig.value_transform`, `modeling.value_transform`)
+VALUE_TRANSFORMS = ("identity", "log")
 #: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units`)
 ROW_UNIT_RULES = ("last", "median")
 
@@ -134,6 +136,14 @@ class CausalAdapterConfig:
         as peft's `get_peft_model(autocast_adapter_dtype=True)` does (optimizer updates and the
         GradScaler need them); False keeps the base's dtype (half the adapter memory, bf16-precise
         heads). Saved tensors have this dtype. Adapters written before this field load as True.
+    value_transform: the scale the value's Cauchy lives on (`modeling.value_transform`): "identity" (the value) or
+        "log" (log y, for a positive quantity: the point value exp(loc_Y), the intervals exp of the log ones).
+        `train()` chooses it on validation (`TrainConfig.value_transform`). Adapters written before the field load
+        as "identity".
+    value_log_units: under "log", the head's units [loc, scale] on log y (value_loc / value_scale stay in the
+        value's own units: phi's input and the identity head read those).
+    value_positive: training saw only positive values of the quantity: no value or interval bound below 0 (under
+        "identity" they are floored at 0, under "log" positive by construction).
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
@@ -210,6 +220,9 @@ class CausalAdapterConfig:
     value_row_scale: bool = False
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
+    value_transform: str = "identity"
+    value_log_units: list[float] | None = None
+    value_positive: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -299,6 +312,17 @@ class CausalAdapterConfig:
             raise ValueError(f"value_fit_dtype must be a float dtype name or None, got {self.value_fit_dtype!r}")
         if self.value_bf16_shift is not None and not finite("value_bf16_shift") >= 0:
             raise ValueError(f"value_bf16_shift must be >= 0 or None, got {self.value_bf16_shift!r}")
+        if self.value_transform not in VALUE_TRANSFORMS:
+            raise ValueError(f"value_transform must be one of {VALUE_TRANSFORMS}, got {self.value_transform!r}")
+        if self.value_log_units is not None and not (
+                isinstance(self.value_log_units, (list, tuple)) and len(self.value_log_units) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                        for v in self.value_log_units) and self.value_log_units[1] > 0):
+            raise ValueError(f"value_log_units must be [loc, scale > 0] (finite) or None, got {self.value_log_units!r}")
+        if self.value_transform == "log" and self.value_loc is not None and self.value_log_units is None:
+            raise ValueError("value_transform 'log' needs value_log_units, the head's units on log y")
+        if not isinstance(self.value_positive, bool):
+            raise ValueError(f"value_positive must be a bool, got {self.value_positive!r}")
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):

@@ -88,7 +88,8 @@ def _linear_rows(n, seed):
 
 @pytest.fixture(scope="module")
 def linear_law(tmp_path_factory):
-    """{K: the reloaded adapter} after `causal-adapter train` (40 steps) with train's default K and K = 0."""
+    """{K: the reloaded adapter} after `causal-adapter train` (40 steps) with train's default K and K = 0, both on the
+    value's own scale (a linear law: what the inputs give, not the transform)."""
     from causal_adapter.saving.assets import load_base
     from causal_adapter.model import CausalModel
 
@@ -99,7 +100,7 @@ def linear_law(tmp_path_factory):
     for k, extra in ((DEFAULT_K, []), (0, ["--recent-values", "0"])):
         out = tmp / f"k{k}"
         assert main(["train", *files, "--max-steps", "40", "--output-dir", str(out), "--no-plot", "--no-progress",
-                     *TINY32, *extra]) == 0
+                     "--value-transform", "identity", *TINY32, *extra]) == 0
         base, _ = load_base(None, "qwen2", "float32", 32, 1)
         models[k] = CausalModel.from_pretrained(base, out / "adapter")
     return models

@@ -105,12 +105,15 @@ def mixed_scales(tmp_path_factory):
     files = ["--train-file", _jsonl(tmp / "train.jsonl", rows["train"]),
              "--validation-file", _jsonl(tmp / "val.jsonl", rows["validation"])]
     models = {}
-    for setting in ("auto", "off"):
-        out = tmp / setting
+    # on the value's own scale ("auto" and "off": what per-row units do), and on log y with per-row units
+    for name, flags in (("auto", ["--row-units", "auto", "--value-transform", "identity"]),
+                        ("off", ["--row-units", "off", "--value-transform", "identity"]),
+                        ("log", ["--row-units", "last", "--value-transform", "log"])):
+        out = tmp / name
         assert main(["train", *files, "--max-steps", "20", "--output-dir", str(out), "--no-plot", "--no-progress",
-                     "--row-units", setting, *TINY32]) == 0
+                     *flags, *TINY32]) == 0
         base, _ = load_base(None, "qwen2", "float32", 32, 1)
-        models[setting] = CausalModel.from_pretrained(base, out / "adapter")
+        models[name] = CausalModel.from_pretrained(base, out / "adapter")
     return models, rows
 
 
@@ -125,16 +128,21 @@ def _scaled_prompt(prompt: str, c: float) -> str:
 
 
 @pytest.mark.parametrize("c", [1e-3, 1e3])
-def test_a_context_multiplied_by_c_gives_values_and_intervals_multiplied_by_c(mixed_scales, qwen_tokenizer, c):
+@pytest.mark.parametrize("head", ["auto", "log"])
+def test_a_context_multiplied_by_c_gives_values_and_intervals_multiplied_by_c(mixed_scales, qwen_tokenizer, c, head):
+    """On the value's scale (units chosen on validation) and on log y (the log level an offset, the log step the
+    scale): the same property."""
     models, rows = mixed_scales
-    model = models["auto"]
+    model = models[head]
     assert model.causal_config.value_row_units in ("last", "median")  # chosen on validation, saved
+    assert model.causal_config.value_transform == ("log" if head == "log" else "identity")
     prompts = [r["prompt"] for r in rows["test"] if r["scale"] == 1.0][:6]
     before = model.predict_values(prompts, tokenizer=qwen_tokenizer)
     after = model.predict_values([_scaled_prompt(p, c) for p in prompts], tokenizer=qwen_tokenizer)
     for a, b in zip(before, after):
         for key in ("value", "scale", "lower_50", "upper_50", "lower_90", "upper_90"):
-            assert b[key] == pytest.approx(c * a[key], rel=2e-5), (key, a, b)
+            factor = 1.0 if key == "scale" and head == "log" else c  # scale_Y of a log head: on log y
+            assert b[key] == pytest.approx(factor * a[key], rel=2e-5), (key, a, b)
 
 
 def _mae_ratio(model, rows, scale, tokenizer):
@@ -214,11 +222,13 @@ def test_the_width_exponent_is_chosen_on_the_residuals(errors_follow_curvature):
         assert torch.allclose(row_width(values_c, s_c, own_c, 0.5), c * row_width(values, s, own, 0.5), rtol=1e-9)
 
 
+@pytest.mark.parametrize("head", ["auto", "log"])
 @pytest.mark.parametrize("c", [1e-3, 1e3])
-def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen_tokenizer, c):
+def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen_tokenizer, c, head):
     """Number feedback in generation reads the same numbers, hence the same row units, as a forward: the first
-    number written after a small (or large) series' window is predict's value for that window."""
-    model = mixed_scales[0]["auto"]
+    number written after a small (or large) series' window is predict's value for that window (exp of the head's
+    location for a head on log y)."""
+    model = mixed_scales[0][head]
     prompts = [_scaled_prompt(r["prompt"], c) for r in mixed_scales[1]["test"] if r["scale"] == 1.0][:4]
     gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2)
     pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)

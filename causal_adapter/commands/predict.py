@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from ..data.conversations import check_chat_template, inference_prompt
 from ..data.pipeline import load_text_dataset
 from ..modeling.adaptive import DEFAULT_GAMMA, adaptive_interval
@@ -158,11 +160,14 @@ def adapt_intervals(model, records: list[dict], targets: Sequence[float], levels
     """Replace each record's ``lower_<L>`` / ``upper_<L>`` by the adaptive conformal interval
     (`modeling.adaptive`): the records are the rows in file order, and row t's interval uses only the
     targets of the rows before it. Adds ``target``."""
-    loc = [r["value"] for r in records]
+    vm = model.value_map  # the intervals adapt on the head's scale (log y for a log head), then map to the value
+    loc = vm.to_head(torch.tensor([r["value"] for r in records], dtype=torch.float64))
     scale = [r["scale"] for r in records]
     calibration = model.causal_config.value_calibration
+    heads_targets = vm.to_head(torch.tensor(list(targets), dtype=torch.float64))
     for q in levels:
-        lo, hi = adaptive_interval(targets, loc, scale, q, calibration, gamma=gamma)
+        lo, hi = adaptive_interval(heads_targets, loc, scale, q, calibration, gamma=gamma)
+        lo, hi = vm.to_value(lo), vm.to_value(hi)
         n = level_name(q)
         for r, a, b in zip(records, lo.tolist(), hi.tolist()):
             r[f"lower_{n}"], r[f"upper_{n}"] = a, b

@@ -49,6 +49,7 @@ from ..modeling.heads import (
 from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.prediction import predict_values
+from ..modeling.value_transform import ValueMap, value_map_of
 from ..saving import adapter_io
 from ..saving.hub import push_to_hub
 from ..saving.peft_lora import disable_lora, merge_lora
@@ -171,6 +172,7 @@ class CausalModel(nn.Module):
                 row_net_members=config.value_row_net, row_net_width=config.value_row_net_width,
                 row_scale=config.value_row_scale,
             )
+        self.action.set_value_map(value_map_of(config))
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)
         self.action.set_row_units(config.value_row_units, config.value_row_width)
@@ -184,7 +186,36 @@ class CausalModel(nn.Module):
         self.causal_config.value_loc, self.causal_config.value_scale = float(value_loc), float(value_scale)
         if value_decimals is not None:
             self.causal_config.value_decimals = int(value_decimals)
-        self.action.set_value_units(value_loc, value_scale)
+        self._set_head_units()
+
+    def set_value_transform(self, transform: str, log_units: tuple[float, float] | None = None,
+                            positive: bool | None = None) -> None:
+        """The scale the value's Cauchy lives on (`modeling.value_transform`: "identity" or "log"), the head's units
+        on log y [loc, scale] under "log", and whether the quantity is positive (None: as it is). Stored in the
+        config, hence in the saved adapter."""
+        cfg = self.causal_config
+        if transform == "log" and log_units is None:
+            raise ValueError("value_transform 'log' needs the head's units on log y (log_units)")
+        cfg.value_transform = transform
+        cfg.value_log_units = [float(log_units[0]), float(log_units[1])] if transform == "log" else None
+        if positive is not None:
+            cfg.value_positive = bool(positive)
+        self.action.set_value_map(value_map_of(cfg))
+        self._set_head_units()
+
+    def _set_head_units(self) -> None:
+        """The head's units: the value's (value_loc, value_scale), or under "log" those on log y."""
+        cfg = self.causal_config
+        if cfg.value_transform == "log" and cfg.value_log_units is not None:
+            self.action.set_value_units(*cfg.value_log_units)
+        elif cfg.value_loc is not None:
+            self.action.set_value_units(cfg.value_loc, cfg.value_scale)
+
+    @property
+    def value_map(self) -> ValueMap:
+        """The scale of the value head's Cauchy (`modeling.value_transform.ValueMap`): `value_map.to_value(loc_Y)`
+        is the point value (the median)."""
+        return self.action.value_map
 
     def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
         """Per-row value units by `rule` ("last", "median"; `modeling.row_units`) or None (the adapter's units),
@@ -198,8 +229,10 @@ class CausalModel(nn.Module):
                        ) -> tuple[Tensor, Tensor]:
         """(lower, upper) of the central `level` interval of the value, shapes of loc_Y. calibrated=True
         uses the adapter's split-conformal map (`config.value_calibration`) when it has one;
-        calibrated=False (or no map) gives the raw Cauchy interval loc_Y -+ tan(pi level / 2) scale_Y."""
-        return interval(loc_Y, scale_Y, level, self.causal_config.value_calibration if calibrated else None)
+        calibrated=False (or no map) gives the raw Cauchy interval loc_Y -+ tan(pi level / 2) scale_Y; either mapped
+        to the value by `value_map` (exp of the log interval under "log")."""
+        return interval(loc_Y, scale_Y, level, self.causal_config.value_calibration if calibrated else None,
+                        self.value_map)
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self, adapter_name: str) -> None:
@@ -449,7 +482,11 @@ class CausalModel(nn.Module):
         k = self.num_token_id
         p_num = num_probability(loc_U, scale_Up, act.num_weight(self.W_cls), act.b_cls[k], act.num_threshold(),
                                 scale_floor=act.scale_floor)
-        loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.causal_config.alpha)
+        offset = None
+        if act.value_map.log:  # the Cauchy lives on log y (a value <= 0 there: the smallest positive float's log)
+            values = values.clamp_min(torch.finfo(values.dtype).tiny).log()
+            offset = values  # NLL(y) = NLL(log y) + log y
+        loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.causal_config.alpha, offset)
         loss_reg = loss_reg.to(loss_cls.dtype)
         return total_loss(loss_cls, loss_reg, self.causal_config.reg_weight), loss_cls, loss_reg
 

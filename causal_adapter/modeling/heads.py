@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..config import check_row_rule
 from .row_net import part_shapes, row_net, PARTS as ROW_NET_PARTS
 from .row_transform import row_frame
+from .value_transform import ValueMap
 
 #: principal directions of the training features kept for the out-of-depth width
 #: (`training.value_head.warm_start.fit_depth`)
@@ -225,6 +226,7 @@ class ActionHead(nn.Module):
         self.recent_values = recent_values
         self.row_rule: str | None = None  # the per-row units' rule (`set_row_units`), None = the adapter's units
         self.row_width_power = 0.0  # the width's exponent a in per-row units (`row_units.row_width`)
+        self.value_map = ValueMap()  # the scale the value's Cauchy lives on (`set_value_map`)
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
@@ -242,6 +244,12 @@ class ActionHead(nn.Module):
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
         """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
         self.value_loc, self.value_scale = float(value_loc), float(value_scale)
+
+    def set_value_map(self, value_map: ValueMap) -> None:
+        """The scale the value's Cauchy lives on (`value_transform.ValueMap`): loc_Y, scale_Y and the head's units
+        are on T(y), and the head reads the recent numbers as T(numbers) (`value_loc` / `value_scale` are then the
+        head's units on that scale)."""
+        self.value_map = value_map
 
     def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
         """Per-row units by `rule` (`config.ROW_UNIT_RULES`), or None for the adapter's units; needs recent values.
@@ -263,7 +271,7 @@ class ActionHead(nn.Module):
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
-        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale)
+        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale, self.value_map.log)
         width = frame.width(self.row_width_power)
         x = frame.inputs(self.recent_range).to(self.b_reg.dtype) if self.row_net_members or self.row_scale else None
         return (frame.loc.to(like.dtype), frame.scale.to(like.dtype), frame.r.to(like.dtype), width.to(like.dtype),
@@ -286,8 +294,9 @@ class ActionHead(nn.Module):
         """The nonlinear correction's weights (`row_net.PARTS`; empty without it)."""
         return {k: getattr(self, f"row_net_{k}") for k in ROW_NET_PARTS} if self.row_net_members else {}
 
-    def to_value(self, y_std: Tensor) -> Tensor:
-        """Standardised Y' -> value units (a location or a sampled value)."""
+    def from_standard(self, y_std: Tensor) -> Tensor:
+        """Standardised Y' -> the head's scale (T(y): the value itself, or log y; `value_map.to_value` then gives
+        the value): a location or a sampled value."""
         return self.value_loc + self.value_scale * y_std
 
     def noisy_scale(self, scale_U: Tensor) -> Tensor:
@@ -371,9 +380,9 @@ class ActionHead(nn.Module):
         return self.b_noise_Y.abs().reshape(()) * log_s.exp() * self.depth_factor(loc_U)
 
     def standardized_recent(self, recent: Tensor) -> Tensor:
-        """Raw recent values [..., K] (NaN = none) -> r [..., K] in recent's dtype: standardised, 0 where none.
-        Unclamped (the fits read it so, in float64)."""
-        return torch.nan_to_num((recent - self.value_loc) / self.value_scale, nan=0.0)
+        """Raw recent values [..., K] (NaN = none) -> r [..., K] in recent's dtype: on the head's scale (T(numbers):
+        `value_map`), standardised, 0 where none. Unclamped (the fits read it so, in float64)."""
+        return torch.nan_to_num((self.value_map.to_head(recent) - self.value_loc) / self.value_scale, nan=0.0)
 
     def recent_term(self, recent: Tensor | None, like: Tensor, r: Tensor | None = None) -> Tensor:
         """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0). `r`: the
@@ -403,7 +412,7 @@ class ActionHead(nn.Module):
         scale_Y [...] in value units."""
         if self.row_rule is not None:
             return self.row_regression(recent, loc_U[..., 0])
-        loc_Y = self.to_value(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
+        loc_Y = self.from_standard(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
             scale_Y = self.per_row_scale(loc_U)
         elif self.b_noise_Y is not None:
@@ -426,7 +435,7 @@ class ActionHead(nn.Module):
         if self.row_rule is not None:  # the value reads the row's numbers, not U (`row_regression`)
             return s - self.threshold_scores(), self.row_regression(recent, u[..., 0])[0]
         y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
-        return s - self.threshold_scores(), self.to_value(y)
+        return s - self.threshold_scores(), self.from_standard(y)
 
 
 def _idx(k: int, like: Tensor) -> Tensor:

@@ -29,6 +29,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .value_transform import ValueMap
+
 #: most order statistics kept in a calibration map (the config file stays small)
 MAX_SCORES = 1001
 
@@ -82,11 +84,17 @@ def multiplier(level: float, calibration: dict | None = None) -> float:
     return conformal_multiplier(calibration, level) if calibration else cauchy_multiplier(level)
 
 
-def interval(loc: Tensor, scale: Tensor, level: float, calibration: dict | None = None) -> tuple[Tensor, Tensor]:
-    """(lower, upper) of the central `level` interval: loc -+ c_q scale (shapes of loc / scale)."""
+def interval(loc: Tensor, scale: Tensor, level: float, calibration: dict | None = None,
+             value_map: ValueMap | None = None) -> tuple[Tensor, Tensor]:
+    """(lower, upper) of the central `level` interval: loc -+ c_q scale (shapes of loc / scale), on the scale of loc;
+    with `value_map`, mapped to the value (`ValueMap.to_value`: exp of both bounds under log, which maps the
+    quantiles exactly)."""
     c = multiplier(level, calibration)
     half = scale * c if math.isfinite(c) else torch.full_like(scale, math.inf)
-    return loc - half, loc + half
+    lo, hi = loc - half, loc + half
+    if value_map is None:
+        return lo, hi
+    return value_map.to_value(lo), value_map.to_value(hi)
 
 
 #: exponents tried on the per-row part of the width (scale = base * ratio^a: 0 = a constant width times the

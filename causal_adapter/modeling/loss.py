@@ -729,13 +729,15 @@ def gated_regression_loss(
     num_token_id: int,
     p_num: Tensor,
     alpha: float,
+    nll_offset: Tensor | None = None,
 ) -> Tensor:
     """L_reg = sum_i gate_i * NLL_i / max(1, sum_i m_i)   (SPEC 3), all inputs [N].
 
     m_i = [labels_i == num_token_id]; gate_i = m_i * (alpha + (1 - alpha) * p_num_i) with
     p_num DETACHED (else the loss could be lowered by pushing P_num down); NLL is the
     Cauchy NLL of label_values under (loc_Y, scale_Y). Rows with m = 0 contribute exactly 0
-    (and zero gradient) whatever their values, even inf/NaN.
+    (and zero gradient) whatever their values, even inf/NaN. `nll_offset` [N]: added to each NLL (the Jacobian of
+    a value head on log y, `value_transform.ValueMap.nll_offset`: the NLL of the value itself).
     """
     m = labels.reshape(-1) == num_token_id
     loc_Y, scale_Y = loc_Y.reshape(-1), scale_Y.reshape(-1)
@@ -747,5 +749,8 @@ def gated_regression_loss(
     scale = torch.where(m, scale_Y.to(dt), one)
     p = torch.where(m, p_num.reshape(-1).detach().to(dt), 0 * one)
     gate = alpha + (1.0 - alpha) * p
-    nll = torch.where(m, gate * cauchy_nll(y, loc, scale), 0 * one)
+    nll = cauchy_nll(y, loc, scale)
+    if nll_offset is not None:
+        nll = nll + torch.where(m, nll_offset.reshape(-1).to(dt), 0 * one)
+    nll = torch.where(m, gate * nll, 0 * one)
     return nll.sum() / max(1, int(m.sum()))

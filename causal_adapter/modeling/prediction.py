@@ -92,7 +92,8 @@ def predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def _rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
           start: int) -> list[dict[str, Any]]:
-    cols: dict[str, list[float]] = {"value": loc.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
+    value = model.value_map.to_value(loc)  # the median: loc_Y itself, or exp(loc_Y) on log y
+    cols: dict[str, list[float]] = {"value": value.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
     for q in levels:
         n = level_name(q)
         for prefix, calibrated in (("", True), ("raw_", False)):
@@ -115,8 +116,8 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
         batch_size: prompts per forward pass.
         progress: called with the number of prompts done after each batch (a progress bar's update).
 
-    Returns dicts with ``row`` (index in `prompts`), ``value`` (the median loc_Y), ``scale``
-    (scale_Y), ``p_num`` (the OvR probability that the next token is <NUM>), and per level
+    Returns dicts with ``row`` (index in `prompts`), ``value`` (the median: loc_Y, or exp(loc_Y) for a value head
+    on log y, `CausalModel.value_map`), ``scale`` (scale_Y, on the head's scale), ``p_num`` (the OvR probability that the next token is <NUM>), and per level
     ``lower_<L>`` / ``upper_<L>`` (L = 100 * level: the calibrated interval of `value_interval`,
     the raw Cauchy one when the adapter has no calibration map) and ``raw_lower_<L>`` /
     ``raw_upper_<L>`` (the raw Cauchy interval, for comparison).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .row_units import floored_curvature, mean_abs
+from .row_units import floored_curvature, level
 
 #: the shape statistics are clamped to these logs (a flat window, a window with no step)
 LOG_STEP_RANGE = (-14.0, 7.0)
@@ -31,14 +31,14 @@ def part_shapes(members: int, width: int, inputs: int) -> dict[str, tuple[int, .
             "b2": (members, width), "w3": (members, width), "b3": (members,)}
 
 
-def net_inputs(values: Tensor, scale: Tensor, r: Tensor) -> Tensor:
+def net_inputs(values: Tensor, scale: Tensor, r: Tensor, log_space: bool = False) -> Tensor:
     """values [..., K] the same-kind numbers (NaN = none), scale [...] s, r [..., K] the numbers in row units
-    (clamped as the linear head reads them, 0 where none) -> [..., 2 K + 2]: r, presence, log(s / mean |S|),
-    log(c / s)."""
+    (clamped as the linear head reads them, 0 where none) -> [..., 2 K + 2]: r, presence, log(s / mean |S|)
+    (log s in log space, where s is relative already: `row_units.level`), log(c / s)."""
     present = (~torch.isnan(values)).to(r.dtype)
-    level = mean_abs(values).clamp_min(torch.finfo(values.dtype).tiny)
-    c = floored_curvature(values)
-    log_step = torch.log((scale / level).clamp_min(torch.finfo(values.dtype).tiny)).clamp(*LOG_STEP_RANGE)
+    unit = level(values, log_space).clamp_min(torch.finfo(values.dtype).tiny)
+    c = floored_curvature(values, log_space)
+    log_step = torch.log((scale / unit).clamp_min(torch.finfo(values.dtype).tiny)).clamp(*LOG_STEP_RANGE)
     log_smooth = torch.log((c / scale).clamp_min(torch.finfo(values.dtype).tiny)).clamp(*LOG_SMOOTH_RANGE)
     stats = torch.stack([log_step, log_smooth], -1).to(r.dtype)
     return torch.cat([r, present, torch.nan_to_num(stats)], -1)

@@ -25,12 +25,13 @@ from .row_units import row_location_scale, row_width
 class RowFrame:
     """Rows in their own units (float64). values [..., K]: the same-kind numbers, newest first (NaN = none);
     loc, scale [...]: m and s; own [...]: the rows that got their own units (the others keep the fallback units);
-    r [..., K]: (values - m) / s, 0 where none, unclamped."""
+    r [..., K]: (values - m) / s, 0 where none, unclamped; log_space: the numbers are logs (a log value head)."""
     values: Tensor
     loc: Tensor
     scale: Tensor
     own: Tensor
     r: Tensor
+    log_space: bool = False
 
     @property
     def present(self) -> Tensor:
@@ -43,7 +44,7 @@ class RowFrame:
 
     def width(self, power: float) -> Tensor:
         """[...] the width unit s (c / s)^power (`row_units.row_width`)."""
-        return row_width(self.values, self.scale, self.own, power)
+        return row_width(self.values, self.scale, self.own, power, self.log_space)
 
     def clamped(self, clamp: Tensor) -> Tensor:
         """r clamped to `clamp` [2, K] (the range the head reads r in)."""
@@ -53,12 +54,14 @@ class RowFrame:
     def inputs(self, clamp: Tensor) -> Tensor:
         """[..., 2 K + 2] the correction's and the log-width's inputs x (`row_net.net_inputs`), r clamped to
         `clamp` [2, K]."""
-        return net_inputs(self.values, self.scale, self.clamped(clamp))
+        return net_inputs(self.values, self.scale, self.clamped(clamp), self.log_space)
 
 
-def row_frame(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float) -> RowFrame:
+def row_frame(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float, log_space: bool = False
+              ) -> RowFrame:
     """recent [..., K] raw values, most recent first (NaN = none) -> the rows in their own units by `rule`; a row
-    with too few same-kind numbers keeps (fallback_loc, fallback_scale), the adapter's units."""
-    values, loc, scale, own = row_location_scale(recent, rule, fallback_loc, fallback_scale)
+    with too few same-kind numbers keeps (fallback_loc, fallback_scale), the adapter's units (the head's: on log y
+    when `log_space`, the numbers then their logs: `row_units.row_location_scale`)."""
+    values, loc, scale, own = row_location_scale(recent, rule, fallback_loc, fallback_scale, log_space)
     r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
-    return RowFrame(values, loc, scale, own, r)
+    return RowFrame(values, loc, scale, own, r, log_space)

@@ -141,13 +141,17 @@ def row_period(recent: Tensor) -> Tensor:
     return torch.where(near.any(-1), first, best)
 
 
-def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float,
+                       log_space: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """recent [..., K] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
     float64, by `rule` (`config.ROW_UNIT_RULES`). `own` marks the rows that got their own units; the others keep
-    (fallback_loc, fallback_scale) and their numbers as they come (p = 1)."""
+    (fallback_loc, fallback_scale) and their numbers as they come (p = 1). `log_space`: the kinds are found on the
+    raw numbers, then the numbers are their logs (a number <= 0 has none: NaN), so m is a log level and s the mean
+    |step of log y|: a row multiplied by c moves m by log c and keeps s."""
     recent = recent.double()
     values = same_role(recent, row_period(recent))
+    if log_space:
+        values, recent = _log(values), _log(recent)
     if rule == "last":
         loc, scale = values[..., 0], _mean_step(values)
     elif rule == "median":
@@ -155,12 +159,23 @@ def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_
         scale = mean_abs(values - loc.unsqueeze(-1))
     else:  # checked where a rule is set (`config.check_row_rule`)
         raise ValueError(f"unknown per-row units rule {rule!r}")
-    scale = torch.maximum(scale, RELATIVE_FLOOR * mean_abs(values))
+    scale = torch.maximum(scale, RELATIVE_FLOOR * level(values, log_space))
     own = (_count(values) >= MIN_CONTEXT) & (scale > 0) & torch.isfinite(scale) & torch.isfinite(loc)
     loc = torch.where(own, loc, fallback_loc)
     scale = torch.where(own, scale, fallback_scale)
     values = torch.where(own.unsqueeze(-1), values, recent)
     return values, loc, scale, own
+
+
+def _log(values: Tensor) -> Tensor:
+    return torch.where(values > 0, values.clamp_min(torch.finfo(values.dtype).tiny).log(),
+                       torch.full_like(values, math.nan))
+
+
+def level(values: Tensor, log_space: bool = False) -> Tensor:
+    """[..., K] -> [...] the unit the floors are relative to: mean |S| (1 in log space, where steps are relative
+    already)."""
+    return torch.ones_like(values[..., 0]) if log_space else mean_abs(values)
 
 
 def curvature(values: Tensor) -> Tensor:
@@ -169,17 +184,17 @@ def curvature(values: Tensor) -> Tensor:
     return mean_abs(values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:])
 
 
-def floored_curvature(values: Tensor) -> Tensor:
-    """[..., K] -> [...] c: `curvature` floored at RELATIVE_FLOOR x mean |S| (a straight line)."""
-    return torch.maximum(curvature(values), RELATIVE_FLOOR * mean_abs(values))
+def floored_curvature(values: Tensor, log_space: bool = False) -> Tensor:
+    """[..., K] -> [...] c: `curvature` floored at RELATIVE_FLOOR x `level` (a straight line)."""
+    return torch.maximum(curvature(values), RELATIVE_FLOOR * level(values, log_space))
 
 
-def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float) -> Tensor:
+def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float, log_space: bool = False) -> Tensor:
     """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_location_scale`'s values,
     s, own), c = `floored_curvature`; s where a row has no
     second difference or keeps the adapter's units, and for power 0."""
     if power == 0:
         return scale
-    c = floored_curvature(values)
+    c = floored_curvature(values, log_space)
     usable = own & (_count(values) >= 3) & (c > 0) & torch.isfinite(c)
     return torch.where(usable, scale * (c / scale).clamp_min(torch.finfo(scale.dtype).tiny) ** power, scale)

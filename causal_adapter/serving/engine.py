@@ -350,7 +350,8 @@ class Engine:
             numbers = self._numbers_before(row, numbers, cut)
             text, finished = text[:cut], True
         return {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
-                "values": _values(numbers, levels, calibration), "completion_tokens": len(row.tokens)}
+                "values": _values(numbers, levels, calibration, row.group.settings.value_map),
+                "completion_tokens": len(row.tokens)}
 
     def _numbers_before(self, row: Row, numbers: list[dict], cut: int) -> list[dict]:
         """The numbers whose text ends before character `cut` of the row's text."""
@@ -383,7 +384,7 @@ class Engine:
         job.done(rows)
 
 
-def _values(numbers: list[dict], levels: tuple[float, ...], calibration: dict | None) -> list[dict]:
+def _values(numbers: list[dict], levels: tuple[float, ...], calibration: dict | None, value_map=None) -> list[dict]:
     """The generated numbers with their intervals per level: calibrated by their adapter's map (as
     `CausalModel.value_interval`) and raw, all numbers at once (float64, elementwise)."""
     if not numbers:
@@ -394,7 +395,7 @@ def _values(numbers: list[dict], levels: tuple[float, ...], calibration: dict | 
     raw = [{} for _ in numbers]
     for q in levels:
         for tables, cal_map in ((cal, calibration), (raw, None)):
-            lo, hi = interval(loc, scale, q, cal_map)
+            lo, hi = interval(loc, scale, q, cal_map, value_map)
             for table, a, b in zip(tables, lo.tolist(), hi.tolist()):
                 table[level_name(q)] = (a, b)
     return [value_entry(x, c, r) for x, c, r in zip(numbers, cal, raw)]

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import DEFAULT_LORA_TARGETS, ROW_UNIT_RULES, CausalAdapterConfig, LoraSettings
+from ..config import DEFAULT_LORA_TARGETS, ROW_UNIT_RULES, VALUE_TRANSFORMS, CausalAdapterConfig, LoraSettings
 from ..data.corpora import CORPORA
 from ..saving.assets import DTYPES
 
@@ -119,6 +119,12 @@ class TrainConfig:
                           "the mean deviation) or the adapter's one unit system, whichever predicts the validation "
                           "rows better, each error divided by its row's own scale; 'off' = the adapter's units; "
                           "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", *ROW_UNIT_RULES])
+    value_transform: str = flag("auto", "the scale the value's Cauchy lives on: 'log' = log y (a positive quantity: "
+                                "the value exp(loc), intervals exp of the log ones, never below 0), 'identity' = "
+                                "the value itself, 'auto' = log where every training target and every same-kind "
+                                "number of the windows is > 0 and it predicts the validation rows better than "
+                                "identity by one standard error (errors divided by each row's own scale), else "
+                                "identity (docs/values.md)", choices=["auto", *VALUE_TRANSFORMS])
     row_net: int = flag(5, "in per-row units, the value head's nonlinear correction: the mean of N small MLPs "
                         "(2 x 64 GELU units) on the row's numbers and its window's shape, fitted after the linear "
                         "head and kept when it predicts the validation rows better (one standard error); 0 = the "

@@ -347,7 +347,7 @@ def _evaluate(run: Run) -> MetricAccumulator:
     # evaluation batches; run as the saved adapter runs at inference (no autocast: the metrics are `eval`'s)
     with engines.inference_precision(run.eval_model) as model:
         acc = accumulate(model, batches, MetricAccumulator(run.inner.num_token_id, run.inner.causal_config.reg_weight,
-                                                           calibration=run.inner.causal_config.value_calibration),
+                                                           calibration=run.inner.causal_config.value_calibration, value_map=run.inner.value_map),
                          device=run.device)
         # FSDP: as many forwards as the longest shard has batches (each one all-gathers the layers)
         missing = math.ceil(math.ceil(len(eval_ds) / run.world) / bs) - math.ceil(len(idx) / bs)
@@ -563,7 +563,7 @@ def _write_outputs(run: Run, adapter_dir: Path, tensors: dict | None = None) -> 
     if not run.config.plot:
         return None
     return plot_training(run.history, run.predictions, run.out_dir / PLOT_NAME,
-                         calibration=run.inner.causal_config.value_calibration)
+                         calibration=run.inner.causal_config.value_calibration, value_map=run.inner.value_map)
 
 
 def _reset_log(path: Path, keep_until: int | None) -> None:

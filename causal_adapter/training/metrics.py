@@ -46,6 +46,7 @@ from ..modeling.heads import full_precision
 from ..modeling.adaptive import adaptive_interval
 from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss
+from ..modeling.value_transform import ValueMap
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_model
 
@@ -66,11 +67,12 @@ class MetricAccumulator:
     accumulators of several processes (plain Python data, picklable)."""
 
     def __init__(self, num_token_id: int, reg_weight: float = 1.0, levels: Sequence[float] = INTERVAL_LEVELS,
-                 calibration: dict | None = None):
+                 calibration: dict | None = None, value_map: ValueMap | None = None):
         self.num_token_id = int(num_token_id)
         self.reg_weight = float(reg_weight)
         self.levels = tuple(float(q) for q in levels)
         self.calibration = calibration
+        self.value_map = value_map  # the scale of loc_Y / scale_Y (None: the model's, at the first update)
         self.n_tokens = 0
         self.n_num_labels = 0
         self.sum_cls = 0.0
@@ -92,6 +94,8 @@ class MetricAccumulator:
         """Add one batch. `output` is the model's CausalOutput for `batch` (computed with
         `labels`, so loss_cls / loss_reg are set); `model` is the CausalModel (wrappers allowed)."""
         model = unwrap_model(model)
+        if self.value_map is None:
+            self.value_map = model.action.value_map
         heads = output.loc_Y.device  # the outputs' device: labels and values join them (device_map splits)
         labels = batch["labels"].to(heads)
         shifted = labels[:, 1:]
@@ -163,7 +167,8 @@ class MetricAccumulator:
     @classmethod
     def merged(cls, states: Sequence[Mapping[str, Any]]) -> "MetricAccumulator":
         first = states[0]
-        acc = cls(first["num_token_id"], first["reg_weight"], first["levels"], first.get("calibration"))
+        acc = cls(first["num_token_id"], first["reg_weight"], first["levels"], first.get("calibration"),
+                  first.get("value_map"))
         return acc.merge(states)
 
     # ------------------------------------------------------------------ results
@@ -180,7 +185,7 @@ class MetricAccumulator:
             f1 = 2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0
         elif rec is not None:  # nothing predicted as <NUM>: precision undefined, F1 = 0
             f1 = 0.0
-        errors = [abs(a - b) for a, b in zip(self.y_loc, self.y_true)]
+        errors = [abs(a - b) for a, b in zip(self._values(), self.y_true)]
         out: dict[str, Any] = {
             "tokens": n,
             "num_targets": k,
@@ -194,30 +199,45 @@ class MetricAccumulator:
             "value_mae": _ratio(sum(errors), len(errors)),
             "value_median_ae": _median(errors),
         }
-        out.update(coverage_metrics(self.y_true, self.y_loc, self.y_scale, self.levels, self.calibration))
+        out.update(coverage_metrics(self.y_true, self.y_loc, self.y_scale, self.levels, self.calibration,
+                                    self.value_map))
         out["perplexity"] = math.exp(min(self.softmax_nll / n, 700.0)) if n else None
         out.update(baseline_metrics(self.targets, self.previous, constant_value))
         return out
 
+    def _values(self) -> list[float]:
+        """The point values: loc_Y mapped to the value (`value_transform.ValueMap.to_value`)."""
+        if self.value_map is None or not self.y_loc:
+            return list(self.y_loc)
+        return self.value_map.to_value(torch.tensor(self.y_loc, dtype=torch.float64)).tolist()
+
     def predictions(self) -> dict[str, list[float]]:
-        """Per <NUM> label: true value, loc_Y, scale_Y (in evaluation order)."""
-        return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale)}
+        """Per <NUM> label: true value, loc_Y, scale_Y (on the head's scale) and the point value (in evaluation
+        order)."""
+        return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale),
+                "value": self._values()}
 
 
 def coverage_metrics(y_true: Sequence[float], loc: Sequence[float], scale: Sequence[float],
-                     levels: Sequence[float] = INTERVAL_LEVELS, calibration: dict | None = None) -> dict[str, Any]:
+                     levels: Sequence[float] = INTERVAL_LEVELS, calibration: dict | None = None,
+                     value_map: ValueMap | None = None) -> dict[str, Any]:
     """``coverage_<100 q>`` (the reported interval: calibrated when `calibration` is given) and
     ``cauchy_coverage_<100 q>`` (raw Cauchy) for each level q; None without values. With `calibration`
     also ``aci_coverage_<100 q>`` (adaptive conformal, rows in the given order) and, at 90%,
     ``winkler_90`` / ``aci_winkler_90``."""
     out: dict[str, Any] = {}
     y, lo_, sc = (torch.tensor(list(v), dtype=torch.float64) for v in (y_true, loc, scale))
+    vm = value_map or ValueMap()
+
+    def adaptive():  # the online updates read the misses on the head's scale, where the interval is symmetric
+        lo, hi = adaptive_interval(vm.to_head(y), lo_, sc, q, calibration)
+        return vm.to_value(lo), vm.to_value(hi)
     for q in levels:
         name = round(100 * q)
-        kinds = [(f"coverage_{name}", lambda: interval(lo_, sc, q, calibration)),
-                 (f"cauchy_coverage_{name}", lambda: interval(lo_, sc, q, None))]
+        kinds = [(f"coverage_{name}", lambda: interval(lo_, sc, q, calibration, vm)),
+                 (f"cauchy_coverage_{name}", lambda: interval(lo_, sc, q, None, vm))]
         if calibration:
-            kinds.append((f"aci_coverage_{name}", lambda: adaptive_interval(y, lo_, sc, q, calibration)))
+            kinds.append((f"aci_coverage_{name}", adaptive))
         for key, make in kinds:
             if not len(y):
                 out[key] = None

@@ -11,7 +11,7 @@ from ..modeling.intervals import interval
 
 
 def plot_training(history: Sequence[dict], predictions: dict | None, path: str | os.PathLike,
-                  calibration: dict | None = None) -> Path | None:
+                  calibration: dict | None = None, value_map=None) -> Path | None:
     """PNG with the training curves (train/eval losses, eval metrics) and the validation values
     (data order) with loc_Y and its 50% / 90% interval bands: calibrated by `calibration` (the adapter's
     `value_calibration`, as `CausalModel.value_interval`), raw Cauchy without one. Returns None
@@ -58,10 +58,11 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
         x = torch.arange(len(y)).numpy()
         kind = "calibrated" if calibration else "raw Cauchy"
         for q, alpha in ((0.9, 0.18), (0.5, 0.35)):
-            lo, hi = interval(loc, scale, q, calibration)
+            lo, hi = interval(loc, scale, q, calibration, value_map)
             ax3.fill_between(x, lo.numpy(), hi.numpy(), color="tab:blue", alpha=alpha, lw=0,
                              label=f"{round(100 * q)}% interval ({kind})")
-        ax3.plot(x, loc.numpy(), "-", color="tab:blue", lw=1.2, label="loc_Y (prediction)")
+        point = loc if value_map is None else value_map.to_value(loc)
+        ax3.plot(x, point.numpy(), "-", color="tab:blue", lw=1.2, label="the predicted value (median)")
         ax3.plot(x, y.numpy(), "ko", ms=3, label="true value")
         span = float(y.max() - y.min()) or 1.0
         ax3.set_ylim(float(y.min()) - 0.6 * span, float(y.max()) + 0.6 * span)

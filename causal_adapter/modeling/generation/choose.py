@@ -6,7 +6,10 @@
 * ``deterministic``: token = argmax_k P_k, P_k = P(S_k > C_k) the OvR probability (`scoring.OvRScorer`, exact with
   pruning); value = loc_Y.
 * ``causal``: an individual u = loc_U + scale_U' tan(pi (eps - 1/2)), eps ~ U(0,1)^C, then the noiseless action:
-  token = argmax_k (W_cls u + b_cls - C)_k, value = w_reg . u + b_reg.
+  token = argmax_k (W_cls u + b_cls - C)_k, value = the head's decision value on u (`ActionHead.decision_scores`).
+
+Every value written is the value head's location mapped to the value (`value_transform.ValueMap.to_value`: itself,
+or exp of it for a head on log y).
 
 Random protocol (so a run can be reproduced): a group's draws come from its generator, one ``torch.rand((n, C))``
 (causal) or one ``torch.multinomial`` over [n, V] (softmax sampling) per step, n = the group's slots when its rows
@@ -95,7 +98,7 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
     tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
-    return Choice(tok, val, prob, h.loc_Y, h.scale_Y, pending, eps)
+    return Choice(tok, s.value_map.to_value(val), prob, h.loc_Y, h.scale_Y, pending, eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

@@ -85,7 +85,7 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
         scale = torch.tensor([d["scale"] for d in out], dtype=torch.float64)
         for q in (0.5, 0.9):
             for prefix, cal in (("", calibration), ("raw_", None)):
-                lo, hi = interval(loc, scale, q, cal)
+                lo, hi = interval(loc, scale, q, cal, row.group.settings.value_map)
                 for d, a, b in zip(out, lo.tolist(), hi.tolist()):
                     d[f"{prefix}interval_{round(100 * q)}"] = (a, b)
     return out

@@ -13,6 +13,7 @@ from torch import Tensor
 from ...numbers import NumberTokenizer
 from ..families import check_no_vision_inputs
 from ..scoring import OvRScorer
+from ..value_transform import ValueMap
 from .options import DecodingOptions
 
 
@@ -146,6 +147,7 @@ class Settings:
     decimals: int | None
     C: int
     recent_k: int  # numbers the value head reads (0: none)
+    value_map: ValueMap = ValueMap()  # the scale of the value head's Cauchy: the value written is to_value(loc_Y)
     prefix_id: int | None = None  # the number layout of training (`place.place_number`)
     contexts: Tensor | None = None  # [n] ids that precede a number in training, on hdev
 
@@ -194,7 +196,7 @@ def prepare(model, g: Group, scorers: dict | None = None) -> Settings:
         pad_id=pad_id, num_id=model.num_token_id, device=model.input_device, hdev=hdev, hdtype=scorer.dtype,
         scorer=scorer, warpers=warpers, reads_history=_reads_history(warpers), decimals=cfg.value_decimals,
         C=model.abduction.loc.weight.shape[0], recent_k=int(model.action.recent_values or 0),
-        prefix_id=cfg.number_prefix_id,
+        value_map=model.action.value_map, prefix_id=cfg.number_prefix_id,
         contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev))
 
 

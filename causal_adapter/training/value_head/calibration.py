@@ -60,7 +60,8 @@ def base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
 
 def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
                                 ) -> Calibration | None:
-    """After training, on the validation predictions. With a per-row scale and `base_scale` (`base_scale`):
+    """After training, on the validation predictions (y_true: values; loc, scale: on the head's scale, `value_map`,
+    where every residual is taken). With a per-row scale and `base_scale` (`base_scale`):
     shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
     interval score (`intervals.choose_scale_exponent`: conformal maps cross-fitted on halves of the
     validation rows; in per-row units on the rows divided by their base width, so that every scale counts alike)
@@ -75,10 +76,16 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return None
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
+    vm = act.value_map  # the residuals are taken on the head's scale (log y for a log head), where loc / scale live
+    value_y, y = y, vm.to_head(y)
+    ok = torch.isfinite(y)  # a value with no place on the head's scale (<= 0 for a log head) calibrates nothing
+    base = None if base_scale is None or len(base_scale) != len(scale) else torch.tensor(base_scale, dtype=torch.float64)
+    if not bool(ok.all()):
+        value_y, y, loc, scale = value_y[ok], y[ok], loc[ok], scale[ok]
+        base = None if base is None else base[ok]
     info = Calibration()
     part = act.per_row_log_scale()
-    if base_scale is not None and part is not None and len(base_scale) == len(scale):
-        base = torch.tensor(base_scale, dtype=torch.float64)
+    if base is not None and part is not None:
         if act.row_rule is not None:  # scored in each row's own width: a series of 0.07 counts as one of 9,000
             a, scores = choose_scale_exponent(y / base, loc / base, torch.ones_like(base), scale / base)
         else:
@@ -92,7 +99,7 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     # a residual below the resolution of the written value (half a unit in its last place) says only that the
     # head matched the text: it counts as that resolution, so an exact fit (deterministic data: arithmetic, a
     # column copied from the prompt) still gets calibrated intervals, as narrow as the text can tell
-    resolution = written_resolution(y, inner.causal_config.value_decimals)
+    resolution = vm.head_resolution(value_y, written_resolution(value_y, inner.causal_config.value_decimals))
     resid = (y - loc).abs()
     exact = int((resid < resolution).sum())
     factor = float((resid.clamp_min(resolution) / scale).median())

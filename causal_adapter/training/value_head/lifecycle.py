@@ -15,15 +15,18 @@ import sys
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from ...config import BF16_MAX_SHIFT, ROW_UNIT_RULES
 from ...saving.unwrap import unwrap_causal_model
 from ..config import TrainConfig
 from ..data import rows_at
 from ..engines import inference_precision
+from ...modeling.row_units import row_location_scale, row_period, same_role
 from .calibration import Calibration, base_scale, calibrate_regression_scale
+from .choice import beats_by_one_se
 from .linear import LOSSES, WARM_START_LOSSES
-from .warm_start import fit_value_units, ridge_warm_start, value_decimals
+from .warm_start import WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
 
 
 def features_trained(inner) -> bool:
@@ -50,10 +53,16 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
               for lab, v in zip(labels, vals) if lab == num_id]
     if not values:
         return summary
-    if inner.causal_config.value_loc is None:
+    fresh = inner.causal_config.value_loc is None
+    if fresh:
         loc, scale = fit_value_units(values)
         inner.set_value_units(loc, scale, value_decimals(values))
-        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals)
+        positive = all(v > 0 for v in values)
+        inner.set_value_transform("identity", positive=positive)
+        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals,
+                       value_positive=positive)
+        if config.value_transform == "log":
+            _set_log_units(inner, values)
     if config.regression_init == "ridge":
         final = not features_trained(inner) if final is None else final
         if model is inner:  # not yet prepared: on the accelerator's device for the features' forwards
@@ -64,16 +73,86 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
             return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
         val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
-        fit = ridge_warm_start(model, batches(rows), device, max_rows, val_batches=val, loss=config.value_loss,
-                               max_shift=head_shift_bound(inner, config), losses=LOSSES if final else WARM_START_LOSSES,
-                               row_correction=final, **row_unit_choice(config.row_units))
-        if fit:
-            record_fit_precision(inner, fit["bf16_shift"])
-        summary.update(fit or {})
+        gathered = gather_rows(model, batches(rows), device, max_rows, val_batches=val)
+        if gathered is not None:
+
+            def fit() -> dict:
+                return fit_head(inner, gathered, loss=config.value_loss, max_shift=head_shift_bound(inner, config),
+                                losses=LOSSES if final else WARM_START_LOSSES, row_correction=final,
+                                **row_unit_choice(config.row_units))
+
+            fit_summary = None
+            if fresh and config.value_transform == "auto" and log_allowed(gathered):
+                fit_summary = choose_transform(inner, gathered, values, fit, summary)
+            fit_summary = fit_summary or fit()
+            record_fit_precision(inner, fit_summary["bf16_shift"])
+            summary.update(fit_summary, value_transform=inner.causal_config.value_transform)
     if verbose and summary:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def _set_log_units(inner, values) -> None:
+    """The head on log y, its units fitted on the log training targets (all > 0: else a ValueError)."""
+    if not all(v > 0 for v in values):
+        raise ValueError("value_transform 'log' needs every training target > 0 (the value's Cauchy lives on log y); "
+                         "use 'identity' or 'auto'")
+    inner.set_value_transform("log", fit_value_units([math.log(v) for v in values]))
+
+
+def log_allowed(rows: WarmStartRows) -> bool:
+    """Whether the data allow a head on log y: every training target > 0 and every same-kind number of the
+    windows (the quantity the next value is, `row_units.same_role`) > 0."""
+    if not bool((rows.y > 0).all()):
+        return False
+    if not rows.R.shape[-1]:  # the head reads no recent numbers
+        return True
+    same = same_role(rows.R.double(), row_period(rows.R.double()))
+    return bool((same[~torch.isnan(same)] > 0).all())
+
+
+def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], dict], summary: dict) -> dict | None:
+    """`value_transform='auto'` where `log_allowed`: the head fitted on the value and on log y (`fit`), each scored on
+    the validation rows by its errors in value units divided by each row's own one-step naive error (scale-free,
+    `validation_errors`); log is kept when it `beats_by_one_se`, identity otherwise. Both scores go into `summary`.
+    Returns the log fit's summary when log is kept (the head is fitted), else None (the head is left on the
+    value's scale, to be fitted)."""
+    if rows.X_val is None or rows.y_val is None or len(rows.y_val) < 2:
+        return None
+    errors = {}
+    fitted = {}
+    for transform in ("identity", "log"):
+        if transform == "log":
+            _set_log_units(inner, values)
+        else:
+            inner.set_value_transform("identity")
+        fitted[transform] = fit()
+        errors[transform] = validation_errors(inner, rows)
+    summary.update(value_transform_identity_score=round(float(errors["identity"].mean()), 6),
+                   value_transform_log_score=round(float(errors["log"].mean()), 6))
+    if beats_by_one_se(errors["identity"] - errors["log"]):
+        return fitted["log"]
+    inner.set_value_transform("identity")
+    return None
+
+
+@torch.no_grad()
+def validation_errors(inner, rows: WarmStartRows) -> Tensor:
+    """[n_val] |y - the head's point value| on the validation rows, each divided by its row's own one-step naive
+    error in value units (`row_head.scale_free_errors` under identity): what the transforms are compared by."""
+    act = inner.action
+    dtype = act.b_reg.dtype
+    X = rows.X_val.to(device=act.b_reg.device, dtype=dtype)
+    R = rows.R_val.to(device=act.b_reg.device, dtype=dtype)
+    loc, _ = act.regression(X, torch.zeros_like(X), R)
+    value = act.value_map.to_value(loc.double().cpu())
+    cfg = inner.causal_config
+    if rows.R_val.shape[-1]:
+        naive = row_location_scale(rows.R_val, "last", cfg.value_loc, cfg.value_scale)[2]
+    else:  # no recent numbers: every row in the value's units
+        naive = torch.full_like(rows.y_val, cfg.value_scale)
+    return (rows.y_val - value).abs() / naive
 
 
 def row_unit_choice(setting: str) -> dict:

@@ -213,35 +213,71 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
     return one_standard_error_choice(fits, score_diffs, lambda f: f.score).what[0]
 
 
+@dataclass
+class WarmStartRows:
+    """The rows the head is fitted on, at the positions that predict a <NUM> target: loc_U centred X [n, C], the
+    targets y [n] (values), the recent values R [n, K] (raw, NaN = none); the same of the validation rows (None
+    without them). `gather_rows`."""
+    X: Tensor
+    y: Tensor
+    R: Tensor
+    X_val: Tensor | None = None
+    y_val: Tensor | None = None
+    R_val: Tensor | None = None
+
+
+def gather_rows(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
+                val_batches: Iterable[Mapping[str, Tensor]] | None = None) -> WarmStartRows | None:
+    """The model's own features at its <NUM> targets (`num_label_features`), loc_U centred there first
+    (`center_abduction`: the model is changed, its token scores are not); None with fewer than 2 targets. `model`:
+    as for `num_label_features`."""
+    X, y, R = num_label_features(model, batches, device, max_rows)
+    if X.shape[0] < 2:
+        return None
+    X_val = y_val = R_val = None
+    if val_batches is not None:
+        X_val, y_val, R_val = num_label_features(model, val_batches, device, max_rows)
+    with whole_root_parameters(model):  # FSDP1: W_cls whole
+        mean = center_abduction(unwrap_causal_model(model), X.mean(0))
+    return WarmStartRows(X - mean, y, R, None if X_val is None else X_val - mean, y_val, R_val)
+
+
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
                      val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
                      max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES,
                      row_rules: Sequence[str] = (), force_row_units: bool = False, row_correction: bool = True
                      ) -> dict | None:
-    """Set the regression head from a robust ridge fit (`linear.fit_linear_head`) on the model's own features at
-    its <NUM> targets, in standardised units: w_reg, w_recent, b_reg; |b_noise_Y| (the median |LOO residual|, a
-    Cauchy's scale) when the scale is independent; with a per-row scale also w_scale_Y, |b_noise_Y| from
-    `linear.fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor of 1, when the head reads no
-    loc_U). Penalties are chosen on `val_batches` when given, else by leave-one-out, under the bf16 bound
-    `max_shift` (inf: none); `losses`: the candidates of loss 'auto'. `row_rules`: per-row units to try
-    (`row_head.choose_row_units`; `force_row_units`: the first rule, unconditionally), with the nonlinear
-    correction when `row_correction` and it wins (`correction.add_correction`), then the log-width
-    (`row_head.add_row_scale`). Returns a summary for the log, or None with fewer than 2 targets. `model`: as for
-    `num_label_features`."""
-    X, y, R = num_label_features(model, batches, device, max_rows)
-    if X.shape[0] < 2:
+    """`gather_rows`, then `fit_head` on them (its arguments). Returns a summary for the log, or None with fewer
+    than 2 targets."""
+    rows = gather_rows(model, batches, device, max_rows, val_batches)
+    if rows is None:
         return None
-    inner = unwrap_causal_model(model)  # the heads' attributes (`model` runs the forward)
+    return fit_head(unwrap_causal_model(model), rows, loss=loss, max_shift=max_shift, losses=losses,
+                    row_rules=row_rules, force_row_units=force_row_units, row_correction=row_correction)
+
+
+def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: float = BF16_MAX_SHIFT,
+             losses: Sequence[str] = LOSSES, row_rules: Sequence[str] = (), force_row_units: bool = False,
+             row_correction: bool = True) -> dict:
+    """Set the regression head from a robust ridge fit (`linear.fit_linear_head`) on `rows`, on the head's scale
+    (`ActionHead.value_map`: the value, or log y) in its standardised units: w_reg, w_recent, b_reg; |b_noise_Y|
+    (the median |LOO residual|, a Cauchy's scale) when the scale is independent; with a per-row scale also
+    w_scale_Y, |b_noise_Y| from `linear.fit_log_scale` and the out-of-depth statistics (`fit_depth`; off, a factor
+    of 1, when the head reads no loc_U). Penalties are chosen on the validation rows when given, else by
+    leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates of loss 'auto'.
+    `row_rules`: per-row units to try (`row_head.choose_row_units`; `force_row_units`: the first rule,
+    unconditionally), with the nonlinear correction when `row_correction` and it wins
+    (`correction.add_correction`), then the log-width (`row_head.add_row_scale`). A validation row whose value has
+    no place on the head's scale (<= 0 for log) is left out. Returns a summary for the log."""
     act = inner.action
+    vm = act.value_map
+    X, R, y = rows.X, rows.R, vm.to_head(rows.y)
     t = (y - act.value_loc) / act.value_scale
     X_val = t_val = R_val = y_val = None
-    if val_batches is not None:
-        X_val, y_val, R_val = num_label_features(model, val_batches, device, max_rows)
+    if rows.X_val is not None:
+        keep = torch.isfinite(vm.to_head(rows.y_val))
+        X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], vm.to_head(rows.y_val[keep])
         t_val = (y_val - act.value_loc) / act.value_scale
-    with whole_root_parameters(model):  # FSDP1: W_cls whole
-        mean = center_abduction(inner, X.mean(0))
-    X = X - mean
-    X_val = None if X_val is None else X_val - mean
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], R.shape[1]
     F = torch.cat([X, act.standardized_recent(R)], 1)
@@ -259,7 +295,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
     scale = max(float(fit.loo.abs().median()), 1e-3)
     if k:
         summary["w_recent_norm"] = float(fit.w[C:].norm())
-    has_val = val_batches is not None
+    has_val = X_val is not None
     row = choose_row_units(fit, F_val, R, y, R_val, y_val if has_val else None, act, row_rules, force_row_units,
                            loss=loss, losses=losses, max_shift=max_shift) if k else None
     if row is not None and row_correction:
