@@ -256,8 +256,8 @@ def test_causal_sampling_writes_the_value_in_the_series_units(mixed_scales, qwen
 
 @pytest.mark.parametrize("c", [1e-3, 1e3])
 def test_the_causal_decision_value_is_the_row_regression_and_scales_with_the_row(mixed_scales, c):
-    """The unit form: `decision_scores(u, W_cls, recent)`'s value equals `row_regression(recent)`'s loc_Y, and a
-    window multiplied by c gives c times it."""
+    """The unit form: `decision_scores(u, W_cls, recent)`'s value equals `row_regression(recent, u)`'s loc_Y (the
+    same u as its token), and a window multiplied by c gives c times it (the fit kept no loc_U here: w_reg = 0)."""
     model = mixed_scales[0]["auto"]
     act = copy.deepcopy(model.action).double()
     R = _series_windows(40, seed=7)  # 17 numbers a row (8 dated values), NaN past them
@@ -267,7 +267,7 @@ def test_the_causal_decision_value_is_the_row_regression_and_scales_with_the_row
     W_cls = torch.randn(act.b_cls.shape[0], act.w_reg.shape[0], generator=g, dtype=torch.float64)
     with torch.no_grad():
         _, value = act.decision_scores(u, W_cls, R)
-        loc_Y, _ = act.row_regression(R, R[:, 0])
+        loc_Y, _ = act.row_regression(R, R[:, 0], u)  # the value of the same u as the token
         _, value_c = act.decision_scores(u, W_cls, c * R)
     torch.testing.assert_close(value, loc_Y, rtol=1e-12, atol=0)
     torch.testing.assert_close(value_c, c * value, rtol=1e-9, atol=0)  # row units would not move with c

@@ -175,3 +175,48 @@ def test_log_is_refused_where_a_target_is_not_positive(tmp_path, capsys):
                  "--no-progress", "--value-transform", "log", *TINY32])
     assert code != 0 and "every training target > 0" in capsys.readouterr().err
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+def _word_rows(n: int, seed: int) -> list[dict]:
+    """Dated random walks whose next value goes up or down by 4 of its own steps, as a word right before it says
+    (``2008 (up):``): the row's numbers alone cannot tell the direction, its words can."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        level, step = rng.uniform(20, 80), rng.uniform(0.5, 2.0)
+        values = [level]
+        for _ in range(7):
+            values.append(values[-1] + rng.gauss(0, step))
+        direction = rng.choice(["up", "down"])
+        steps = sum(abs(a - b) for a, b in zip(values[1:], values[:-1])) / 7
+        target = values[-1] + (4 if direction == "up" else -4) * steps
+        history = "; ".join(f"{2000 + i}: {format_number(round(v, 2))}" for i, v in enumerate(values))
+        rows.append({"prompt": f"{history}; 2008 ({direction}):", "completion": f" {format_number(round(target, 2))}",
+                     "direction": direction, "last": round(values[-1], 2)})
+    return rows
+
+
+def test_the_words_reach_a_value_in_row_units_and_the_nll_reaches_w_loc(tmp_path, qwen_tokenizer):
+    """Per-row units with loc_U in the row's units (loc_Y = m + s (w_reg . loc_U + w_recent . r + b)): a direction
+    carried only by a word is learned (the fit keeps loc_U, the value moves up or down with the word), and the
+    NLL's gradient reaches W_loc through it."""
+    from causal_adapter.model import CausalModel
+    from causal_adapter.numbers import NumberTokenizer
+    from causal_adapter.saving.assets import load_base
+
+    files = ["--train-file", _jsonl(tmp_path / "train.jsonl", _word_rows(300, 0)),
+             "--validation-file", _jsonl(tmp_path / "val.jsonl", _word_rows(100, 1))]
+    assert main(["train", *files, "--max-steps", "2", "--output-dir", str(tmp_path / "out"), "--no-plot",
+                 "--no-progress", "--row-units", "last", "--value-transform", "identity", *TINY32]) == 0
+    base, _ = load_base(None, "qwen2", "float32", 32, 1)
+    model = CausalModel.from_pretrained(base, tmp_path / "out" / "adapter")
+    assert model.causal_config.value_row_units == "last" and bool(model.action.w_reg.abs().sum() > 0)
+    test = _word_rows(40, 2)
+    pred = model.predict_values([r["prompt"] for r in test], tokenizer=qwen_tokenizer)
+    right = sum((p["value"] > r["last"]) == (r["direction"] == "up") for p, r in zip(pred, test))
+    assert right >= 36, right  # the numbers alone: a coin toss
+    batch = NumberTokenizer(qwen_tokenizer)([r["prompt"] + r["completion"] for r in test[:8]])
+    model.abduction.loc.weight.requires_grad_(True)
+    out = model(**batch, labels=batch["input_ids"])
+    out.loss_reg.backward()
+    assert float(model.abduction.loc.weight.grad.abs().sum()) > 0  # through w_reg . loc_U in row units

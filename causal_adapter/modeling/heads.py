@@ -166,14 +166,16 @@ class ActionHead(nn.Module):
 
     Per-row units (`row_rule`, a rule of `modeling.row_units`; None = the adapter's units above): each row
     takes m_row, s_row from its own same-kind numbers, r is those numbers in (m_row, s_row) units, and
-    loc_Y = m_row + s_row (w_recent . r + b_reg + net(x)),
+    loc_Y = m_row + s_row (w_reg . loc_U + w_recent . r + b_reg + net(x)),
     scale_Y = s_row |b_noise_Y| (c_row / s_row)^a exp(w_row_scale . x)
     (`row_units.row_width`; a = `row_width_power`; net: the mean of `row_net_members` small MLPs on r and the
     window's shape, `modeling.row_net`, zero unless fitted; x those MLPs' inputs; w_row_scale . x, with
-    `row_scale`, a fitted log-width clamped to its range on the rows it was fitted on, 0 unless fitted). The
-    head then reads only r, not
-    loc_U (whose phi inputs are in the adapter's units): a context multiplied by c gives values and widths
-    multiplied by c. Rows with too few numbers keep the adapter's units.
+    `row_scale`, a fitted log-width clamped to its range on the rows it was fitted on, 0 unless fitted). w_reg is
+    0 unless the fit kept loc_U (what the row's words say) in row units; with w_reg = 0 a context multiplied by c
+    gives values and widths multiplied by c (loc_U's phi inputs are in the adapter's units). In causal sampling the
+    value reads the sampled u where it reads loc_U. Rows with too few numbers keep the adapter's units.
+
+    Every location and scale is on the head's scale `value_map` (`value_transform`: the value, or log y).
 
     W_cls is the backbone's lm_head weight, passed in at call time (shared, not a submodule:
     it must not be saved or counted twice). Its <NUM> row is replaced by `num_row`, a
@@ -397,10 +399,15 @@ class ActionHead(nn.Module):
         lo, hi = self.recent_range
         return torch.minimum(torch.maximum(r.to(self.b_reg.dtype), lo), hi) @ self.w_recent
 
-    def row_regression(self, recent: Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-row units: loc_Y, scale_Y [...] in value units from the row's own numbers alone."""
+    def row_regression(self, recent: Tensor | None, like: Tensor, loc_U: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
+        """Per-row units: loc_Y, scale_Y [...] (on the head's scale) from the row's own numbers and, with `loc_U`
+        [..., C] (or a sampled u), w_reg . loc_U in the row's units (what the row's words say; w_reg = 0 when the
+        fit did not keep it)."""
         loc, scale, r, width, x = self.units(recent, like)
         y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
+        if loc_U is not None:
+            y_std = y_std + (loc_U.to(self.w_reg.dtype) @ self.w_reg).to(y_std.dtype)
         if self.row_net_members:
             y_std = y_std + row_net(x, self.row_net_parts())
         if self.row_scale:
@@ -411,7 +418,7 @@ class ActionHead(nn.Module):
         """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],
         scale_Y [...] in value units."""
         if self.row_rule is not None:
-            return self.row_regression(recent, loc_U[..., 0])
+            return self.row_regression(recent, loc_U[..., 0], loc_U)
         loc_Y = self.from_standard(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
             scale_Y = self.per_row_scale(loc_U)
@@ -432,8 +439,8 @@ class ActionHead(nn.Module):
         """Noise-free action for a sampled individual u [..., C] (recent [..., K] as in `regression`):
         (s - C_k) [..., V] and y [...]."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
-        if self.row_rule is not None:  # the value reads the row's numbers, not U (`row_regression`)
-            return s - self.threshold_scores(), self.row_regression(recent, u[..., 0])[0]
+        if self.row_rule is not None:  # the value reads the row's numbers and the same u as the token
+            return s - self.threshold_scores(), self.row_regression(recent, u[..., 0], u)[0]
         y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
         return s - self.threshold_scores(), self.from_standard(y)
 

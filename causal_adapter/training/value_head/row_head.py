@@ -20,7 +20,7 @@ from ...modeling.cauchy import cauchy_nll
 from ...modeling.row_net import row_net
 from ...modeling.row_transform import RowFrame, row_frame
 from ...modeling.row_units import row_location_scale
-from .choice import Scored, beats_by_one_se, choose_recent_width
+from .choice import Scored, beats_by_one_se, choose_recent_width, score_diffs
 from .linear import LinearFit, fit_linear_head, fit_log_scale, log_abs_residuals, penalty_score, recent_range
 
 #: the correction and the log-width are tried with at least this many training and validation rows (fewer: an MLP
@@ -50,7 +50,8 @@ class RowHeadFit:
     (a Cauchy's scale in those widths); units_score / adapter_score: the scale-free held-out errors of these and
     of the adapter's units (`choose_row_units`); net: the correction's weights (`modeling.row_net.PARTS`), None
     when not kept; net_mae / linear_mae: its validation MAE against the linear head's (None when not tried);
-    scale: the log-width, None when not kept; scale_tried: whether `add_row_scale` ran."""
+    scale: the log-width, None when not kept; scale_tried: whether `add_row_scale` ran; w_loc [C]: the weights on
+    the centred loc_U in row units when the head reads it (the words of the row reach the value), else None."""
     rule: str
     linear: LinearFit
     width: int
@@ -66,6 +67,7 @@ class RowHeadFit:
     linear_mae: float | None = None
     scale: RowScale | None = None
     scale_tried: bool = False
+    w_loc: Tensor | None = None
 
     def clamp(self) -> Tensor:
         """[2, K] the range the head clamps r to (`linear.recent_range` of the training rows)."""
@@ -95,21 +97,26 @@ def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) 
     return RowRows(frame, frame.standardize(y), ratio, frame.clamped(clamp), frame.inputs(clamp))
 
 
-def row_residuals(row: RowHeadFit, R: Tensor, y: Tensor, act) -> tuple[RowRows, Tensor]:
+def row_residuals(row: RowHeadFit, R: Tensor, y: Tensor, act, X: Tensor | None = None) -> tuple[RowRows, Tensor]:
     """(`row_rows` of R [n, K], y [n] with r clamped as `row`'s head reads it; their residuals [n] in row units
-    under `row`'s linear head plus its correction when it has one)."""
+    under `row`'s linear head (on loc_U too, X [n, C], when it reads it) plus its correction when it has one)."""
     rows = row_rows(R, y, row.rule, act, row.clamp())
     u = rows.t - (rows.r @ row.linear.w + row.linear.b)
+    if row.w_loc is not None:
+        u = u - X @ row.w_loc
     if row.net is not None:
         u = u - row_net(rows.x, row.net)
     return rows, u
 
 
 def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, rule: str, act, *,
-                 loss: str, losses: Sequence[str], max_shift: float) -> RowHeadFit:
+                 loss: str, losses: Sequence[str], max_shift: float, X: Tensor | None = None,
+                 X_val: Tensor | None = None) -> RowHeadFit:
     """The value head in per-row units (`rule`): targets (y - m_row) / s_row on the row's own same-kind numbers in
-    those units (how many: `choice.choose_recent_width`), no loc_U. R [n, K] raw recent values (NaN = none), y [n]
-    targets (value units); validation rows R_val, y_val (None: leave-one-out); the fallback units are `act`'s."""
+    those units (how many: `choice.choose_recent_width`), and on the centred loc_U X [n, C] (X_val) when given and
+    it wins (`choose_row_inputs`: what the row's words say reaches the value). R [n, K] raw recent values (NaN =
+    none), y [n] targets (on the head's scale); validation rows R_val, y_val (None: leave-one-out); the fallback
+    units are `act`'s."""
     train = row_rows(R, y, rule, act)
     has_val = R_val is not None and y_val is not None and len(y_val) > 0
     val = row_rows(R_val, y_val, rule, act) if has_val else None
@@ -122,18 +129,40 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
         score = penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean()))
         return Scored(score, fit.loo, val_errors, width)
 
-    width = choose_recent_width(fit_width, k).what
-    fit = fit_linear_head(train.r[:, :width], train.t, val.r[:, :width] if has_val else None,
-                          val.t if has_val else None, loss=loss, losses=losses, max_shift=max_shift,
-                          exact_columns=width).padded(torch.arange(k) < width)
+    chosen = choose_recent_width(fit_width, k)
+    width = chosen.what
+    reads_u = X is not None and choose_row_inputs(chosen, train, val, X, X_val, width, max_shift)
+    C = X.shape[1] if reads_u else 0
+    F = torch.cat([X, train.r[:, :width]], 1) if reads_u else train.r[:, :width]
+    F_val = None if not has_val else torch.cat([X_val, val.r[:, :width]], 1) if reads_u else val.r[:, :width]
+    both = fit_linear_head(F, train.t, F_val, val.t if has_val else None, loss=loss, losses=losses,
+                           max_shift=max_shift, exact_columns=width)
+    w_loc = both.w[:C] if reads_u else None
+    fit = dataclasses.replace(both, w=both.w[C:]).padded(torch.arange(k) < width)
     if has_val:
-        errors = (val.t - (val.r @ fit.w + fit.b)).abs() * val.frame.scale
+        errors = (val.t - (F_val @ both.w + fit.b)).abs() * val.frame.scale
         power = choose_width_power(errors / val.frame.scale, val.ratio)
     else:
         errors = fit.loo.abs() * train.frame.scale
         power = choose_width_power(errors / train.frame.scale, train.ratio)
     return RowHeadFit(rule=rule, linear=fit, width=width, r=train.r, present=train.frame.present, errors=errors,
-                      width_power=power, noise=max(float((fit.loo.abs() / train.ratio ** power).median()), 1e-3))
+                      width_power=power, noise=max(float((fit.loo.abs() / train.ratio ** power).median()), 1e-3),
+                      w_loc=w_loc)
+
+
+def choose_row_inputs(reference: Scored, train: RowRows, val: RowRows | None, X: Tensor, X_val: Tensor | None,
+                      width: int, max_shift: float) -> bool:
+    """Whether the per-row head also reads the centred loc_U X [n, C] (what the row's words say), beside its
+    `width` recent values in row units: a least-squares fit on both replaces `reference` (the recent values alone)
+    only when it `beats_by_one_se` on `choice.score_diffs` (validation and leave-one-out errors in row units)."""
+    has_val = val is not None and X_val is not None
+    fit = fit_linear_head(torch.cat([X, train.r[:, :width]], 1), train.t,
+                          torch.cat([X_val, val.r[:, :width]], 1) if has_val else None,
+                          val.t if has_val else None, loss="squared", max_shift=max_shift, exact_columns=width)
+    val_errors = fit.abs_errors if has_val else None
+    both = Scored(penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean())),
+                  fit.loo, val_errors)
+    return beats_by_one_se(*score_diffs(reference, both))
 
 
 def _cauchy_nll_at_median(u: Tensor, width: Tensor) -> Tensor:
@@ -168,7 +197,8 @@ def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
 
 def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor, R_val: Tensor | None,
                      y_val: Tensor | None, act, rules: Sequence[str], force: bool, *, loss: str,
-                     losses: Sequence[str], max_shift: float) -> RowHeadFit | None:
+                     losses: Sequence[str], max_shift: float, X: Tensor | None = None,
+                     X_val: Tensor | None = None) -> RowHeadFit | None:
     """The per-row units' fit (`fit_row_head`) that beats the adapter's units' `fit` (w [C + K], b on F = loc_U and
     the recent values, standardised) on scale-free held-out errors by one standard error, the best such; None to
     keep the adapter's units. `force`: the first rule's fit, unconditionally."""
@@ -184,7 +214,7 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     best = None
     for rule in rules:
         row = fit_row_head(R, y, R_val if has_val else None, y_val if has_val else None, rule, act, loss=loss,
-                           losses=losses, max_shift=max_shift)
+                           losses=losses, max_shift=max_shift, X=X, X_val=X_val if has_val else None)
         errs = scale_free_errors(row.errors, R_ref, act)
         row = dataclasses.replace(row, units_score=round(float(errs.mean()), 6),
                                   adapter_score=round(float(ref.mean()), 6))
@@ -195,7 +225,8 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     return best
 
 
-def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, act) -> RowHeadFit:
+def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, act, X_val: Tensor | None = None
+                  ) -> RowHeadFit:
     """`row` (after `correction.add_correction`) with the per-row log-width: `linear.fit_log_scale` of the
     validation rows' residuals in row units over (c / s)^a on the correction's inputs x (the window in row units and
     its shape, `row_net.net_inputs`). Validation rows, not training ones: the correction's training residuals are
@@ -207,7 +238,7 @@ def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, a
     row = dataclasses.replace(row, scale=None, scale_tried=True)
     if not act.row_scale or R_val is None or y_val is None or len(y_val) < MIN_VALIDATION_ROWS:
         return row
-    val, u = row_residuals(row, R_val, y_val, act)
+    val, u = row_residuals(row, R_val, y_val, act, X_val)
     u = u / val.ratio ** row.width_power
     fitting = torch.arange(len(u)) % 2 == 0
     x, x_held, u_fit, u_held = val.x[fitting], val.x[~fitting], u[fitting], u[~fitting]
@@ -230,10 +261,13 @@ def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, a
 
 def set_row_head(act, row: RowHeadFit) -> None:
     """Load a per-row fit into the head: w_recent, b_reg, the range of r, |b_noise_Y| (the median |LOO residual| in
-    row units over (c / s)^a, a Cauchy's scale), the correction and the log-width (or zeros); w_reg, w_scale_Y and
-    the out-of-depth weights zero (the head reads no loc_U in row units)."""
+    row units over (c / s)^a, a Cauchy's scale), the correction and the log-width (or zeros), w_reg (its weights on
+    loc_U in row units, or zero); w_scale_Y and the out-of-depth weights zero (the width reads no loc_U)."""
     with torch.no_grad():
-        act.w_reg.zero_()
+        if row.w_loc is not None:
+            act.w_reg.copy_(row.w_loc.to(act.w_reg.dtype))
+        else:
+            act.w_reg.zero_()
         act.b_reg.fill_(row.linear.b)
         act.w_recent.copy_(row.linear.w.to(act.w_recent.dtype))
         act.recent_range.copy_(row.clamp().to(act.recent_range))

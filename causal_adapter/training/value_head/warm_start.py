@@ -297,14 +297,15 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
         summary["w_recent_norm"] = float(fit.w[C:].norm())
     has_val = X_val is not None
     row = choose_row_units(fit, F_val, R, y, R_val, y_val if has_val else None, act, row_rules, force_row_units,
-                           loss=loss, losses=losses, max_shift=max_shift) if k else None
+                           loss=loss, losses=losses, max_shift=max_shift, X=X, X_val=X_val) if k else None
     if row is not None and row_correction:
-        row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed)
-        row = add_row_scale(row, R_val, y_val if has_val else None, act)
+        row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed, X, X_val)
+        row = add_row_scale(row, R_val, y_val if has_val else None, act, X_val)
     inner.set_row_units(None if row is None else row.rule, 0.0 if row is None else row.width_power)
     if row is not None:
         set_row_head(act, row)
-        summary.update(units=row.rule, inputs=f"recent[:{row.width}] in row units", loss=row.linear.loss,
+        reads = "loc_U+" if row.w_loc is not None else ""
+        summary.update(units=row.rule, inputs=f"{reads}recent[:{row.width}] in row units", loss=row.linear.loss,
                        ridge_lambda=row.linear.lam, bf16_shift=0.0, w_recent_norm=float(row.linear.w.norm()),
                        units_score=row.units_score, adapter_units_score=row.adapter_score,
                        width_power=row.width_power)
