@@ -90,3 +90,16 @@ def test_the_head_gives_the_value_the_fit_fitted(fitted_head):
         from causal_adapter.modeling.row_net import row_net
         expected = expected + row_net(fit.x, row.net)
     torch.testing.assert_close((loc_Y - fit.frame.loc) / fit.frame.scale, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_a_slot_some_rows_leave_empty_is_read_as_the_fit_read_it():
+    """Rows with fewer numbers than K (a table whose rows hold 4 or 5 numbers) read r = 0 in the empty slots, in
+    the fit and in the forward: the clamp range holds 0 there, so the forward gives the fit's predictions (a range
+    of the rows that have a number alone clamped those zeros away: every short row moved, a price 0.68x its fit)."""
+    from causal_adapter.training.value_head.linear import recent_range
+
+    R = torch.tensor([[3.0, 1500.0], [4.0, math.nan], [5.0, math.nan]], dtype=torch.float64)
+    r = torch.nan_to_num((R - 2.0) / 1.0, nan=0.0)  # standardised as the head reads them, 0 where none
+    lo, hi = recent_range(r, R)
+    assert bool((lo <= r).all()) and bool((r <= hi).all())  # clamping changes no training row
+    assert float(lo[1]) <= 0.0 <= float(hi[1])

@@ -255,13 +255,17 @@ def fit_log_scale(X: Tensor, resid: Tensor, X_val: Tensor | None = None, resid_v
 
 
 def recent_range(Rs: Tensor, R: Tensor) -> Tensor:
-    """[2, K] the range the head clamps r to: per column, the training rows' range of r (NaN rows of R, no
-    number there, left out) widened by its width on each side. A linear head may extrapolate a trend a
-    little (co2's last months lie above every training month), not without bound."""
+    """[2, K] the range the head clamps r to: per column, the training rows' range of r (a row of R with NaN, no
+    number there, reads r = 0: the range then holds 0) widened by its width on each side. A linear head may
+    extrapolate a trend a little (co2's last months lie above every training month), not without bound."""
     seen = ~torch.isnan(R)
     lo = torch.where(seen, Rs, torch.full_like(Rs, math.inf)).amin(0)
     hi = torch.where(seen, Rs, torch.full_like(Rs, -math.inf)).amax(0)
     none = ~seen.any(0)
     lo, hi = torch.where(none, 0.0, lo), torch.where(none, 0.0, hi)
+    # a row with no number in a slot reads r = 0 there, in the fit as in the forward: the range holds 0 (else the
+    # forward would clamp that 0 to a range of the rows that have one, and predict what the fit never did)
+    absent = (~seen).any(0)
+    lo, hi = torch.where(absent, lo.clamp(max=0.0), lo), torch.where(absent, hi.clamp(min=0.0), hi)
     width = hi - lo
     return torch.stack([lo - width, hi + width])
