@@ -220,3 +220,21 @@ def test_the_words_reach_a_value_in_row_units_and_the_nll_reaches_w_loc(tmp_path
     out = model(**batch, labels=batch["input_ids"])
     out.loss_reg.backward()
     assert float(model.abduction.loc.weight.grad.abs().sum()) > 0  # through w_reg . loc_U in row units
+
+
+def test_log_is_allowed_where_the_values_are_positive_and_a_tables_zero_count_does_not_forbid_it():
+    from causal_adapter.training.value_head.lifecycle import log_allowed
+    from causal_adapter.training.value_head.warm_start import WarmStartRows
+
+    def rows(R, y):
+        R = torch.tensor(R, dtype=torch.float64)
+        return WarmStartRows(torch.zeros(len(R), 2, dtype=torch.float64), torch.tensor(y, dtype=torch.float64), R)
+
+    dated = [[2003.0, 5.0, 2002.0, 4.0, 2001.0, 6.0, 2000.0], [2003.0, 7.0, 2002.0, 6.0, 2001.0, 5.0, 2000.0]]
+    assert log_allowed(rows(dated, [5.5, 7.5]))
+    assert not log_allowed(rows(dated, [5.5, -1.0]))  # a target <= 0
+    zero = [[2003.0, 5.0, 2002.0, 0.0, 2001.0, 6.0, 2000.0], dated[1]]
+    assert not log_allowed(rows(zero, [5.5, 7.5]))  # a value of the series' own kind is 0
+    table = [[2.0, 0.0, 3.0, 5850.0, float("nan"), float("nan"), float("nan")],  # stories, garages, bedrooms, lot
+             [1.0, 1.0, 2.0, 4000.0, float("nan"), float("nan"), float("nan")]]
+    assert log_allowed(rows(table, [42000.0, 38500.0]))  # no record of a value's kind: a 0 count is no value

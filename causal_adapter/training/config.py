@@ -121,8 +121,8 @@ class TrainConfig:
                           "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", *ROW_UNIT_RULES])
     value_transform: str = flag("auto", "the scale the value's Cauchy lives on: 'log' = log y (a positive quantity: "
                                 "the value exp(loc), intervals exp of the log ones, never below 0), 'identity' = "
-                                "the value itself, 'auto' = log where every training target and every same-kind "
-                                "number of the windows is > 0 and it predicts the validation rows better than "
+                                "the value itself, 'auto' = log where every training target (and, in dated rows, "
+                                "every number of the value's kind) is > 0 and it predicts the validation rows better than "
                                 "identity by one standard error (errors divided by each row's own scale), else "
                                 "identity (docs/values.md)", choices=["auto", *VALUE_TRANSFORMS])
     row_net: int = flag(5, "in per-row units, the value head's nonlinear correction: the mean of N small MLPs "

@@ -102,13 +102,17 @@ def _set_log_units(inner, values) -> None:
 
 
 def log_allowed(rows: WarmStartRows) -> bool:
-    """Whether the data allow a head on log y: every training target > 0 and every same-kind number of the
-    windows (the quantity the next value is, `row_units.same_role`) > 0."""
+    """Whether the data allow a head on log y: every training target > 0 and, in the rows whose numbers come in
+    records (a date and a value: `row_units.row_period` > 1), every number of the value's own kind
+    (`row_units.same_role`) > 0. A row of numbers of one kind or of no period (a table's fields: a count of 0
+    garages is not the price) is not held to it: a number <= 0 there is read as none on log y."""
     if not bool((rows.y > 0).all()):
         return False
     if not rows.R.shape[-1]:  # the head reads no recent numbers
         return True
-    same = same_role(rows.R.double(), row_period(rows.R.double()))
+    R = rows.R.double()
+    period = row_period(R)
+    same = same_role(R, period)[period > 1]
     return bool((same[~torch.isnan(same)] > 0).all())
 
 
