@@ -238,3 +238,27 @@ def test_log_is_allowed_where_the_values_are_positive_and_a_tables_zero_count_do
     table = [[2.0, 0.0, 3.0, 5850.0, float("nan"), float("nan"), float("nan")],  # stories, garages, bedrooms, lot
              [1.0, 1.0, 2.0, 4000.0, float("nan"), float("nan"), float("nan")]]
     assert log_allowed(rows(table, [42000.0, 38500.0]))  # no record of a value's kind: a 0 count is no value
+
+
+def test_a_log_head_under_a_bf16_autocast_computes_in_full_precision(prices, qwen_tokenizer):
+    """The GPU path's mixed precision on CPU: under a bf16 autocast the backbone runs in bf16 and the heads in their
+    own float32 (`heads.full_precision`): loc_Y on log y equals a float64 copy of the head on the same loc_U and
+    numbers, to float32 rounding (a head run under the autocast is off by bf16's ~4e-3), and the value stays > 0."""
+    import copy
+
+    from causal_adapter.numbers import NumberTokenizer
+
+    models, test = prices
+    model = models["auto"]
+    batch = NumberTokenizer(qwen_tokenizer)([r["prompt"] for r in test[:6]])
+    last = batch["attention_mask"].sum(-1) - 1
+    rows = torch.arange(len(last))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**batch)
+    head = copy.deepcopy(model.action).double()
+    loc_U, recent = out.loc_U[rows, last].double(), out.recent[rows, last].double()
+    with torch.no_grad():
+        exact, _ = head.regression(loc_U, torch.zeros_like(loc_U), recent)
+    assert out.loc_Y.dtype == torch.float32
+    torch.testing.assert_close(out.loc_Y[rows, last].double(), exact, rtol=1e-5, atol=1e-5)
+    assert bool((model.value_map.to_value(out.loc_Y[rows, last]) > 0).all())

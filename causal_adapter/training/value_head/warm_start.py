@@ -275,8 +275,9 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     t = (y - act.value_loc) / act.value_scale
     X_val = t_val = R_val = y_val = None
     if rows.X_val is not None:
-        keep = torch.isfinite(vm.to_head(rows.y_val))
-        X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], vm.to_head(rows.y_val[keep])
+        y_val = vm.to_head(rows.y_val)
+        keep = torch.isfinite(y_val)
+        X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], y_val[keep]
         t_val = (y_val - act.value_loc) / act.value_scale
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], R.shape[1]
