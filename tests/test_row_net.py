@@ -180,3 +180,50 @@ def test_the_correction_under_a_bf16_autocast_computes_in_full_precision(warm_st
         out = model(b["input_ids"], b["numeric_values"], b["attention_mask"])
     assert torch.allclose(out.loc_Y[:, -2].double(), exact[0], rtol=1e-5), (out.loc_Y[:, -2], exact[0])
     assert torch.allclose(out.scale_Y[:, -2].double(), exact[1], rtol=1e-5)
+
+
+def _table(n: int, seed: int, curved: bool):
+    """Rows of a table, not a series: three fields a, b, c of one kind and no period (the recent numbers, newest
+    first, K slots), loc_U noise [n, 32], and a positive target: 100 + 20 a b (curved: one hyperplane in any units
+    misses it) or 100 + 20 a + 30 b."""
+    from causal_adapter.training.value_head.warm_start import WarmStartRows
+
+    def part(n, g):
+        a, b, c = (torch.rand(n, generator=g, dtype=torch.float64) * 9 + 1 for _ in range(3))
+        # the noise grows with a where c > 5 (a width to read: train's recipe tries a log-width, here it must not
+        # extrapolate to inf)
+        noise = torch.randn(n, generator=g, dtype=torch.float64) * (0.5 + 0.3 * a * (c > 5))
+        y = 100 + (20 * a * b if curved else 20 * a + 30 * b) + noise
+        R = torch.full((n, K), math.nan, dtype=torch.float64)
+        R[:, 0], R[:, 1], R[:, 2] = c, b, a
+        return torch.randn(n, 32, generator=g, dtype=torch.float64) * 0.01, y, R
+
+    g = torch.Generator().manual_seed(seed)
+    X, y, R = part(n, g)
+    X_val, y_val, R_val = part(n // 3, g)
+    return WarmStartRows(X, y, R, X_val, y_val, R_val)
+
+
+@pytest.mark.parametrize("curved", [True, False])
+def test_in_the_adapters_units_the_correction_is_kept_only_where_the_target_is_curved(curved):
+    """Where no per-row rule wins (a table's fields, not a series), the head's form in the adapter's units
+    (rule "fixed") with its correction replaces the linear head only when it wins on held-out validation rows."""
+    from causal_adapter.training.value_head.warm_start import fit_head
+
+    rows = _table(600, 0, curved)
+    model = small_model(recent_values=K, value_row_net=3, value_row_net_width=16, value_row_scale=True)
+    model.set_value_units(float(rows.y.mean()), float(rows.y.std()))
+    summary = fit_head(model, rows, loss="squared", max_shift=math.inf, losses=LOSSES, row_rules=("last", "median"))
+    assert summary["units"] == ("fixed" if curved else "adapter"), summary
+    with torch.no_grad():
+        loc_Y, _ = model.action.double().regression(rows.X_val, torch.zeros_like(rows.X_val), rows.R_val)
+    mae = float((rows.y_val - loc_Y).abs().mean())
+    # least squares on the three fields: the best hyperplane's validation MAE
+    A = torch.cat([rows.R[:, :3], torch.ones(len(rows.y), 1, dtype=torch.float64)], 1)
+    coef = torch.linalg.lstsq(A, rows.y.unsqueeze(1)).solution[:, 0]
+    A_val = torch.cat([rows.R_val[:, :3], torch.ones(len(rows.y_val), 1, dtype=torch.float64)], 1)
+    plane = float((rows.y_val - A_val @ coef).abs().mean())
+    if curved:  # the forward gives what the fit kept, well below the best hyperplane's error
+        assert summary["row_net"] == "kept" and mae < 0.75 * plane, (mae, plane, summary)
+    else:
+        assert mae < 1.05 * plane, (mae, plane)

@@ -12,7 +12,10 @@ Claims, each failing when its mechanism is removed:
   system (``--row-units off``) fails them;
 * the width's exponent a (s (c / s)^a, c the window's curvature) is chosen on validation: 1 where the errors
   follow c, 0 where they do not; a row multiplied by c gets its width multiplied by c;
-* adapters written before the field load with the adapter's units and give the same outputs as before.
+* adapters written before the field load with the adapter's units and give the same outputs as before;
+* K counts the values of the row's own series: a head of K = 4 over ``YYYY-MM: v`` records (three numbers
+  each) reads the 4 most recent values, found in a window of 4 K numbers (`recent_window`, `train()`'s
+  setting); over a window of K numbers (adapters written before the field) it read dates beside one value.
 """
 import copy
 import math
@@ -192,6 +195,56 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     with torch.no_grad():
         a, b = model(ids, vals), loaded(ids, vals)
     assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.scale_Y, b.scale_Y)
+
+
+def _monthly(values, first=(1990, 1)):
+    """Numbers of ``YYYY-MM: v`` records as the text holds them (year, month, value), oldest first, then the
+    date of the value to come."""
+    year, month = first
+    numbers = []
+    for v in values:
+        numbers += [year, month, v]
+        year, month = (year + 1, 1) if month == 12 else (year, month + 1)
+    return numbers + [year, month]
+
+
+def test_k_counts_the_rows_own_values_not_every_number():
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.modeling.row_units import MAX_PERIOD
+
+    values = [31.7, 33.2, 32.9, 30.4, 29.8, 31.1, 32.5, 33.0]
+    k = 4
+    numbers = _monthly(values)
+    ids = torch.tensor([[11] + [300, 12] * len(numbers)])
+    vals = torch.tensor([[0.0] + [x for n in numbers for x in (float(n), 0.0)]])
+    reads = {}
+    for window in (None, MAX_PERIOD * k):
+        model = small_model(recent_values=k, recent_window=window, value_loc=0.0, value_scale=1.0,
+                            regression_scale="independent").eval()
+        model.action.set_row_units("last")
+        with torch.no_grad():
+            out = model(ids, vals)
+        recent = out.recent[0, -1]  # at the last position: the value to come
+        assert recent.shape[-1] == (window or k)
+        frame_r = model.action.units(recent.unsqueeze(0), out.loc_U[0, -1:, 0])[2][0]
+        reads[window] = (recent, frame_r)
+    # W = 4 K numbers: the 4 most recent values, newest first, in the row's units (m = the last value)
+    same, loc, scale, own = row_location_scale(reads[MAX_PERIOD * k][0].unsqueeze(0).double(), "last", 0.0, 1.0,
+                                               keep=k)
+    assert bool(own) and torch.allclose(same[0].float(), torch.tensor(values[::-1][:k]))
+    steps = [abs(a - b) for a, b in zip(values[::-1][:k], values[::-1][1:k])]
+    expected_r = torch.tensor([(v - values[-1]) / (sum(steps) / len(steps)) for v in values[::-1][:k]])
+    assert torch.allclose(reads[MAX_PERIOD * k][1], expected_r, atol=1e-5)
+    # W = K numbers (an adapter written before the field): one value among dates, not the series' 4 values
+    old_same = row_location_scale(reads[None][0].unsqueeze(0).double(), "last", 0.0, 1.0)[0][0]
+    assert int((~torch.isnan(old_same) & (old_same > 1000)).sum()) + int((old_same <= 12).sum()) >= 2
+    # what train() writes, and what an adapter written before the field loads as
+    assert TrainConfig(recent_values=k).adapter_config().recent_window == MAX_PERIOD * k
+    old = {**CausalAdapterConfig(recent_values=k).to_dict()}
+    del old["recent_window"]
+    assert CausalAdapterConfig.from_dict(old).recent_window is None
+    with pytest.raises(ValueError, match="recent_window"):
+        CausalAdapterConfig(recent_values=k, recent_window=k - 1)
 
 
 def _series_windows(n_rows: int, seed: int) -> torch.Tensor:

@@ -187,7 +187,7 @@ class ActionHead(nn.Module):
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
                  b_noise_Y_init: float = 1.0, recent_values: int = 0, row_net_members: int = 0,
-                 row_net_width: int = 0, row_scale: bool = False):
+                 row_net_width: int = 0, row_scale: bool = False, recent_window: int | None = None):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
@@ -226,6 +226,8 @@ class ActionHead(nn.Module):
             self.register_buffer("log_scale_range", torch.tensor([-30.0, 30.0], **kw))
 
         self.recent_values = recent_values
+        # the numbers the head looks back over (W >= K): per-row units take K values of the row's own kind from them
+        self.recent_window = int(recent_window or recent_values)
         self.row_rule: str | None = None  # the per-row units' rule (`set_row_units`), None = the adapter's units
         self.row_width_power = 0.0  # the width's exponent a in per-row units (`row_units.row_width`)
         self.value_map = ValueMap()  # the scale the value's Cauchy lives on (`set_value_map`)
@@ -273,7 +275,8 @@ class ActionHead(nn.Module):
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
-        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale, self.value_map.log)
+        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale, self.value_map.log,
+                          keep=self.recent_values)
         width = frame.width(self.row_width_power)
         x = frame.inputs(self.recent_range).to(self.b_reg.dtype) if self.row_net_members or self.row_scale else None
         return (frame.loc.to(like.dtype), frame.scale.to(like.dtype), frame.r.to(like.dtype), width.to(like.dtype),
@@ -384,6 +387,7 @@ class ActionHead(nn.Module):
     def standardized_recent(self, recent: Tensor) -> Tensor:
         """Raw recent values [..., K] (NaN = none) -> r [..., K] in recent's dtype: on the head's scale (T(numbers):
         `value_map`), standardised, 0 where none. Unclamped (the fits read it so, in float64)."""
+        recent = recent[..., :self.recent_values]  # the adapter's units read the K most recent numbers of any kind
         return torch.nan_to_num((self.value_map.to_head(recent) - self.value_loc) / self.value_scale, nan=0.0)
 
     def recent_term(self, recent: Tensor | None, like: Tensor, r: Tensor | None = None) -> Tensor:

@@ -142,6 +142,8 @@ def choose_scale_exponent(y: Sequence[float] | Tensor, loc: Sequence[float] | Te
     y, loc, base, ratio = (torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in (y, loc, base, ratio))
     keep = torch.isfinite(y) & torch.isfinite(loc) & (base > 0) & (ratio > 0)
     y, loc, base, log_r = y[keep], loc[keep], base[keep], ratio[keep].log()
+    if len(y) < 8:
+        return 1.0, {}
     scores = {float(a): crossfit_interval_score(y, loc, base * (a * log_r).exp()) for a in exponents}
     finite = {a: s for a, s in scores.items() if math.isfinite(s)}
     if len(y) < 8 or not finite:

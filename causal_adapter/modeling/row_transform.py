@@ -57,11 +57,12 @@ class RowFrame:
         return net_inputs(self.values, self.scale, self.clamped(clamp), self.log_space)
 
 
-def row_frame(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float, log_space: bool = False
-              ) -> RowFrame:
-    """recent [..., K] raw values, most recent first (NaN = none) -> the rows in their own units by `rule`; a row
-    with too few same-kind numbers keeps (fallback_loc, fallback_scale), the adapter's units (the head's: on log y
-    when `log_space`, the numbers then their logs: `row_units.row_location_scale`)."""
-    values, loc, scale, own = row_location_scale(recent, rule, fallback_loc, fallback_scale, log_space)
+def row_frame(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float, log_space: bool = False,
+              keep: int | None = None) -> RowFrame:
+    """recent [..., W] raw values, most recent first (NaN = none) -> the rows in their own units by `rule`, K =
+    `keep` (default W) same-kind numbers each; a row with too few same-kind numbers keeps (fallback_loc,
+    fallback_scale), the adapter's units (the head's: on log y when `log_space`, the numbers then their logs), and
+    its K most recent numbers (`row_units.row_location_scale`)."""
+    values, loc, scale, own = row_location_scale(recent, rule, fallback_loc, fallback_scale, log_space, keep)
     r = torch.nan_to_num((values - loc.unsqueeze(-1)) / scale.unsqueeze(-1), nan=0.0)
     return RowFrame(values, loc, scale, own, r, log_space)

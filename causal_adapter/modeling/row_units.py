@@ -142,14 +142,22 @@ def row_period(recent: Tensor) -> Tensor:
 
 
 def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float,
-                       log_space: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """recent [..., K] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
-    float64, by `rule` (`config.ROW_UNIT_RULES`). `own` marks the rows that got their own units; the others keep
+                       log_space: bool = False, keep: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """recent [..., W] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
+    float64, K = `keep` (default W): the row's K most recent numbers of its own kind, found on all W (a window
+    of W numbers in records of p holds W / p of them), or, for a row that keeps the fallback, its K most recent
+    numbers. By `rule` (`config.ROW_HEAD_RULES`; "fixed": every row keeps the fallback). `own` marks the rows that got their own units; the others keep
     (fallback_loc, fallback_scale) and their numbers as they come (p = 1). `log_space`: the kinds are found on the
     raw numbers, then the numbers are their logs (a number <= 0 has none: NaN), so m is a log level and s the mean
     |step of log y|: a row multiplied by c moves m by log c and keeps s."""
     recent = recent.double()
-    values = same_role(recent, row_period(recent))
+    if rule == "fixed":  # the adapter's units for every row, its K most recent numbers of any kind
+        values = _log(recent[..., :keep]) if log_space else recent[..., :keep]
+        own = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
+        return (values, torch.full_like(values[..., 0], fallback_loc), torch.full_like(values[..., 0], fallback_scale),
+                own)
+    values = same_role(recent, row_period(recent))[..., :keep]
+    recent = recent[..., :keep]
     if log_space:
         values, recent = _log(values), _log(recent)
     if rule == "last":

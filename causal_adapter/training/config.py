@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import DEFAULT_LORA_TARGETS, ROW_UNIT_RULES, VALUE_TRANSFORMS, CausalAdapterConfig, LoraSettings
 from ..data.corpora import CORPORA
+from ..modeling.row_units import MAX_PERIOD
 from ..saving.assets import DTYPES
 
 #: hidden units of each member of the value head's nonlinear correction (`TrainConfig.row_net`)
@@ -270,6 +271,7 @@ class TrainConfig:
             threshold_mode=self.threshold_mode, train_num_row=self.train_num_row, gamma0=self.gamma0,
             threshold_init=self.threshold_init,
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed, recent_values=self.recent_values,
+            recent_window=self.recent_values * MAX_PERIOD if self.recent_values else None,
             value_row_net=self.row_net if self.recent_values else 0,
             value_row_net_width=ROW_NET_WIDTH if self.recent_values and self.row_net else 0,
             value_row_scale=bool(self.row_scale and self.recent_values),

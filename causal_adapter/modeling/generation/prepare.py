@@ -195,7 +195,7 @@ def prepare(model, g: Group, scorers: dict | None = None) -> Settings:
         opts=opts, eos=eos, eos_set=frozenset(eos), eos_t=torch.tensor(eos, dtype=torch.long, device=hdev),
         pad_id=pad_id, num_id=model.num_token_id, device=model.input_device, hdev=hdev, hdtype=scorer.dtype,
         scorer=scorer, warpers=warpers, reads_history=_reads_history(warpers), decimals=cfg.value_decimals,
-        C=model.abduction.loc.weight.shape[0], recent_k=int(model.action.recent_values or 0),
+        C=model.abduction.loc.weight.shape[0], recent_k=int(model.action.recent_window or 0),
         value_map=model.action.value_map, prefix_id=cfg.number_prefix_id,
         contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev))
 

@@ -15,9 +15,14 @@ from torch import Tensor
 
 from ...modeling.row_net import PARTS, mlp_members, part_shapes, row_net
 from .choice import beats_by_one_se
-from .row_head import MIN_ROWS, MIN_VALIDATION_ROWS, RowHeadFit, choose_width_power, row_residuals
+from .linear import LinearFit
+from .row_head import MIN_ROWS, MIN_VALIDATION_ROWS, RowHeadFit, choose_width_power, fit_row_head, row_residuals
 
 EPOCHS, PATIENCE, BATCH = 100, 20, 256
+#: the least relative MAE gain for which the head's form in the adapter's units replaces their linear head: it gives
+#: up the width read from loc_U (w_scale_Y); one standard error alone keeps an MLP 0.5% better than a plane that is
+#: the truth (two near-equal residual vectors have a tiny paired spread)
+FIXED_MIN_GAIN = 0.05
 LEARNING_RATE, WEIGHT_DECAY = 3e-3, 1e-4
 
 
@@ -62,12 +67,26 @@ def fit_member(x: Tensor, resid: Tensor, x_val: Tensor, resid_val: Tensor, width
     return kept
 
 
-def fit_row_net(x: Tensor, resid: Tensor, x_val: Tensor, resid_val: Tensor, members: int, width: int, seed: int
-                ) -> dict[str, Tensor]:
-    """`members` MLPs (`fit_member`, seeds seed, seed + 1, ...) stacked: PARTS [members, ...] float64."""
+def fit_row_net(x: Tensor, resid: Tensor, x_val: Tensor, resid_val: Tensor, members: int, width: int, seed: int,
+                standardize: bool = False) -> dict[str, Tensor]:
+    """`members` MLPs (`fit_member`, seeds seed, seed + 1, ...) stacked: PARTS [members, ...] float64. With
+    `standardize` each is fitted on x standardised per column on the training rows (a table's fields in the
+    adapter's units span a hundredth of a unit: an MLP's init and step size expect ~1; in per-row units they are
+    ~1 already), then the standardisation is folded into the first layer (W1 / sd, b1 - W1 . mean / sd: the same
+    function of the raw x, no buffer to save)."""
+    x, x_val = x.double(), x_val.double()
+    mean, sd = x.mean(0), x.std(0)
+    sd = torch.where(sd > 0, sd, torch.ones_like(sd))
+    if not standardize:
+        mean, sd = torch.zeros_like(mean), torch.ones_like(sd)
     with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-        fits = [fit_member(x, resid, x_val, resid_val, width, seed + m) for m in range(members)]
-    return {k: torch.cat([f[k] for f in fits]).double() for k in PARTS}
+        fits = [fit_member((x - mean) / sd, resid, (x_val - mean) / sd, resid_val, width, seed + m)
+                for m in range(members)]
+    parts = {k: torch.cat([f[k] for f in fits]).double() for k in PARTS}
+    W1 = parts["W1"] / sd  # [members, hidden, D]
+    parts["b1"] = parts["b1"] - W1 @ mean
+    parts["W1"] = W1
+    return parts
 
 
 def add_correction(row: RowHeadFit, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, act,
@@ -85,7 +104,8 @@ def add_correction(row: RowHeadFit, R: Tensor, y: Tensor, R_val: Tensor | None, 
     # the members stop on every other validation row and are judged on the rest: rows that chose the epoch
     # would favour the correction (kept on random walks, where nothing in the window predicts the step)
     stop = torch.arange(len(u_linear)) % 2 == 0
-    net = fit_row_net(train.x, u_train, val.x[stop], u_linear[stop], members, act.row_net_W1.shape[1], seed)
+    net = fit_row_net(train.x, u_train, val.x[stop], u_linear[stop], members, act.row_net_W1.shape[1], seed,
+                      standardize=row.rule == "fixed")
     u_net = u_linear - row_net(val.x, net)
     out = dataclasses.replace(row, net=None, net_mae=round(float(u_net[~stop].abs().mean()), 6),
                               linear_mae=round(float(u_linear[~stop].abs().mean()), 6))
@@ -94,3 +114,28 @@ def add_correction(row: RowHeadFit, R: Tensor, y: Tensor, R_val: Tensor | None, 
     power = choose_width_power(u_net, val.ratio)
     return dataclasses.replace(out, net=net, errors=u_net.abs() * val.frame.scale, width_power=power,
                                noise=max(float((u_net.abs() / val.ratio ** power).median()), 1e-3))
+
+
+def fixed_units_correction(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor, R_val: Tensor | None,
+                           y_val: Tensor | None, act, seed: int, *, loss: str, losses, max_shift: float,
+                           X: Tensor | None = None, X_val: Tensor | None = None) -> RowHeadFit | None:
+    """Where the adapter's units were kept (no per-row rule won): the per-row head's form in those same units for
+    every row (rule "fixed", `row_units.row_location_scale`): its linear head on the K most recent numbers (and
+    loc_U when it wins), then the nonlinear correction (`add_correction`). A linear head is one hyperplane for
+    every row: a price whose grade multiplies with its size, or a count whose season grows with the level, is
+    curved in any units. Returned only when the correction is kept and the whole beats the adapter's units'
+    linear `fit` (w, b on F = loc_U and the recent values) on the odd validation rows (those that neither fitted
+    nor stopped it) by one standard error and by FIXED_MIN_GAIN of its MAE; else None. Not tried without the correction's buffers or validation
+    rows. y, y_val on the head's scale."""
+    if not act.row_net_members or F_val is None or R_val is None or y_val is None or len(y_val) < MIN_VALIDATION_ROWS:
+        return None
+    row = fit_row_head(R, y, R_val, y_val, "fixed", act, loss=loss, losses=losses, max_shift=max_shift, X=X,
+                       X_val=X_val)
+    row = add_correction(row, R, y, R_val, y_val, act, seed, X, X_val)
+    if row.net is None:
+        return None
+    adapter_errors = (y_val - act.from_standard(F_val @ fit.w + fit.b)).abs()
+    judged = torch.arange(len(y_val)) % 2 == 1
+    gain = (adapter_errors - row.errors)[judged]
+    enough = float(row.errors[judged].mean()) <= (1 - FIXED_MIN_GAIN) * float(adapter_errors[judged].mean())
+    return row if enough and beats_by_one_se(gain) else None

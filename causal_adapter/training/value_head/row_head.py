@@ -27,6 +27,9 @@ from .linear import LinearFit, fit_linear_head, fit_log_scale, log_abs_residuals
 #: overfits them; half of the validation rows fit or stop, the other half judge)
 MIN_ROWS, MIN_VALIDATION_ROWS = 200, 40
 
+#: the largest |intercept| of a per-row log-width kept (exp of it is |b_noise_Y|): beyond, the fit extrapolated
+MAX_LOG_NOISE = 50.0
+
 #: the exponents a of the per-row width s (c / s)^a that `choose_width_power` tries (`row_units.row_width`)
 WIDTH_POWERS = (0.0, 0.5, 1.0)
 
@@ -90,7 +93,7 @@ def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) 
     """The rows R [n, K] (raw recent values, NaN = none), y [n] (on the head's scale: the value, or log y) in
     per-row units by `rule`, through the head's transform (`row_transform.row_frame`; the fallback units are `act`'s): r clamped to `clamp` [2, K] and the
     correction's inputs x when a clamp is given, as the head reads them (`ActionHead.units`)."""
-    frame = row_frame(R, rule, act.value_loc, act.value_scale, act.value_map.log)
+    frame = row_frame(R, rule, act.value_loc, act.value_scale, act.value_map.log, keep=act.recent_values)
     ratio = frame.width(1.0) / frame.scale
     if clamp is None:
         return RowRows(frame, frame.standardize(y), ratio, frame.r, None)
@@ -120,7 +123,7 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
     train = row_rows(R, y, rule, act)
     has_val = R_val is not None and y_val is not None and len(y_val) > 0
     val = row_rows(R_val, y_val, rule, act) if has_val else None
-    k = R.shape[1]
+    k = act.recent_values  # R holds the head's whole window (`ActionHead.recent_window`); r its K own values
 
     def fit_width(width: int) -> Scored:
         fit = fit_linear_head(train.r[:, :width], train.t, val.r[:, :width] if has_val else None,
@@ -192,16 +195,24 @@ def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
     """Absolute errors [n] (on the head's scale) divided by each row's own one-step naive error there (rule 'last';
     the head's value_scale for a row without): what the choice of units compares, so that a series of 0.07 counts as much as
     one of 9,000."""
-    return errors / row_location_scale(R, "last", act.value_loc, act.value_scale, act.value_map.log)[2]
+    return errors / row_location_scale(R, "last", act.value_loc, act.value_scale, act.value_map.log,
+                                       act.recent_values)[2]
 
 
 def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor, R_val: Tensor | None,
                      y_val: Tensor | None, act, rules: Sequence[str], force: bool, *, loss: str,
                      losses: Sequence[str], max_shift: float, X: Tensor | None = None,
                      X_val: Tensor | None = None) -> RowHeadFit | None:
-    """The per-row units' fit (`fit_row_head`) that beats the adapter's units' `fit` (w [C + K], b on F = loc_U and
-    the recent values, standardised) on scale-free held-out errors by one standard error, the best such; None to
-    keep the adapter's units. `force`: the first rule's fit, unconditionally."""
+    """The per-row units' fit (`fit_row_head`) against the adapter's units' `fit` (w [C + K], b on F = loc_U and
+    the recent values, standardised), on scale-free held-out errors; None to keep the adapter's units. `force`: the
+    first rule's fit, unconditionally.
+
+    On the value (identity) the best rule is kept when it `beats_by_one_se` the adapter's units. On log y the
+    default turns round: the per-row units are kept unless the adapter's units beat the best rule by one
+    standard error. In log space a row's level is an offset (m = its last log value), so the per-row head is
+    scale-equivariant by construction (a context times c gives values and intervals times c); the adapter's
+    units are not (their weights on the log numbers need not sum to what an offset would), and a tie must not
+    cost that property (the scales benchmark's copies of one series at five scales)."""
     if not rules:
         return None
     has_val = y_val is not None and F_val is not None and len(y_val) > 0
@@ -211,7 +222,7 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     else:
         adapter_errors = fit.loo.abs() * act.value_scale
     ref = scale_free_errors(adapter_errors, R_ref, act)
-    best = None
+    scored = []
     for rule in rules:
         row = fit_row_head(R, y, R_val if has_val else None, y_val if has_val else None, rule, act, loss=loss,
                            losses=losses, max_shift=max_shift, X=X, X_val=X_val if has_val else None)
@@ -220,9 +231,12 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
                                   adapter_score=round(float(ref.mean()), 6))
         if force:
             return row
-        if beats_by_one_se(ref - errs) and (best is None or row.units_score < best.units_score):
-            best = row
-    return best
+        scored.append((row, errs))
+    if act.value_map.log:
+        row, errs = min(scored, key=lambda pair: float(pair[1].mean()))
+        return None if beats_by_one_se(errs - ref) else row
+    winners = [(row, errs) for row, errs in scored if beats_by_one_se(ref - errs)]
+    return min(winners, key=lambda pair: float(pair[1].mean()))[0] if winners else None
 
 
 def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, act, X_val: Tensor | None = None
@@ -252,7 +266,7 @@ def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, a
     if not beats_by_one_se(cauchy_nll(u_held, 0.0, constant) - cauchy_nll(u_held, 0.0, fitted)):
         return row
     fit = fit_log_scale(val.x, u, max_shift=math.inf)  # kept: fitted again on every validation row
-    if not bool(fit.w.abs().sum() > 0):
+    if not bool(fit.w.abs().sum() > 0) or not abs(fit.b) < MAX_LOG_NOISE:
         return row
     seen = val.x @ fit.w
     return dataclasses.replace(row, scale=RowScale(fit.w, torch.stack([seen.min(), seen.max()])),

@@ -31,7 +31,7 @@ from ...numbers import format_number
 from ...saving.fsdp import whole_root_parameters
 from ...saving.unwrap import unwrap_causal_model
 from .choice import Scored, choose_recent_width, one_standard_error_choice, score_diffs
-from .correction import add_correction
+from .correction import add_correction, fixed_units_correction
 from .linear import LOSSES, fit_linear_head, fit_log_scale, penalty_score, recent_range
 from .row_head import add_row_scale, choose_row_units, set_row_head
 
@@ -267,8 +267,10 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     leave-one-out, under the bf16 bound `max_shift` (inf: none); `losses`: the candidates of loss 'auto'.
     `row_rules`: per-row units to try (`row_head.choose_row_units`; `force_row_units`: the first rule,
     unconditionally), with the nonlinear correction when `row_correction` and it wins
-    (`correction.add_correction`), then the log-width (`row_head.add_row_scale`). A validation row whose value has
-    no place on the head's scale (<= 0 for log) is left out. Returns a summary for the log."""
+    (`correction.add_correction`), then the log-width (`row_head.add_row_scale`); where no rule won, the same form
+    in the adapter's units when its correction wins (`correction.fixed_units_correction`, rule "fixed"). A
+    validation row whose value has no place on the head's scale (<= 0 for log) is left out. Returns a summary for
+    the log."""
     act = inner.action
     vm = act.value_map
     X, R, y = rows.X, rows.R, vm.to_head(rows.y)
@@ -280,7 +282,7 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
         X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], y_val[keep]
         t_val = (y_val - act.value_loc) / act.value_scale
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
-    C, k = X.shape[1], R.shape[1]
+    C, k = X.shape[1], act.recent_values if R.shape[1] else 0  # R: the head's window, W >= K numbers
     F = torch.cat([X, act.standardized_recent(R)], 1)
     F_val = None if X_val is None else torch.cat([X_val, act.standardized_recent(R_val)], 1)
     inputs = choose_head_inputs(F, t, F_val, t_val, C, max_shift)
@@ -302,6 +304,12 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     if row is not None and row_correction:
         row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed, X, X_val)
         row = add_row_scale(row, R_val, y_val if has_val else None, act, X_val)
+    elif row is None and k and row_correction and row_rules and not force_row_units:
+        # no log-width in the adapter's units: its inputs' shape statistics (the row's step over the target's
+        # unit) are near-constant columns there, and a log-linear fit on them extrapolates to inf
+        row = fixed_units_correction(fit, F_val, R, y, R_val, y_val if has_val else None, act,
+                                     inner.causal_config.seed, loss=loss, losses=losses, max_shift=max_shift, X=X,
+                                     X_val=X_val)
     inner.set_row_units(None if row is None else row.rule, 0.0 if row is None else row.width_power)
     if row is not None:
         set_row_head(act, row)
@@ -322,7 +330,7 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
         act.b_reg.fill_(fit.b)
         if k:
             act.w_recent.copy_(fit.w[C:].to(act.w_recent.dtype))
-            act.recent_range.copy_(recent_range(F[:, C:], R).to(act.recent_range))
+            act.recent_range.copy_(recent_range(F[:, C:], R[:, :k]).to(act.recent_range))
         if act.w_scale_Y is not None:
             resid_val = None if t_val is None else t_val - (F_val @ fit.w + fit.b)
             sfit = fit_log_scale(X, fit.loo, X_val, resid_val)
