@@ -18,19 +18,25 @@ SCALE_INIT_MAX = 1e30
 THRESHOLD_INIT_MAX = 1e18
 #: most recent numbers of the text the value head may read (`CausalAdapterConfig.recent_values`)
 MAX_RECENT_VALUES = 256
+#: the most numbers the value head looks back over (`recent_window`): K own values in records of up to 4 numbers
+MAX_RECENT_WINDOW = 4 * MAX_RECENT_VALUES
 #: the most members, or hidden units, of the value head's nonlinear correction (`value_row_net`)
 MAX_ROW_NET = 1024
 #: the scales the value's Cauchy can live on (`CausalAdapterConfig.value_transform`, `modeling.value_transform`)
 VALUE_TRANSFORMS = ("identity", "log")
 #: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units`)
 ROW_UNIT_RULES = ("last", "median")
+#: the rules a saved head may carry: the per-row rules and "fixed", the per-row head's form (its nonlinear
+#: correction and log-width) in the adapter's own units for every row, which `train()` keeps only where the
+#: correction beats the linear head in the adapter's units (docs/values.md)
+ROW_HEAD_RULES = (*ROW_UNIT_RULES, "fixed")
 
 
 def check_row_rule(rule: str | None) -> str | None:
-    """`rule` itself when it is a rule of ROW_UNIT_RULES or None (the adapter's units), else a ValueError: the one
+    """`rule` itself when it is a rule of ROW_HEAD_RULES or None (the adapter's units), else a ValueError: the one
     check of a per-row units rule (the config's, the head's `set_row_units`)."""
-    if rule not in (None, *ROW_UNIT_RULES):
-        raise ValueError(f"value_row_units must be one of {ROW_UNIT_RULES} or None, got {rule!r}")
+    if rule not in (None, *ROW_HEAD_RULES):
+        raise ValueError(f"value_row_units must be one of {ROW_HEAD_RULES} or None, got {rule!r}")
     return rule
 #: largest move of loc_Y' (value_scale units) that rounding loc_U to bf16 may cause in a value head run on 16-bit
 #: features (the fit's bound under `bf16_safe_head`; above it, a head fitted on float32 features warns under bf16)
@@ -147,6 +153,11 @@ class CausalAdapterConfig:
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
+    horizon_calibration: the per-step maps of a horizon's intervals (`causal_adapter.modeling.horizon`):
+        {"individual": "path" or "step" (u drawn once per path or afresh at each step), "paths": N (paths per
+        validation row), "steps": [the map of step 2, of step 3, ...] (each as `value_calibration`, on scores
+        |y - value| / the paths' spread)}, fitted by `train()` on validation rows whose completion holds several
+        values; None = uncalibrated horizons beyond step 1.
     number_prefix_id: the whitespace token written before most numbers of the training completions (Qwen's
         ``" "`` in ``"food expenditure: 1033.57"`` = ``':' ' ' <NUM>``), set by `train()`; None = no layout rule.
         The value head is fitted only at the positions that precede a ``<NUM>`` in training, so generation writes
@@ -158,6 +169,11 @@ class CausalAdapterConfig:
         (loc_Y' = w_reg . loc_U + w_recent . r + b_reg, r their standardised values; `modeling.heads`); w_recent
         is set by the closed-form fits of `train()` (0 before). 0 = the SPEC's head on loc_U alone. Adapters
         written before this field load as 0.
+    recent_window: how many of the text's most recent numbers the head looks back over to find its K values:
+        with per-row units, K counts the values of the row's own series (a ``2016-07: 31.7`` record holds three
+        numbers, so K own values need 3 K numbers; `modeling.row_units.same_role`), the adapter's units read the
+        K most recent numbers of any kind. None = K (adapters written before this field: K numbers of any kind).
+        `train()` sets K x `row_units.MAX_PERIOD`.
     value_row_units: per-row value units (`causal_adapter.modeling.row_units`): "last" or "median", the rule that
         takes a location and a scale from each row's own numbers: those of the predicted kind when the row's
         numbers come in records of 2 to 4 (a year and a value; year, month, value: `row_units.row_period`), else
@@ -213,6 +229,7 @@ class CausalAdapterConfig:
     number_prefix_id: int | None = None
     number_contexts: list[int] | None = None
     recent_values: int = 0
+    recent_window: int | None = None
     value_row_units: str | None = None
     value_row_width: float = 0.0
     value_row_net: int = 0
@@ -223,6 +240,7 @@ class CausalAdapterConfig:
     value_transform: str = "identity"
     value_log_units: list[float] | None = None
     value_positive: bool = False
+    horizon_calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -278,6 +296,8 @@ class CausalAdapterConfig:
             raise ValueError(f"value_decimals must be an integer in [0, 12] or None, got {self.value_decimals!r}")
         if self.value_calibration is not None:
             _validate_calibration(self.value_calibration)
+        if self.horizon_calibration is not None:
+            _validate_horizon_calibration(self.horizon_calibration)
         if self.number_prefix_id is not None:
             ctx = self.number_contexts
             if (isinstance(self.number_prefix_id, bool) or not isinstance(self.number_prefix_id, int)
@@ -290,6 +310,11 @@ class CausalAdapterConfig:
         if (isinstance(self.recent_values, bool) or not isinstance(self.recent_values, int)
                 or not 0 <= self.recent_values <= MAX_RECENT_VALUES):
             raise ValueError(f"recent_values must be an integer in [0, {MAX_RECENT_VALUES}], got {self.recent_values!r}")
+        if self.recent_window is not None and (
+                isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int)
+                or not self.recent_values <= self.recent_window <= MAX_RECENT_WINDOW):
+            raise ValueError(f"recent_window must be None or an integer in [recent_values = {self.recent_values}, "
+                             f"{MAX_RECENT_WINDOW}], got {self.recent_window!r}")
         check_row_rule(self.value_row_units)
         if isinstance(self.value_row_width, bool) or not isinstance(self.value_row_width, (int, float)) \
                 or not 0.0 <= self.value_row_width <= 1.0:
@@ -351,6 +376,18 @@ class CausalAdapterConfig:
     @classmethod
     def from_json(cls, text: str) -> "CausalAdapterConfig":
         return cls.from_dict(json.loads(text))
+
+
+def _validate_horizon_calibration(calibration: Any) -> None:
+    """{"individual": "path" | "step", "paths": N, "steps": [one `value_calibration` map per step 2..H + 1]}."""
+    ok = (isinstance(calibration, dict) and calibration.get("individual") in ("path", "step")
+          and isinstance(calibration.get("steps"), list) and calibration["steps"]
+          and isinstance(calibration.get("paths"), int) and calibration["paths"] > 0)
+    if not ok:
+        raise ValueError("horizon_calibration must be {'individual': 'path' or 'step', 'paths': N, 'steps': [maps of "
+                         f"steps 2, 3, ...]}}, got {str(calibration)[:120]}")
+    for step in calibration["steps"]:
+        _validate_calibration(step)
 
 
 def _validate_calibration(calibration: Any) -> None:

@@ -10,10 +10,12 @@ bash; Python blocks run with `exec`. `--max-steps N` and `max_steps=N` are cut t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,10 @@ import pytest
 from causal_adapter.commands.main import main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+TASKS = Path(__file__).resolve().parent / "data" / "lm_eval"
 MARKER = "<!-- runnable -->"
+# a block that needs an optional extra names its modules: `<!-- runnable: needs lm_eval -->` (skipped without them)
+NEEDS = re.compile(r"<!-- runnable: needs ([\w.]+(?:, *[\w.]+)*) -->")
 ADAPTER_AT = ("demo/train/adapter", "chat-run/adapter", "runs/sunspots/adapter")  # where a page's directory holds it
 TOY = [(re.compile(r"--max-steps \d+"), "--max-steps 2 --max-train-samples 48 --max-eval-samples 16 --no-plot --no-progress"),
        (re.compile(r"\bmax_steps=\d+"), "max_steps=2")]
@@ -31,18 +36,21 @@ OPERATORS = {"|", "||", "&", "&&", ";", "<", ">>", "(", ")"}
 
 
 def runnable_blocks(page: Path) -> list[tuple[int, str, str]]:
-    """(line of the fence, language, code) of every marked block; a marker inside a ```` example is text."""
+    """(line of the fence, language, code) of every marked block; a marker inside a ```` example is text. A block
+    whose marker names modules that do not import is left out (`NEEDS`)."""
     lines = page.read_text(encoding="utf-8").splitlines()
     blocks, i, example = [], 0, False
     while i < len(lines):
         line = lines[i].strip()
         if line.startswith("````"):
             example = not example
-        elif line == MARKER and not example:
+        elif (line == MARKER or NEEDS.fullmatch(line)) and not example:
+            needs = NEEDS.fullmatch(line)
             fence = re.fullmatch(r"```(bash|python)", lines[i + 1].strip()) if i + 1 < len(lines) else None
             assert fence, f"{page.name}:{i + 1}: {MARKER} must be followed by a ```bash or ```python fence"
             end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
-            blocks.append((i + 2, fence.group(1), "\n".join(lines[i + 2:end])))
+            if needs is None or all(importlib.util.find_spec(m) for m in re.split(r", *", needs.group(1))):
+                blocks.append((i + 2, fence.group(1), "\n".join(lines[i + 2:end])))
             i = end
         i += 1
     return blocks
@@ -121,12 +129,18 @@ def test_runnable_blocks_run(page: Path, toy_run: Path, tmp_path: Path, monkeypa
     shutil.copytree(toy_run / "data", tmp_path / "data")
     for rel in ADAPTER_AT:
         shutil.copytree(toy_run / "run" / "adapter", tmp_path / rel)
+    shutil.copytree(TASKS, tmp_path / "tests" / "data" / "lm_eval")  # docs/evaluate.md's local lm-eval tasks
     monkeypatch.chdir(tmp_path)
-    for line_no, language, code in runnable_blocks(page):
-        where = f"docs/{page.relative_to(DOCS).as_posix()}:{line_no}"
-        code = toy(code)
-        if language == "python":
-            exec(compile(code, where, "exec"), {"__name__": "__doc_block__"})
-        else:
-            for line in shell_lines(code):
-                run_line(line, where)
+    try:
+        for line_no, language, code in runnable_blocks(page):
+            where = f"docs/{page.relative_to(DOCS).as_posix()}:{line_no}"
+            code = toy(code)
+            if language == "python":
+                exec(compile(code, where, "exec"), {"__name__": "__doc_block__"})
+            else:
+                for line in shell_lines(code):
+                    run_line(line, where)
+    finally:  # a server a block started in the background (its pid in a *.pid file) stops with the page
+        for pid_file in tmp_path.glob("*.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)

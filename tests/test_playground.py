@@ -433,3 +433,34 @@ def test_fits_a_phone_and_stays_on_its_origin(server, browser, tmp_path):
     urls = [m["params"]["request"]["url"] for m in sent if m["method"] == "Network.requestWillBeSent"]
     assert any(u.endswith("/v1/predict") for u in urls)
     assert all(u.startswith(origin + "/") or u.startswith("data:") for u in urls), urls
+
+
+@needs_browser
+def test_predict_draws_the_fan_of_a_horizon(server, browser):
+    """Steps ahead > 1: the page asks /v1/predict for a horizon (the separator written between the values) and draws
+    the fan over the H steps at the API's bounds, the path's values as points, one table row per step."""
+    d = browser
+    open_page(d, server)
+    d.find_element(By.ID, "tab-predict").click()
+    d.find_element(By.CSS_SELECTOR, "input[name=pkind][value=series]").click()
+    prompt = json.loads(d.find_element(By.ID, "series-prompt").text)
+    steps = d.find_element(By.ID, "series-horizon")
+    steps.clear()
+    steps.send_keys("4")
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]")) == 4, "the fan")
+    sep = d.find_element(By.ID, "series-sep").get_attribute("value")
+    want = api(server, "/v1/predict", {"model": "a", "prompts": [prompt], "horizon": 4, "paths": 100,
+                                       "continuations": [[sep] * 3]}).json()["data"][0]["horizon"]
+    svg = d.find_element(By.CSS_SELECTOR, "#plot svg")
+    points = svg.find_elements(By.CSS_SELECTOR, "[data-band=point]")
+    assert [float(p.get_attribute("data-value")) for p in points] == pytest.approx([s["value"] for s in want], rel=1e-9)
+    for level in (50, 90):
+        band = svg.find_element(By.CSS_SELECTOR, f"polygon[data-band='{level}']")
+        for side in ("lower", "upper"):
+            got = [float(x) for x in band.get_attribute(f"data-{side}").split()]
+            assert got == pytest.approx([s[f"{side}_{level}"] for s in want], rel=1e-9)
+        assert len(svg_points(band)) == 1 + 2 * 4  # from the last value, through the 4 upper and 4 lower bounds
+    rows = d.find_elements(By.CSS_SELECTOR, "#predict-table tbody tr")
+    assert len(rows) == 4
+    assert close(shown(rows[3].find_elements(By.TAG_NAME, "td")[2].text), want[3]["value"])

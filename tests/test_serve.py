@@ -498,7 +498,7 @@ def test_predict_equals_the_predict_command(url, adapters, local, qwen_tokenizer
     ({"model": "a", "prompt": "x", "mode": "greedy"}, 400, "mode"),
     ({"model": "a", "prompt": "x", "mode": "causal", "temperature": 0.7}, 400, "temperature"),
     ({"model": "a", "prompt": "x", "levels": [0.5, 1.5]}, 400, "levels"),
-    ({"model": "a", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "a", "prompt": "x", "logprobs": 21}, 400, "logprobs"),  # above the limit (test_serve_logprobs.py)
     ({"model": "a", "prompt": ""}, 400, "prompt"),
 ])
 def test_bad_input_gets_a_4xx_naming_the_problem(url, client, body, status, names):

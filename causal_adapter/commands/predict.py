@@ -27,6 +27,7 @@ from ..data.conversations import check_chat_template, inference_prompt
 from ..data.pipeline import load_text_dataset
 from ..modeling.adaptive import DEFAULT_GAMMA, adaptive_interval
 from ..modeling.families import text_config
+from ..modeling.horizon import DEFAULT_PATHS, MAX_HORIZON, check_continuations, check_horizon, check_paths
 from ..modeling.prediction import check_levels, level_name, prediction_columns
 from ..numbers import NumberTokenizer, find_numbers
 from ..saving.artifacts import atomic_write_file
@@ -120,15 +121,33 @@ def row_prompts(dataset, prompt_column: str = "prompt", text_column: str = "text
     return rows, prompts, bad
 
 
+def flat_horizon(records: Sequence[dict], columns: Sequence[str]) -> tuple[list[dict], list[str]]:
+    """csv rows of horizon records: the list ``horizon`` flattened into ``h<step>_value``, ``h<step>_lower_50``, ...
+    columns (step by step, in the list's key order)."""
+    if "horizon" not in columns:
+        return list(records), list(columns)
+    keys = [k for k in records[0]["horizon"][0] if k != "step"] if records else []
+    steps = len(records[0]["horizon"]) if records else 0
+    flat_cols = [c for c in columns if c != "horizon"] + [f"h{h}_{k}" for h in range(1, steps + 1) for k in keys]
+    rows = []
+    for r in records:
+        row = {c: r[c] for c in columns if c != "horizon"}
+        for s in r["horizon"]:
+            row.update({f"h{s['step']}_{k}": s[k] for k in keys})
+        rows.append(row)
+    return rows, flat_cols
+
+
 def write_predictions(records: Sequence[dict], columns: Sequence[str], output: str | None) -> None:
-    """jsonl (stdout when `output` is None) or csv, written atomically."""
+    """jsonl (stdout when `output` is None) or csv, written atomically (a horizon's list flattened: `flat_horizon`)."""
     fmt = output_format(output)
 
     def write(fh) -> None:
         if fmt == "csv":
-            writer = csv.DictWriter(fh, fieldnames=list(columns), lineterminator="\n")
+            rows, cols = flat_horizon(records, columns)
+            writer = csv.DictWriter(fh, fieldnames=cols, lineterminator="\n")
             writer.writeheader()
-            writer.writerows(records)
+            writer.writerows(rows)
         else:
             for r in records:
                 fh.write(json.dumps({k: r[k] for k in columns}) + "\n")
@@ -175,21 +194,53 @@ def adapt_intervals(model, records: list[dict], targets: Sequence[float], levels
         r["target"] = y
 
 
+def row_continuations(dataset, rows: Sequence[int], column: str = "continuations") -> list[list[str] | None] | None:
+    """The `column` entry of each of `rows` (None where a row has none; None without the column): the texts before
+    values 2..H of a horizon, checked by `modeling.horizon.check_continuations`."""
+    if column not in dataset.column_names:
+        return None
+    values = dataset[column]
+    return [values[i] for i in rows]
+
+
+def horizon_notes(model, horizon: int) -> list[str]:
+    """What the adapter's per-step calibration covers for `horizon` (stderr lines; none when it covers it all)."""
+    if horizon < 2:
+        return []
+    cal = model.causal_config.horizon_calibration
+    if cal is None:
+        return [f"predict: the adapter has no per-step calibration (train it with validation rows whose completion "
+                f"holds several values): steps 2..{horizon} give the paths' raw intervals"]
+    covered = len(cal["steps"]) + 1
+    if horizon > covered:
+        return [f"predict: validation covered steps 1..{covered}; the intervals of steps {covered + 1}..{horizon} are "
+                f"step {covered}'s widened by sqrt(step / {covered}) (docs/predict.md, \"A horizon\")"]
+    return []
+
+
 def predict_files(model, tokenizer, data_files: Sequence[str], output: str | None = None,
                   levels: Sequence[float] = (0.5, 0.9), batch_size: int = 16, prompt_column: str = "prompt",
                   text_column: str = "text", completion_column: str = "completion", progress: bool = True,
                   targets_column: str | None = None, gamma: float = DEFAULT_GAMMA, messages_column: str = "messages",
-                  chat_template: str | None = None, enable_thinking: bool = False) -> dict:
+                  chat_template: str | None = None, enable_thinking: bool = False, horizon: int | None = None,
+                  paths: int = DEFAULT_PATHS, seed: int = 0) -> dict:
     """Predict every row of `data_files` with `model` and write the rows; returns counts
     {"rows", "written", "skipped"}. Bad rows are reported on stderr, one line each. With `targets_column`
     the rows are taken as ordered (file order) and the intervals adapt online to the targets seen so far
     (`adapt_intervals`, step size `gamma`). Rows with a conversation in `messages_column` are rendered with
-    the chat template (`chat_template`: its text; default the tokenizer's) as `row_prompts` says."""
+    the chat template (`chat_template`: its text; default the tokenizer's) as `row_prompts` says. With `horizon` H:
+    each row also gets ``horizon``, its H values with their intervals from `paths` sample paths
+    (`CausalModel.predict_horizon`, the paths' draws seeded by `seed`), the row's ``continuations`` column (a list of
+    H - 1 texts, or null) giving the text before values 2..H."""
     from tqdm.auto import tqdm
 
-
     output_format(output)  # a bad --output fails before any work
-    columns = prediction_columns(levels) + (["target"] if targets_column else [])
+    if horizon is not None:
+        check_horizon(horizon)
+        check_paths(paths)
+        if targets_column:
+            raise ValueError("--targets-column (adaptive one-step intervals) and --horizon cannot be combined")
+    columns = prediction_columns(levels) + (["target"] if targets_column else []) + (["horizon"] if horizon else [])
     dataset = load_text_dataset(list(data_files), string_columns=(text_column, prompt_column, completion_column))
     ntok = NumberTokenizer(tokenizer, model.num_token_id)
     max_tokens = getattr(text_config(model.backbone), "max_position_embeddings", None)
@@ -201,15 +252,43 @@ def predict_files(model, tokenizer, data_files: Sequence[str], output: str | Non
         print(line, file=sys.stderr)
     if not prompts:
         raise ValueError(f"no row of {list(data_files)} could be predicted ({len(bad)} bad rows, see above)")
+    conts = None
+    if horizon is not None:  # a bad row fails here, before any work
+        conts = row_continuations(dataset, rows)
+        try:
+            check_continuations(conts, prompts, horizon)
+        except ValueError as e:
+            raise ValueError(_file_row(str(e), rows)) from None
     with tqdm(total=len(prompts), desc="predict", unit="row", disable=not progress, file=sys.stderr) as bar:
-        records = model.predict_values(prompts, tokenizer=ntok, levels=levels, batch_size=batch_size,
-                                       progress=bar.update)
+        if horizon is None:
+            records = model.predict_values(prompts, tokenizer=ntok, levels=levels, batch_size=batch_size,
+                                           progress=bar.update)
+        else:
+            try:
+                records = model.predict_horizon(prompts, tokenizer=ntok, horizon=horizon, paths=paths, levels=levels,
+                                                continuations=conts, seed=seed, batch_size=batch_size,
+                                                progress=bar.update)
+            except ValueError as e:  # name the row as the input file numbers it
+                raise ValueError(_file_row(str(e), rows)) from None
+            for line in horizon_notes(model, horizon):
+                print(line, file=sys.stderr)
     for r, i in zip(records, rows):
         r["row"] = i
     if targets is not None:
         adapt_intervals(model, records, targets, check_levels(levels), gamma)
     write_predictions(records, columns, output)
     return {"rows": len(dataset), "written": len(records), "skipped": len(bad)}
+
+
+def _file_row(message: str, rows: Sequence[int]) -> str:
+    """"row i: ..." of `predict_horizon` (i among the predicted prompts) -> the row's index in the input file."""
+    if message.startswith("row "):
+        head, _, rest = message.partition(":")
+        try:
+            return f"row {rows[int(head[4:])]}:{rest}"
+        except (ValueError, IndexError):
+            return message
+    return message
 
 
 # ---------------------------------------------------------------------------- the command
@@ -229,6 +308,13 @@ def add_parser(sub, **fmt) -> None:
                    help="ordered data: the column of the true values; rows are taken in file order and each row's "
                         "lower_/upper_ interval adapts to the earlier rows' targets (adaptive conformal inference); "
                         "adds a target column")
+    p.add_argument("--horizon", type=int, default=None,
+                   help=f"forecast H values per row (1..{MAX_HORIZON}): each row gains 'horizon', H objects "
+                        "{step, value, lower_50, upper_50, ...}; a row's 'continuations' column (H - 1 texts: the "
+                        "known labels before values 2..H) is written between the values, else the model writes it")
+    p.add_argument("--paths", type=int, default=DEFAULT_PATHS,
+                   help="with --horizon: causal-sampling paths per row that give the intervals (>= 20)")
+    p.add_argument("--seed", type=int, default=0, help="with --horizon: the seed of the paths' draws")
     p.add_argument("--aci-gamma", type=float, default=DEFAULT_GAMMA,
                    help=f"step size of the adaptive intervals with --targets-column (default {DEFAULT_GAMMA})")
     p.set_defaults(func=run)
@@ -241,6 +327,14 @@ def run(args: argparse.Namespace) -> int:
     chat_template = chat_template_from_args(args)
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.horizon is not None:
+        try:
+            check_horizon(args.horizon)
+            check_paths(args.paths)
+        except ValueError as e:
+            raise CLIError(f"--horizon / --paths: {e}") from None
+        if args.targets_column:
+            raise CLIError("--targets-column (adaptive one-step intervals) and --horizon cannot be combined")
     base, tokenizer = load_base_from_args(args)
     try:
         model = CausalModel.from_pretrained(base, adapter, tokenizer=tokenizer)
@@ -251,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
                            text_column=args.text_column, completion_column=args.completion_column,
                            targets_column=args.targets_column, gamma=args.aci_gamma,
                            messages_column=args.messages_column, chat_template=chat_template,
-                           enable_thinking=args.enable_thinking)
+                           enable_thinking=args.enable_thinking, horizon=args.horizon, paths=args.paths,
+                           seed=args.seed)
     where = args.output or "stdout"
     print(f"predict: {counts['written']} of {counts['rows']} rows written to {where}"
           + (f" ({counts['skipped']} skipped, see above)" if counts["skipped"] else ""), file=sys.stderr)

@@ -48,6 +48,7 @@ from ..modeling.heads import (
 )
 from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
+from ..modeling.horizon import predict_horizon
 from ..modeling.prediction import predict_values
 from ..modeling.value_transform import ValueMap, value_map_of
 from ..saving import adapter_io
@@ -169,6 +170,7 @@ class CausalModel(nn.Module):
                 train_num_row=config.train_num_row, scale_floor=config.scale_floor,
                 generator=gen, dtype=dtype, device=device, regression_scale=config.regression_scale,
                 b_noise_Y_init=config.b_noise_Y_init, recent_values=config.recent_values,
+                recent_window=config.recent_window,
                 row_net_members=config.value_row_net, row_net_width=config.value_row_net_width,
                 row_scale=config.value_row_scale,
             )
@@ -383,8 +385,9 @@ class CausalModel(nn.Module):
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         cache: the backbone's cache (`past_key_values` is its name before transformers 5.24, still taken).
-        recent_before: [B, K] the K most recent numbers before input_ids (`heads.recent_values`; a cached
-            prefix's), for an adapter whose value head reads them (`recent_values` K > 0); None = none.
+        recent_before: [B, W] the W most recent numbers before input_ids (`heads.recent_values`; a cached
+            prefix's; W = `recent_window`), for an adapter whose value head reads them (`recent_values` K > 0);
+            None = none.
         position_ids: [B, S]. Packed rows (`data.packing`): attention_mask None, no cache, position ids that
             restart at 0 where each row begins; transformers then builds the packed-sequence mask (sdpa, eager) or
             runs varlen flash attention, and the value head's recent numbers restart there too.
@@ -426,7 +429,7 @@ class CausalModel(nn.Module):
             if self.action.recent_values:
                 recent = recent_values(input_ids.to(loc_U.device), None if numeric_values is None
                                        else numeric_values.to(loc_U.device), self.num_token_id,
-                                       self.action.recent_values, recent_before,
+                                       self.action.recent_window, recent_before,
                                        None if row_starts is None else row_starts.to(loc_U.device))
             loc_Y, scale_Y = self.action.regression(loc_U, scale_Up, recent)
             result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
@@ -610,6 +613,21 @@ class CausalModel(nn.Module):
             tokenizer = offline_tokenizer(getattr(self.backbone, "name_or_path", None))
         return predict_values(self, prompts, tokenizer=tokenizer, levels=levels, batch_size=batch_size,
                               progress=progress)
+
+    def predict_horizon(self, prompts: str | list[str], tokenizer=None, horizon: int = 1, paths: int = 100,
+                        levels: tuple[float, ...] | None = (0.5, 0.9), continuations=None, seed: int | None = 0,
+                        batch_size: int = 16, individual: str | None = None, progress=None) -> list[dict[str, Any]]:
+        """The next `horizon` values after each prompt, each with its intervals: `predict_values`' row of each prompt
+        with ``horizon``, H dicts ``{"step", "value", "lower_50", "upper_50", ...}``. Step 1 is `predict_values`'
+        row exactly; steps >= 2 the deterministic path (each value fed back) with intervals from `paths` causal
+        sampling paths sharing the prompt's one prefill, calibrated per step on validation (`train()`).
+        `continuations`: per prompt, the H - 1 texts written before values 2..H (known future labels), or None (the
+        model writes them). tokenizer=None: the base's own, offline (causal_adapter.modeling.horizon)."""
+        if tokenizer is None:
+            tokenizer = offline_tokenizer(getattr(self.backbone, "name_or_path", None))
+        return predict_horizon(self, prompts, tokenizer=tokenizer, horizon=horizon, paths=paths, levels=levels,
+                               continuations=continuations, seed=seed, batch_size=batch_size, individual=individual,
+                               progress=progress)
 
     # ------------------------------------------------------------------ peft / hub conventions
     def merge_and_unload(self, safe_merge: bool = True) -> "CausalModel":

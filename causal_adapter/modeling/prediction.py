@@ -58,7 +58,7 @@ def prediction_columns(levels: Sequence[float]) -> list[str]:
     return cols
 
 
-def _encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
+def encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
     """Left-padded encodings [B, S] of `prompts`, each ending where training fitted the value head: with the
     adapter's number layout (`CausalAdapterConfig.number_prefix_id`), a prompt whose last token never preceded
     a training number (``"...: "`` does, ``"...:"`` does not) gets the prefix appended, exactly as `generate`
@@ -75,22 +75,40 @@ def _encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
     return pad_batch(ids, vals, ntok.pad_token_id, padding_side="left")
 
 
+def encoded_batches(model, ntok, prompts: Sequence[str], batch_size: int):
+    """(start, `encode_prompts` of prompts[start:start + batch_size]) per batch, in order; a ValueError names a
+    prompt that encodes to no token (`predict_values` and `horizon.predict_horizon` read the same batches)."""
+    for start in range(0, len(prompts), batch_size):
+        enc = encode_prompts(model, ntok, prompts[start:start + batch_size])
+        if bool((enc["attention_mask"].sum(-1) == 0).any()):
+            i = start + int((enc["attention_mask"].sum(-1) == 0).nonzero()[0])
+            raise ValueError(f"prompt {i} encodes to no token")
+        yield start, enc
+
+
 @torch.no_grad()
 def predict_batch(model, enc: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loc_Y, scale_Y, P(<NUM>)) [B] at the last position of left-padded encodings."""
+    return predict_forward(model, enc)[:3]
+
+
+@torch.no_grad()
+def predict_forward(model, enc: dict, use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """`predict_batch`'s (loc_Y, scale_Y, P(<NUM>)) [B] and the forward's `CausalOutput` (with the backbone's cache
+    when `use_cache`: a horizon's paths continue from it, `modeling.horizon`)."""
     dev = model.input_device  # the embedding's device; the heads' outputs come back on lm_head's
     ids, vals, mask = (enc[k].to(dev) for k in ("input_ids", "numeric_values", "attention_mask"))
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # as generation: padding never changes a row
-    out = model(ids, vals, mask, position_ids=position_ids)
+    out = model(ids, vals, mask, position_ids=position_ids, use_cache=use_cache)
     loc_U, scale_U = out.loc_U[:, -1], out.scale_U[:, -1]
     act = model.action
     with full_precision(loc_U.device):  # as in forward, whatever autocast the caller runs under
         p_num = num_probability(loc_U, act.noisy_scale(scale_U), act.num_weight(model.W_cls),
                                 act.b_cls[model.num_token_id], act.num_threshold(), scale_floor=act.scale_floor)
-    return out.loc_Y[:, -1].double(), out.scale_Y[:, -1].double(), p_num.double()
+    return out.loc_Y[:, -1].double(), out.scale_Y[:, -1].double(), p_num.double(), out
 
 
-def _rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
+def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
           start: int) -> list[dict[str, Any]]:
     value = model.value_map.to_value(loc)  # the median: loc_Y itself, or exp(loc_Y) on log y
     cols: dict[str, list[float]] = {"value": value.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
@@ -135,13 +153,9 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     model.eval()
     out: list[dict[str, Any]] = []
     try:
-        for start in range(0, len(prompts), batch_size):
-            enc = _encode_prompts(model, ntok, prompts[start:start + batch_size])
-            if bool((enc["attention_mask"].sum(-1) == 0).any()):
-                i = start + int((enc["attention_mask"].sum(-1) == 0).nonzero()[0])
-                raise ValueError(f"prompt {i} encodes to no token")
+        for start, enc in encoded_batches(model, ntok, prompts, batch_size):
             loc, scale, p_num = predict_batch(model, enc)
-            out += _rows(model, loc, scale, p_num, levels, start)
+            out += prediction_rows(model, loc, scale, p_num, levels, start)
             if progress is not None:
                 progress(len(loc))
     finally:

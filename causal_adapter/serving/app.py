@@ -6,7 +6,8 @@
     GET  /v1/models, /v1/models/{id}   the adapters, by name (OpenAI's model list)
     POST /v1/completions               prompt (a text or a list), OpenAI's fields + mode, levels
     POST /v1/chat/completions          messages, rendered with the chat template and its generation prompt
-    POST /v1/predict                   {"model", "prompts" | "messages", "levels"} -> {"data": rows of `predict`}
+    POST /v1/predict                   {"model", "prompts" | "messages", "levels"} -> {"data": rows of `predict`};
+                                       with "horizon", "paths", "continuations", "seed": `predict --horizon`'s rows
     POST /v1/load_lora_adapter         vLLM's {"lora_name", "lora_path"} (with --runtime-adapter-root only)
     POST /v1/unload_lora_adapter       vLLM's {"lora_name"}
 
@@ -43,6 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.adapters import check_adapter_name
+from ..modeling.horizon import DEFAULT_PATHS, check_horizon, check_paths
 from ..modeling.prediction import check_levels, prediction_columns
 from . import schemas
 from .engine import CallSpec, Decoding, Engine, GenerateSpec, PredictSpec
@@ -129,6 +131,17 @@ def _decoding(body: schemas.GenerationRequest) -> Decoding:
                     temperature=t if sampling and t is not None else None,
                     top_p=p if sampling and p is not None and p < 1 else None,
                     seed=body.seed if random else None, stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+
+
+def _check_logprobs(body: schemas.CompletionRequest) -> None:
+    """What completions' logprobs / echo cannot be combined with (docs/serving.md)."""
+    if body.max_tokens == 0 and not body.echo:
+        raise RequestError(400, "max_tokens: 0 generates nothing; it is only accepted with echo (the prompt's "
+                                "logprobs); give max_tokens >= 1", param="max_tokens")
+    if body.stream and (body.echo or body.logprobs is not None):
+        what = "echo" if body.echo else "logprobs"
+        raise RequestError(400, f"{what} is not supported with stream: send the request with stream false (the whole "
+                                "answer, its logprobs included, in one body)", param=what)
 
 
 def _levels(levels: list[float] | None) -> tuple[float, ...]:
@@ -338,16 +351,24 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
         registry.check(body.model)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        token_ids = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], str)
+        if token_ids:  # token ids: one prompt (a list of ints) or several (a list of lists)
+            prompts = [body.prompt] if isinstance(body.prompt[0], int) else list(body.prompt)
+        else:
+            prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts:
             raise RequestError(400, "prompt: give a text or a non-empty list of texts", param="prompt")
+        single = isinstance(body.prompt, str) or (token_ids and isinstance(body.prompt[0], int))
         for i, p in enumerate(prompts):
             if not p:
-                raise RequestError(400, f"prompt{'' if isinstance(body.prompt, str) else f'[{i}]'} is empty",
-                                   param="prompt")
+                raise RequestError(400, f"prompt{'' if single else f'[{i}]'} is empty", param="prompt")
+        _check_logprobs(body)
         decoding = _decoding(body)
-        spec = GenerateSpec(body.model, decoding, prompts=prompts, max_tokens=body.max_tokens or schemas.DEFAULT_MAX_TOKENS,
-                            n=body.n, levels=_levels(body.levels))
+        max_tokens = schemas.DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        spec = GenerateSpec(body.model, decoding, prompts=None if token_ids else prompts, max_tokens=max_tokens,
+                            n=body.n, levels=_levels(body.levels), logprobs=body.logprobs, echo=bool(body.echo),
+                            prompt_token_ids=prompts if token_ids else None,
+                            logprobs_mode="ovr" if body.mode in ("deterministic", "causal") else "softmax")
         return await generation(request, body, spec, len(prompts), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -379,13 +400,30 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
             if not conversations:
                 raise RequestError(400, "messages: give a conversation or a non-empty list of them", param="messages")
         thinking = (body.chat_template_kwargs or {}).get("enable_thinking")
-        job = submit(Job("predict", PredictSpec(body.model, prompts, conversations, levels, thinking),
+        horizon = _horizon(body)
+        job = submit(Job("predict", PredictSpec(body.model, prompts, conversations, levels, thinking, **horizon),
                          rows=len(prompts or conversations)))
         rows = await result(job, request)
         if rows is None:
             return Response(status_code=499)
-        columns = prediction_columns(levels)
+        columns = prediction_columns(levels) + (["horizon"] if horizon else [])
         return {"object": "list", "model": body.model, "data": [{k: r[k] for k in columns} for r in rows]}
+
+    def _horizon(body: schemas.PredictRequest) -> dict:
+        """PredictSpec's horizon fields of a request (empty without `horizon`), checked (400 naming the field)."""
+        if body.horizon is None:
+            for name in ("paths", "continuations"):
+                if getattr(body, name) is not None:
+                    raise RequestError(400, f"{name} applies with horizon", param=name)
+            return {}
+        paths = DEFAULT_PATHS if body.paths is None else body.paths
+        for name, check in (("horizon", lambda: check_horizon(body.horizon)), ("paths", lambda: check_paths(paths))):
+            try:
+                check()
+            except ValueError as e:
+                raise RequestError(400, str(e), param=name) from None
+        return {"horizon": body.horizon, "paths": paths, "continuations": body.continuations,
+                "seed": 0 if body.seed is None else body.seed}
 
     def runtime_check() -> Path:
         if runtime_root is None:

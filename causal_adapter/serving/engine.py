@@ -33,8 +33,10 @@ from ..modeling.generation.prepare import Group, make_generator
 from ..modeling.generation.record import Row
 from ..modeling.generation.stream import decode_text, first_stop, streamable
 from ..modeling.intervals import interval
+from ..modeling.horizon import predict_horizon
 from ..modeling.prediction import level_name, predict_values
 from ..numbers import NumberTokenizer
+from .logprobs import completion_logprobs
 from .registry import Registry
 from .scheduler import Job, RequestError
 from .schemas import value_entry
@@ -73,6 +75,12 @@ class GenerateSpec:
     n: int = 1
     levels: tuple[float, ...] = (0.5, 0.9)
     enable_thinking: bool | None = None
+    # completions' logprobs / echo (`serving.logprobs`): alternatives per token (None: no logprobs), the prompt in
+    # front of the text, the prompts as the token ids the client sent (None: texts), the distribution scored
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_token_ids: list[list[int]] | None = None
+    logprobs_mode: str = "softmax"
 
 
 @dataclass
@@ -82,6 +90,10 @@ class PredictSpec:
     conversations: list[list[dict]] | None = None
     levels: tuple[float, ...] = (0.5, 0.9)
     enable_thinking: bool | None = None
+    horizon: int | None = None  # a horizon (`predict_horizon`): H, its paths, continuations, seed
+    paths: int = 100
+    continuations: list | None = None
+    seed: int | None = 0
 
 
 @dataclass
@@ -324,8 +336,13 @@ class Engine:
         spec: GenerateSpec = job.spec
         try:
             self._check_adapter(spec.adapter)
+            if spec.prompt_token_ids is not None:  # token ids (lm-eval's local-completions): their text
+                spec.prompts = self._decode_ids(spec.prompt_token_ids)
             prompts, field = self._prompts(spec, to_first_number=False)
             encoded = self._encode(prompts, field, spec.max_tokens)
+            if spec.max_tokens == 0:  # echo alone (app.py checks it): the prompts' logprobs, nothing generated
+                self._echo_only(job, prompts, encoded)
+                return
         except RequestError as e:
             job.fail(e)
             return
@@ -349,9 +366,53 @@ class Engine:
         if cut is not None:
             numbers = self._numbers_before(row, numbers, cut)
             text, finished = text[:cut], True
-        return {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
-                "values": _values(numbers, levels, calibration, row.group.settings.value_map),
-                "completion_tokens": len(row.tokens)}
+        out = {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
+               "values": _values(numbers, levels, calibration, row.group.settings.value_map),
+               "completion_tokens": len(row.tokens)}
+        spec = row.tag.job.spec
+        if isinstance(spec, GenerateSpec) and (spec.echo or spec.logprobs is not None):
+            i = row.tag.index // spec.n
+            prompt = spec.prompts[i] if spec.prompts is not None else None
+            if spec.logprobs is not None and prompt is not None:
+                out["logprobs"] = self._logprobs(spec, i, row.group.adapter, row.tokens, row.fed_values,
+                                                 len(text) if cut is not None else None)
+            if spec.echo and prompt is not None:
+                out["text"] = prompt + text
+        return out
+
+    # ------------------------------------------------------------------ logprobs and echo (completions)
+    def _decode_ids(self, rows: list[list[int]]) -> list[str]:
+        vocab = len(self.tokenizer)
+        for i, ids in enumerate(rows):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                where = "prompt" if len(rows) == 1 else f"prompt[{i}]"
+                raise RequestError(400, f"{where}: token id {bad} is not in the tokenizer's vocabulary "
+                                        f"(0..{vocab - 1})", param="prompt")
+        return self.tokenizer.batch_decode(rows, clean_up_tokenization_spaces=False)
+
+    def _logprobs(self, spec: GenerateSpec, i: int, adapter: str, tokens, values, text_limit: int | None) -> dict:
+        """Prompt i's (with echo) and its generated tokens' logprobs under `adapter` (`serving.logprobs`)."""
+        active = self.model.active_adapter
+        self.model.set_adapter(adapter)
+        try:
+            return completion_logprobs(self.model, self.ntok, spec.prompts[i], tokens, values, echo=spec.echo,
+                                       top_k=spec.logprobs or 0, mode=spec.logprobs_mode, text_limit=text_limit,
+                                       prompt_ids=None if spec.prompt_token_ids is None else spec.prompt_token_ids[i])
+        finally:
+            self.model.set_adapter(active)
+
+    def _echo_only(self, job: Job, prompts: list[str], encoded) -> None:
+        """``echo`` with max_tokens 0: each prompt back with its tokens' logprobs, `n` times."""
+        spec: GenerateSpec = job.spec
+        choices = []
+        for i, prompt in enumerate(prompts):
+            lp = (self._logprobs(spec, i, spec.adapter, [], [], None) if spec.logprobs is not None else None)
+            for j in range(spec.n):
+                choices.append({"index": i * spec.n + j, "text": prompt, "finish_reason": "length", "values": [],
+                                "completion_tokens": 0, "logprobs": lp})
+        job.emit("start")
+        job.done({"choices": choices, "prompt_tokens": sum(len(ids) for ids, _ in encoded), "completion_tokens": 0})
 
     def _numbers_before(self, row: Row, numbers: list[dict], cut: int) -> list[dict]:
         """The numbers whose text ends before character `cut` of the row's text."""
@@ -374,8 +435,13 @@ class Engine:
             prompts, field = self._prompts(spec, to_first_number=True)
             self._encode(prompts, field, 0)
             try:
-                rows = predict_values(self.model, prompts, tokenizer=self.ntok, levels=spec.levels,
-                                      batch_size=PREDICT_BATCH_SIZE)
+                if spec.horizon is None:
+                    rows = predict_values(self.model, prompts, tokenizer=self.ntok, levels=spec.levels,
+                                          batch_size=PREDICT_BATCH_SIZE)
+                else:
+                    rows = predict_horizon(self.model, prompts, tokenizer=self.ntok, horizon=spec.horizon,
+                                           paths=spec.paths, levels=spec.levels, continuations=spec.continuations,
+                                           seed=spec.seed, batch_size=PREDICT_BATCH_SIZE)
             except ValueError as e:
                 raise RequestError(400, str(e), param=field) from None
         except RequestError as e:

@@ -2,9 +2,10 @@
 
 Requests are pydantic models, strict (``"max_tokens": "5"`` is refused, as OpenAI refuses it) and closed (an
 unknown field is refused by name, as OpenAI does). The fields OpenAI defines and this server cannot honour
-(``logprobs``, penalties, ``logit_bias``, ``best_of``, ``echo``, ``suffix``, tools) are accepted only at their
-neutral value. Ours, besides OpenAI's: ``mode`` (the decoding mode), ``levels`` (the interval levels of every
-value) and vLLM's ``ignore_eos`` / ``chat_template_kwargs``.
+(penalties, ``logit_bias``, ``best_of``, ``suffix``, tools; chat's ``logprobs``) are accepted only at their
+neutral value; completions honour ``logprobs`` and ``echo`` (`serving.logprobs`). Ours, besides OpenAI's: ``mode``
+(the decoding mode), ``levels`` (the interval levels of every value) and vLLM's ``ignore_eos`` /
+``chat_template_kwargs``.
 
 Responses are plain dicts built here: `completion_body`, `chat_body`, their streaming chunks, `model_card`,
 `error_body`. Every choice carries ``values``: one object per number it wrote (`value_entry`).
@@ -19,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_LEVELS = (0.5, 0.9)
 MAX_N = 16
+#: completions' ``logprobs``: the most alternatives per token (vLLM's default --max-logprobs)
+MAX_LOGPROBS = 20
+#: OpenAI fields /v1/completions honours (chat keeps them neutral)
+_COMPLETION_FIELDS = ("logprobs", "echo")
 
 # OpenAI fields accepted only at the value that changes nothing here
 _NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -76,11 +81,28 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
-    logprobs: int | None = None
+    """A text, a list of texts, or token ids (a list, or a list of lists: OpenAI's and vLLM's, what lm-eval's
+    local-completions sends). ``logprobs`` (up to `MAX_LOGPROBS` alternatives per token) and ``echo`` (the prompt in
+    front of the text; with ``max_tokens`` 0 only the prompt, and its logprobs) as `serving.logprobs` answers them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo only (app.py)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator(*(f for f in _NEUTRAL if f not in _COMPLETION_FIELDS), mode="after", check_fields=False)
+    @classmethod
+    def _neutral(cls, value, info):  # replaces GenerationRequest's: logprobs and echo are honoured here
+        return GenerationRequest._neutral.__func__(cls, value, info)
+
+    @field_validator("logprobs", mode="after")
+    @classmethod
+    def _logprobs_limit(cls, value):
+        if value is not None and value > MAX_LOGPROBS:
+            raise ValueError(f"at most {MAX_LOGPROBS} alternatives per token (the server's limit)")
+        return value
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -105,6 +127,12 @@ class PredictRequest(_Strict):
     levels: list[float] | None = Field(None, min_length=1)
     chat_template_kwargs: dict[str, bool] | None = None
     user: str | None = None
+    # a horizon (`CausalModel.predict_horizon`): H values per row, intervals from `paths` sample paths; per row the
+    # H - 1 texts before values 2..H (or null: the model writes them); the paths' seed
+    horizon: int | None = None
+    paths: int | None = None
+    continuations: list[list[str] | None] | None = None
+    seed: int | None = None
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -160,7 +188,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
     """choices: dicts with index, text, finish_reason, values."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
+            "choices": [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
                          "finish_reason": c["finish_reason"], "values": c["values"]} for c in choices],
             "usage": use}
 

@@ -24,6 +24,7 @@ from ..data import rows_at
 from ..engines import inference_precision
 from ...modeling.row_units import row_location_scale, row_period, same_role
 from .calibration import Calibration, base_scale, calibrate_regression_scale
+from .horizon import fit_horizon_calibration
 from .choice import beats_by_one_se
 from .linear import LOSSES, WARM_START_LOSSES
 from .warm_start import WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
@@ -153,7 +154,7 @@ def validation_errors(inner, rows: WarmStartRows) -> Tensor:
     value = act.value_map.to_value(loc.double().cpu())
     cfg = inner.causal_config
     if rows.R_val.shape[-1]:
-        naive = row_location_scale(rows.R_val, "last", cfg.value_loc, cfg.value_scale)[2]
+        naive = row_location_scale(rows.R_val, "last", cfg.value_loc, cfg.value_scale, keep=act.recent_values)[2]
     else:  # no recent numbers: every row in the value's units
         naive = torch.full_like(rows.y_val, cfg.value_scale)
     return (rows.y_val - value).abs() / naive
@@ -206,9 +207,11 @@ def fit_after_training(model, config: TrainConfig, train_ds, collator, device, v
     if eval_ds is None:
         return None
     predictions = validation_predictions(refitted)
-    if not config.calibrate_scale:
-        return None
-    return calibrate_regression_scale(inner, predictions, base_scale(inner, predict))
+    calibrated = None
+    if config.calibrate_scale:
+        calibrated = calibrate_regression_scale(inner, predictions, base_scale(inner, predict))
+    fit_horizon_calibration(inner, eval_ds, verbose)  # rows with several values: the horizon's per-step maps
+    return calibrated
 
 
 def head_shift_bound(inner, config: TrainConfig) -> float:

@@ -1,0 +1,380 @@
+"""A horizon: H values ahead with their intervals (`CausalModel.predict_horizon`, `predict --horizon`), per step.
+
+    python benchmarks/horizon.py --speed                       # the path-sampling time alone (~1 min)
+    python benchmarks/horizon.py --quick                       # toy size, every part (a few minutes on 2 cores)
+    python benchmarks/horizon.py --steps 60 --max-train-rows 32 --max-val-rows 8 --synthetic-lengths 144
+
+The data are `benchmarks/scales.py`'s sets: ``a`` the bundled series at several scales, ``b`` the chat corpus's seven
+series (here in the prompt / completion layout of a forecasting file, not as conversations), ``c`` the seeded
+synthetic panel. Each series is cut as a user writes a forecasting file: the prompt is `scales.py`'s (the window of
+"time: value" pairs, ending with the next label), the completion the next H values with their labels,
+``" 33.2; 2016-08: 32.9; 2016-09: 30.4"``. A row is a training row when its last value lies in the series' training
+part, a validation row when all its values lie in the validation part, a test row when they lie in the test part
+(`scales.split_bounds`). One adapter per set, trained as ``causal-adapter train --train-file --validation-file`` does
+(the default `TrainConfig`, no other flag: the per-step maps are fitted on the validation rows), then every test row
+predicted as ``causal-adapter predict --horizon H --paths N`` with its ``continuations`` (the known labels).
+
+Per step h = 1..H, pooled over each set's series: the MAE of each series against baselines iterated from the row's
+window (persistence, seasonal naive where the season fits in the window, window drift, AR(p) fitted on the training
+part, p chosen on validation, iterated on its own forecasts), the best window baseline per series and step chosen on
+VALIDATION MAE; the geometric mean over series of MAE / best window baseline and MAE / persistence; the coverage of
+the 50% and 90% intervals; the Winkler score of the 90% interval divided by the series' mean absolute one-step change
+on its training part (scale-free, averaged over rows).
+
+Speed (`--speed`, also part of every run): one row, H = 12 with continuations, the deterministic path alone
+(``paths=0``) against N = 100 paths, in the same process, on the embedded default base (64 hidden, 2 layers) with a
+fresh adapter (value units set, the value head reading u through its random w_reg), and again with each set's trained
+adapter (its per-row value head); one intra-op thread; the best of `SPEED_REPEATS` alternated runs each. Target <= 8x.
+
+Output: markdown tables and JSON at ``--output`` (default /tmp/horizon.md and .json), and ONE last line ``RESULT ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import scales
+from common import fmt, log, ridge_fit, ridge_predict, write_report
+
+SETS = ("a", "b", "c")
+HORIZON = 12
+PATHS = 100
+SPEED_REPEATS = 15
+LEVELS = (0.5, 0.9)
+BASELINES = ("persistence", "seasonal_naive", "window_drift", "ar")
+QUICK = dict(steps=2, a_series=("macro/unemp",), a_scales=(1e-1, 1.0, 1e3), chat_series=("macro/unemp",),
+             synthetic_series=2, synthetic_lengths=(160,), max_train_rows=6, max_val_rows=6,
+             tiny=dict(tiny_hidden_size=16, tiny_layers=1), horizon=4, paths=20)
+
+
+# ----------------------------------------------------------------------------- data
+def entries(args, name: str) -> list[dict]:
+    """The set's series (`scales.py`'s entries: y, window, season, train_end, val_end, rows with prompts)."""
+    if name == "a":
+        return scales.set_a(args)
+    if name == "c":
+        return scales.synthetic_panel(args.synthetic_series, args.synthetic_lengths, args.seed,
+                                      args.synthetic_window)
+    from causal_adapter.data.corpora import CHAT_SERIES
+
+    out = []
+    for s in args.chat_series:
+        loader, title, _ = CHAT_SERIES[s]
+        times, values = loader("chat")
+        out.append(scales.series_entry(s, title + ".", times, values, 12, scales.CHAT_SEASON.get(s)))
+    return out
+
+
+def forecast_rows(entry: dict, H: int) -> dict[str, list[dict]]:
+    """The series' rows in the forecasting layout, by split (module docstring); each keeps ``first`` (the index of
+    its first value), ``continuations`` (its H - 1 labels) and ``series``."""
+    rows, y = entry["rows"], entry["y"]
+    by_index = {r["t_index"]: r for r in rows}
+    out: dict[str, list[dict]] = {"train": [], "validation": [], "test": []}
+    for r in rows:
+        i = r["t_index"]
+        if i + H - 1 >= len(y):
+            continue
+        later = [by_index[j] for j in range(i + 1, i + H)]
+        comp = r["completion"] + "".join(f"; {x['time']}: {x['completion'].strip()}" for x in later)
+        split = ("train" if i + H - 1 < entry["train_end"] else
+                 "validation" if i >= entry["train_end"] and i + H - 1 < entry["val_end"] else
+                 "test" if i >= entry["val_end"] else None)
+        if split is not None:
+            out[split].append({"prompt": r["prompt"], "completion": comp, "first": i, "series": entry["name"],
+                               "continuations": [f"; {x['time']}:" for x in later]})
+    return out
+
+
+# ----------------------------------------------------------------------------- baselines
+def ar_fit(y: np.ndarray, train_end: int, p: int):
+    """AR(p) with intercept by least squares on the standardised training part: (weights, mu, sd)."""
+    z, mu, sd = scales._standardise(y, train_end)
+    idx = np.arange(p, train_end)
+    X = torch.tensor(np.stack([z[idx - j] for j in range(1, p + 1)], 1), dtype=torch.float64)
+    try:
+        w = ridge_fit(X, torch.tensor(z[idx], dtype=torch.float64), 0.0)
+    except RuntimeError:
+        w = ridge_fit(X, torch.tensor(z[idx], dtype=torch.float64), 1e-8)
+    return w, mu, sd
+
+
+def iterated(entry: dict, first: int, H: int, ar=None) -> dict[str, np.ndarray]:
+    """Each baseline's H forecasts from the row's window (values before `first`), iterated on its own forecasts."""
+    y, w, season = entry["y"], entry["window"], entry["season"]
+    hist = y[first - w:first]
+    out = {"persistence": np.full(H, hist[-1])}
+    if season and season <= w:
+        out["seasonal_naive"] = np.array([hist[len(hist) - season + (h % season)] for h in range(H)])
+    if w >= 2:
+        out["window_drift"] = hist[-1] + (hist[-1] - hist[0]) / (w - 1) * np.arange(1, H + 1)
+    if ar is not None:
+        wts, mu, sd, p = ar
+        z = list((y[first - p:first] - mu) / sd)
+        f = []
+        for _ in range(H):
+            x = torch.tensor([z[-j] for j in range(1, p + 1)], dtype=torch.float64).unsqueeze(0)
+            nxt = float(ridge_predict(wts, x)[0])
+            z.append(nxt)
+            f.append(mu + sd * nxt)
+        out["ar"] = np.array(f)
+    return out
+
+
+def choose_ar(entry: dict, val_rows: list[dict], H: int):
+    """The AR order (1..min(12, window)) with the smallest validation MAE of its iterated forecasts."""
+    y, te = entry["y"], entry["train_end"]
+    best = None
+    for p in range(1, min(scales.AR_MAX_P, entry["window"], (te - 2) // 3) + 1):
+        fit = (*ar_fit(y, te, p), p)
+        err = [abs(iterated(entry, r["first"], H, fit)["ar"] - y[r["first"]:r["first"] + H]).mean() for r in val_rows]
+        score = float(np.mean(err)) if err else math.inf
+        if best is None or score < best[0]:
+            best = (score, fit)
+    return None if best is None else best[1]
+
+
+# ----------------------------------------------------------------------------- the adapter
+def train_and_forecast(args, name: str, split: dict, work: Path) -> tuple[list[dict], dict]:
+    """Train one adapter on the set's files (default TrainConfig), predict every test row with --horizon; (the
+    prediction rows in test order, run info)."""
+    from causal_adapter import CausalModel
+    from causal_adapter.commands.predict import predict_files
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import load_base_and_tokenizer, train
+
+    work.mkdir(parents=True, exist_ok=True)
+    files = {k: work / f"{name}_{k}.jsonl" for k in split}
+    for k, rows in split.items():  # the test file also carries the known labels: predict --horizon reads them
+        cols = ("prompt", "completion") + (("continuations",) if k == "test" else ())
+        scales.write_jsonl(files[k], [{c: r[c] for c in cols} for r in rows])
+    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps})}
+    config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
+                         output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)
+    t0 = time.perf_counter()
+    result = train(None, config)
+    train_seconds = time.perf_counter() - t0
+    base, tokenizer = load_base_and_tokenizer(config)
+    model = CausalModel.from_pretrained(base, str(result.adapter_dir), tokenizer=tokenizer)
+    out = work / f"{name}_pred.jsonl"
+    t1 = time.perf_counter()
+    predict_files(model, tokenizer, [str(files["test"])], output=str(out), levels=LEVELS, progress=False,
+                  horizon=args.horizon, paths=args.paths, seed=args.seed)
+    preds = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    cal = model.causal_config.horizon_calibration
+    info = {"train_seconds": train_seconds, "predict_seconds": time.perf_counter() - t1,
+            "rows": {k: len(v) for k, v in split.items()}, "steps": result.global_step,
+            "individual": None if cal is None else cal["individual"],
+            "calibrated_steps": 1 + (0 if cal is None else len(cal["steps"])), "adapter": str(result.adapter_dir)}
+    return preds, info
+
+
+def score_set(entries_: list[dict], splits: dict[str, dict], preds: list[dict], test_rows: list[dict], H: int) -> dict:
+    """Per step: gm MAE / best window baseline and / persistence over series, pooled coverage, scaled Winkler."""
+    per_step = []
+    by_series: dict[str, list[tuple[dict, dict]]] = {}
+    for r, p in zip(test_rows, preds):
+        by_series.setdefault(r["series"], []).append((r, p))
+    choices = {}
+    for e in entries_:
+        if e["name"] not in by_series:
+            continue
+        val = splits[e["name"]]["validation"]
+        ar = choose_ar(e, val, H)
+        val_err = {b: np.zeros(H) for b in BASELINES}
+        for r in val:
+            fc = iterated(e, r["first"], H, ar)
+            for b, f in fc.items():
+                val_err[b] += np.abs(f - e["y"][r["first"]:r["first"] + H])
+        avail = [b for b in BASELINES if b in iterated(e, e["window"], H, ar)]
+        choices[e["name"]] = (ar, [min(avail, key=lambda b: val_err[b][h]) if val else "persistence" for h in range(H)])
+    for h in range(H):
+        ratios_best, ratios_pers, cov = [], [], {q: [] for q in LEVELS}
+        wink = []
+        for e in entries_:
+            rows = by_series.get(e["name"])
+            if not rows:
+                continue
+            ar, best = choices[e["name"]]
+            y = e["y"]
+            scale = float(np.mean(np.abs(np.diff(y[:e["train_end"]])))) or 1.0
+            err, err_best, err_pers = [], [], []
+            for r, p in rows:
+                t = y[r["first"] + h]
+                s = p["horizon"][h]
+                fc = iterated(e, r["first"], H, ar)
+                err.append(abs(s["value"] - t))
+                err_best.append(abs(fc[best[h]][h] - t))
+                err_pers.append(abs(fc["persistence"][h] - t))
+                for q in LEVELS:
+                    n = format(round(100 * q), "d")
+                    cov[q].append(s[f"lower_{n}"] <= t <= s[f"upper_{n}"])
+                lo, hi = s["lower_90"], s["upper_90"]
+                wink.append(((hi - lo) + 20.0 * (max(lo - t, 0.0) + max(t - hi, 0.0))) / scale)
+            ratios_best.append(scales.ratio(np.mean(err), np.mean(err_best)))
+            ratios_pers.append(scales.ratio(np.mean(err), np.mean(err_pers)))
+        per_step.append({"step": h + 1, "gm_vs_best_window": scales.gmean(ratios_best),
+                         "gm_vs_persistence": scales.gmean(ratios_pers),
+                         "cov50": float(np.mean(cov[0.5])), "cov90": float(np.mean(cov[0.9])),
+                         "winkler90_scaled": float(np.mean(wink)), "n_rows": len(cov[0.5])})
+    return {"per_step": per_step}
+
+
+def run_set(args, name: str, work: Path) -> dict:
+    t0 = time.perf_counter()
+    ents = entries(args, name)
+    splits = {}
+    for e in ents:
+        s = forecast_rows(e, args.horizon)
+        s["train"] = scales.last_rows(s["train"], args.max_train_rows)
+        s["validation"] = scales.last_rows(s["validation"], args.max_val_rows)
+        splits[e["name"]] = s
+    split = {k: [r for e in ents for r in splits[e["name"]][k]] for k in ("train", "validation", "test")}
+    preds, info = train_and_forecast(args, name, split, work)
+    res = score_set(ents, splits, preds, split["test"], args.horizon)
+    step1 = check_step_one(info["adapter"], args, split["test"][:8], preds[:8])
+    res["speed"] = speed(args, info["adapter"])
+    return {**res, "run": {**info, "seconds": time.perf_counter() - t0, "step1_equals_predict": step1}}
+
+
+def check_step_one(adapter: str, args, rows: list[dict], preds: list[dict]) -> bool:
+    """Step 1 of the horizon rows is `predict_values`' value and intervals exactly."""
+    from causal_adapter import CausalModel
+    from causal_adapter.commands.predict import _lead
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import load_base_and_tokenizer
+
+    base, tok = load_base_and_tokenizer(TrainConfig(**args.tiny))
+    model = CausalModel.from_pretrained(base, adapter, tokenizer=tok)
+    one = model.predict_values([r["prompt"] + _lead(r["completion"]) for r in rows], tokenizer=tok)
+    return all(p["horizon"][0][k] == o[k] for p, o in zip(preds, one)
+               for k in ("value", "lower_50", "upper_50", "lower_90", "upper_90"))
+
+
+# ----------------------------------------------------------------------------- speed
+def speed(args, adapter: str | None = None) -> dict:
+    """N = `PATHS` paths at H = `HORIZON` against the deterministic path alone (module docstring); with `adapter`,
+    that trained adapter on its base (`args.tiny`), else a fresh one on the embedded default base."""
+    from causal_adapter.model import CausalModel, get_causal_model
+    from causal_adapter.saving.assets import load_base, load_qwen_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tok = load_qwen_tokenizer()
+    size = (args.tiny.get("tiny_hidden_size", 64), args.tiny.get("tiny_layers", 2)) if adapter else (64, 2)
+    base, _ = load_base(None, "qwen2", "float32", *size)  # 64 x 2: the embedded default of train / predict
+    if adapter:
+        model = CausalModel.from_pretrained(base, adapter, tokenizer=tok)
+    else:
+        model = get_causal_model(base, tokenizer=tok)
+        model.set_value_units(39.0, 38.0, 1)
+    model.eval()
+    e = scales.series_entry("sunspots", "Yearly sunspot numbers.", *scales.bundled_values("sunspots"), 10, None)
+    row = forecast_rows(e, HORIZON)["test"][0]
+    kw = dict(tokenizer=tok, horizon=HORIZON, continuations=[row["continuations"]], seed=0)
+    prompt = [row["prompt"] + " "]
+    model.predict_horizon(prompt, paths=PATHS, **kw)  # warm
+    one, many = [], []
+    for _ in range(SPEED_REPEATS):
+        t = time.perf_counter()
+        model.predict_horizon(prompt, paths=0, levels=None, **kw)
+        one.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        model.predict_horizon(prompt, paths=PATHS, **kw)
+        many.append(time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    return {"one_path_s": min(one), "paths_s": min(many), "ratio": min(many) / min(one), "paths": PATHS,
+            "horizon": HORIZON, "base": f"{size[0]} hidden x {size[1]} layers",
+            "adapter": "trained (set's)" if adapter else "fresh, value units set"}
+
+
+# ----------------------------------------------------------------------------- report
+def format_set(name: str, res: dict) -> str:
+    run = res["run"]
+    sp = res["speed"]
+    lines = [f"### set {name}: {run['rows']} rows, u per {run['individual']}, calibrated steps "
+             f"1..{run['calibrated_steps']}, step 1 == predict: {run['step1_equals_predict']}; speed with its adapter: "
+             f"{sp['paths']} paths x {sp['horizon']} steps / one path = {sp['ratio']:.2f}x", "",
+             "| step | gm MAE / best window | gm MAE / persistence | cov50 | cov90 | Winkler90 / scale | test rows |",
+             "|---|---|---|---|---|---|---|"]
+    for s in res["per_step"]:
+        lines.append(f"| {s['step']} | {fmt(s['gm_vs_best_window'])} | {fmt(s['gm_vs_persistence'])} | "
+                     f"{fmt(s['cov50'], 3)} | {fmt(s['cov90'], 3)} | {fmt(s['winkler90_scaled'])} | {s['n_rows']} |")
+    return "\n".join(lines)
+
+
+def result_line(results: dict, sp: dict | None) -> str:
+    parts = []
+    for name, res in results.items():
+        for s in res["per_step"]:
+            h = s["step"]
+            parts += [f"{name}_h{h}_gm_vs_best_window={fmt(s['gm_vs_best_window'])}",
+                      f"{name}_h{h}_cov50={fmt(s['cov50'], 3)}", f"{name}_h{h}_cov90={fmt(s['cov90'], 3)}"]
+        parts.append(f"{name}_step1_equals_predict={res['run']['step1_equals_predict']}")
+        parts.append(f"{name}_speed_vs_one={fmt(res['speed']['ratio'], 3)}")
+    if sp is not None:
+        parts += [f"speed_paths{sp['paths']}_h{sp['horizon']}_vs_one={fmt(sp['ratio'], 3)}",
+                  f"one_path_s={fmt(sp['one_path_s'], 3)}", f"paths_s={fmt(sp['paths_s'], 3)}"]
+    return "RESULT " + " ".join(parts)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", default=",".join(SETS), help="comma-separated subset of a,b,c")
+    ap.add_argument("--speed", action="store_true", help="the path-sampling time alone")
+    ap.add_argument("--quick", action="store_true", help="toy size: few short series, 2 steps, H = 4, 20 paths")
+    ap.add_argument("--horizon", type=int, default=HORIZON)
+    ap.add_argument("--paths", type=int, default=PATHS)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: TrainConfig's epochs)")
+    ap.add_argument("--max-train-rows", type=int, default=None)
+    ap.add_argument("--max-val-rows", type=int, default=None)
+    ap.add_argument("--synthetic-series", type=int, default=50)
+    ap.add_argument("--synthetic-lengths", default=",".join(map(str, scales.SYNTHETIC_LENGTHS)))
+    ap.add_argument("--synthetic-window", type=int, default=scales.SYNTHETIC_WINDOW)
+    ap.add_argument("--output", default="/tmp/horizon.md")
+    ap.add_argument("--seed", type=int, default=42)
+    args = ap.parse_args(argv)
+    args.sets = [s for s in args.sets.split(",") if s]
+    args.synthetic_lengths = tuple(int(x) for x in str(args.synthetic_lengths).split(","))
+    args.a_series, args.a_scales = tuple(scales.BUNDLED), scales.SCALES
+    args.chat_series = ("sunspots", "nile", "co2", "elnino", "macro/unemp", "macro/infl", "macro/realgdp")
+    args.tiny = {}
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(k, "1")
+    t0 = time.perf_counter()
+    sp = speed(args)
+    log(f"speed: {PATHS} paths x {HORIZON} steps {sp['paths_s']:.3f} s, one path {sp['one_path_s']:.3f} s: "
+        f"{sp['ratio']:.2f}x")
+    results = {}
+    if not args.speed:
+        with tempfile.TemporaryDirectory(prefix="horizon_") as tmp:
+            for name in args.sets:
+                results[name] = run_set(args, name, Path(tmp))
+                log(format_set(name, results[name]))
+    text = "\n\n".join([format_set(n, r) for n, r in results.items()]
+                       + [f"speed: {PATHS} paths x {HORIZON} steps / one deterministic path = {sp['ratio']:.2f}x "
+                          f"({sp['paths_s']:.3f} s / {sp['one_path_s']:.3f} s, one thread)"])
+    write_report(Path(args.output), text, result_line(results, sp), time.perf_counter() - t0,
+                 {"settings": {k: v for k, v in vars(args).items()}, "results": results, "speed": sp})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The per-step calibration of a horizon's intervals (`modeling.horizon`), fitted after training on the validation
+rows that hold several values: a forecasting file's rows, prompt ``"...; 2016-06: 31.7; 2016-07:"`` and completion
+``" 33.2; 2016-08: 32.9; 2016-09: 30.4"``. No flag: `train --validation-file` fits it whenever such rows exist.
+
+A row's values are read from its completion's tokens (`completion_steps`): value 1 is the completion's first number;
+every later number written after the same two tokens as value 1 (``": "`` of ``"2016-07: 33.2"``; the labels'
+numbers, ``2016`` and ``08``, follow other tokens) is the next value while the records keep their shape (as many
+numbers between two values), the text between two values its continuation. The paths of
+each row (`modeling.horizon.run_paths`, `CALIBRATION_PATHS` per row, at most `MAX_ROWS` rows) give per step h >= 2
+the deterministic value v_h and the spread s_h (`path_spread`); the map of step h is the split-conformal map of
+|y_h - v_h| / s_h (`intervals.fit_calibration`, on the head's scale; a residual below the written resolution counts
+at it, as the one-step map does). Steps are covered while at least `MIN_STEP_ROWS` rows reach them.
+
+Whether u is drawn once per path or at each step (`modeling.horizon.INDIVIDUALS`) is chosen here: the paths are run
+both ways, and the way whose per-step intervals have the smaller held-out interval score
+(`intervals.crossfit_interval_score`, maps cross-fitted on halves of the rows, summed over the steps) is kept, "path"
+on a tie. The choice, each way's score and its 50% / 90% coverage before calibration go into the summary.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+
+from ...modeling.horizon import INDIVIDUALS, Paths, path_spread, run_paths
+from ...modeling.intervals import crossfit_interval_score, fit_calibration, interval
+from ...modeling.prediction import predict_forward
+from ...numbers import pad_batch
+from ...saving.unwrap import unwrap_causal_model
+from .calibration import written_resolution
+
+#: validation rows whose paths are run (evenly spaced over the rows with two values or more)
+MAX_ROWS = 256
+#: sampled paths per row and way of drawing u
+CALIBRATION_PATHS = 40
+#: the fewest rows that reach a step for it to get a map (a 90% quantile needs 9)
+MIN_STEP_ROWS = 10
+#: rows prefilled together
+PREFILL_BATCH = 16
+SEED = 0
+
+
+def completion_steps(ids: list[int], values: list[float], labels: list[int], num_id: int
+                     ) -> tuple[list[int], list[float], list[float], list[tuple[list[int], list[float]]]] | None:
+    """One tokenized validation row -> (prompt ids, prompt values, y [H], continuations [H - 1] of (ids, values)),
+    the prompt ending where value 1 is read; None when its completion holds fewer than two values."""
+    start = next((i for i, lab in enumerate(labels) if lab != -100), None)
+    if start is None:
+        return None
+    nums = [i for i in range(start, len(ids)) if ids[i] == num_id]
+    if len(nums) < 2 or nums[0] < 2:
+        return None
+    context = ids[nums[0] - 2:nums[0]]  # what is written before value 1 (": " of "2016-07: 33.2")
+    at = [nums[0]]
+    between = None
+    for j in nums[1:]:
+        if ids[j - 2:j] != context:
+            continue  # a number of the labels ("2016", "08")
+        count = sum(1 for i in nums if at[-1] < i < j)  # the numbers of the label between two values
+        if between is not None and count != between:
+            break  # the records change shape: keep the steps read so far
+        between = count
+        at.append(j)
+    if len(at) < 2:
+        return None
+    conts = [(ids[a + 1:b], [float(v) for v in values[a + 1:b]]) for a, b in zip(at, at[1:])]
+    return ids[:at[0]], [float(v) for v in values[:at[0]]], [float(values[j]) for j in at], conts
+
+
+def horizon_rows(eval_ds, num_id: int, max_rows: int = MAX_ROWS) -> list[tuple]:
+    """The validation rows with two values or more (`completion_steps` on input_ids / numeric_values / labels), at
+    most `max_rows`, evenly spaced."""
+    rows = []
+    for ids, vals, labels in zip(eval_ds["input_ids"], eval_ds["numeric_values"], eval_ds["labels"]):
+        steps = completion_steps(list(ids), [float(v) for v in vals], list(labels), num_id)
+        if steps is not None:
+            rows.append(steps)
+    if len(rows) > max_rows:
+        pick = torch.linspace(0, len(rows) - 1, max_rows).round().long().tolist()
+        rows = [rows[i] for i in pick]
+    return rows
+
+
+@torch.no_grad()
+def run_rows(inner, rows: list[tuple], individual: str, paths: int = CALIBRATION_PATHS, seed: int = SEED
+             ) -> list[tuple[Paths, list[float]]]:
+    """The paths of every row (`run_paths` with the row's continuations), with its true values."""
+    gen = torch.Generator(device=inner.device).manual_seed(seed)
+    out = []
+    dev = inner.input_device
+    for start in range(0, len(rows), PREFILL_BATCH):
+        chunk = rows[start:start + PREFILL_BATCH]
+        enc = pad_batch([r[0] for r in chunk], [r[1] for r in chunk], 0, padding_side="left")
+        _, _, _, fwd = predict_forward(inner, enc, use_cache=True)
+        pads = (enc["attention_mask"] == 0).sum(-1).tolist()
+        ids, vals = enc["input_ids"].to(dev), enc["numeric_values"].to(dev)
+        for b, r in enumerate(chunk):
+            p = run_paths(inner, fwd, b, int(pads[b]), ids, vals, r[3], len(r[2]), paths, gen, individual)
+            out.append((p, r[2]))
+        del fwd
+    return out
+
+
+def step_scores(inner, results: list[tuple[Paths, list[float]]]) -> list[dict[str, torch.Tensor]]:
+    """Per step h >= 2 (index h - 2): {"y", "centre", "spread", "resolution"} [rows reaching it] on the head's
+    scale."""
+    vm = inner.value_map
+    H = max(len(y) for _, y in results)
+    steps: list[dict[str, list]] = [{"y": [], "centre": [], "spread": [], "value_y": []} for _ in range(H - 1)]
+    for p, y in results:
+        centre, spread, _ = path_spread(p)
+        for h in range(1, len(y)):
+            s = steps[h - 1]
+            s["y"].append(y[h])
+            s["value_y"].append(y[h])
+            s["centre"].append(float(centre[h]))
+            s["spread"].append(float(spread[h]))
+    out = []
+    for s in steps:
+        value_y = torch.tensor(s["value_y"], dtype=torch.float64)
+        y = vm.to_head(value_y)
+        res = vm.head_resolution(value_y, written_resolution(value_y, inner.causal_config.value_decimals))
+        out.append({"y": y, "centre": torch.tensor(s["centre"], dtype=torch.float64),
+                    "spread": torch.tensor(s["spread"], dtype=torch.float64), "resolution": res})
+    return out
+
+
+def _covered(steps: list[dict]) -> list[dict]:
+    """The steps from 2 on while at least MIN_STEP_ROWS rows reach them with a finite score."""
+    out = []
+    for s in steps:
+        ok = torch.isfinite(s["y"]) & torch.isfinite(s["centre"]) & torch.isfinite(s["spread"]) & (s["spread"] > 0)
+        if int(ok.sum()) < MIN_STEP_ROWS:
+            break
+        out.append({k: v[ok] for k, v in s.items()})
+    return out
+
+
+def _floored(s: dict) -> torch.Tensor:
+    """The centre moved so that |y - centre| is at least the written resolution (`calibrate_regression_scale`)."""
+    resid = (s["y"] - s["centre"]).abs()
+    return torch.where(resid < s["resolution"], s["y"] - s["resolution"], s["centre"])
+
+
+def coverage(s: dict, level: float) -> float:
+    """The share of rows inside the uncalibrated interval centre -+ tan(pi level / 2) spread (the spread being the
+    paths' 50% half-width, what a Cauchy-shaped spread of the paths would cover at `level`)."""
+    lo, hi = interval(s["centre"], s["spread"], level, None)
+    return float(((s["y"] >= lo) & (s["y"] <= hi)).double().mean())
+
+
+def sharded(inner) -> bool:
+    """Whether some parameter is a shard (FSDP2's DTensor, FSDP1's empty views, DeepSpeed ZeRO-3's ``ds_id``): the
+    paths run the model's own modules, which need whole parameters."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") or p.numel() == 0 for p in inner.parameters())
+
+
+def fit_horizon_calibration(model, eval_ds, verbose: bool = False, paths: int = CALIBRATION_PATHS,
+                            max_rows: int = MAX_ROWS) -> dict[str, Any] | None:
+    """Fit `CausalAdapterConfig.horizon_calibration` on the validation rows of `eval_ds` (tokenized: input_ids,
+    numeric_values, labels) that hold several values; without enough of them (or with sharded parameters) the adapter
+    keeps no map (an earlier one is dropped: it described another head) and None is returned. Returns the summary:
+    the way of drawing u kept, each way's held-out interval score and raw coverage per step, the rows and steps."""
+    inner = unwrap_causal_model(model)
+    if eval_ds is None or inner.causal_config.value_loc is None:
+        return None
+    inner.causal_config.horizon_calibration = None  # maps of an earlier head would describe another head
+    if sharded(inner):
+        if verbose:
+            print("horizon calibration: skipped, the model's parameters are sharded (FSDP / ZeRO-3): run `train` "
+                  "unsharded, or the horizon's intervals beyond step 1 stay raw", file=sys.stderr)
+        return None
+    rows = horizon_rows(eval_ds, inner.num_token_id, max_rows)
+    if len(rows) < MIN_STEP_ROWS:
+        return None
+    was_training = inner.training
+    inner.eval()
+    try:
+        ways = {}
+        for individual in INDIVIDUALS:
+            steps = _covered(step_scores(inner, run_rows(inner, rows, individual, paths)))
+            if not steps:
+                return None
+            ways[individual] = steps
+    finally:
+        inner.train(was_training)
+    common = min(len(st) for st in ways.values())
+    scores = {k: sum(crossfit_interval_score(s["y"], _floored(s), s["spread"]) for s in st[:common])
+              for k, st in ways.items()}
+    finite = {k: v for k, v in scores.items() if math.isfinite(v)}
+    chosen = min(finite, key=lambda k: (finite[k], INDIVIDUALS.index(k))) if finite else INDIVIDUALS[0]
+    steps = ways[chosen]
+    maps = [fit_calibration(s["y"], _floored(s), s["spread"]) for s in steps]
+    if any(m is None for m in maps):
+        return None
+    inner.causal_config.horizon_calibration = {"individual": chosen, "paths": int(paths), "steps": maps}
+    summary = {"horizon_rows": len(rows), "horizon_steps": len(steps) + 1, "horizon_individual": chosen,
+               **{f"horizon_score_{k}": round(v, 6) for k, v in scores.items()}}
+    for k, st in ways.items():
+        for q in (0.5, 0.9):
+            summary[f"horizon_raw_cov{round(100 * q)}_{k}"] = [round(coverage(s, q), 3) for s in st]
+    if verbose:
+        print("horizon calibration: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
+    return summary

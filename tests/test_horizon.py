@@ -1,0 +1,320 @@
+"""A horizon (`CausalModel.predict_horizon`, `causal-adapter predict --horizon H`, docs/predict.md "A horizon"): step 1
+is `predict_values` exactly, the deterministic path feeds each value back and writes the row's continuations between
+them, the paths are seeded and share one prefill, the per-step maps `train` fits on validation rows of a forecasting
+file are saved and reloaded, and bad input fails before anything is written."""
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from causal_adapter.commands.main import main
+from causal_adapter.modeling import horizon as hz
+from causal_adapter.numbers import format_number
+
+TINY32 = ["--tiny-hidden-size", "32", "--tiny-layers", "1"]
+PROMPTS = [
+    "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6; 1972: 68.9; 1973: 38; 1974: ",
+    "Yearly sunspot numbers. 1975: 15.5; 1976: 12.6; 1977: ",
+    "1978: 92.5; 1979: ",
+]
+CONTS = [["; 1975: ", "; 1976: "], ["; 1978: ", "; 1979: "], ["; 1980: ", "; 1981: "]]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, qwen_tokenizer):
+    """(adapter dir, loaded model): value units (1 decimal), a one-step calibration map, random w_reg (the paths'
+    u reaches the value)."""
+    from causal_adapter.model import CausalModel, get_causal_model
+    from causal_adapter.modeling.intervals import fit_calibration
+    from causal_adapter.saving.assets import load_base
+
+    base, _ = load_base(None, "qwen2", "float32", 32, 1)
+    model = get_causal_model(base, tokenizer=qwen_tokenizer)
+    model.set_value_units(39.0, 38.0, 1)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(200, generator=g, dtype=torch.float64) * 2.0
+    model.causal_config.value_calibration = fit_calibration(y, torch.zeros(200), torch.ones(200))
+    path = tmp_path_factory.mktemp("horizon") / "adapter"
+    model.save_pretrained(path)
+    fresh, _ = load_base(None, "qwen2", "float32", 32, 1)
+    return path, CausalModel.from_pretrained(fresh, path, tokenizer=qwen_tokenizer)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_step_one_is_predict_and_the_path_feeds_each_value_back(saved, qwen_tokenizer):
+    _, model = saved
+    one = model.predict_values(PROMPTS, tokenizer=qwen_tokenizer, batch_size=2)
+    out = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=3, paths=20, continuations=CONTS,
+                                batch_size=2, seed=0)
+    for a, b in zip(one, out):
+        assert {k: b[k] for k in a} == a  # predict's row, bit for bit
+        assert [s["step"] for s in b["horizon"]] == [1, 2, 3]
+        assert list(b["horizon"][1]) == ["step", "value", "lower_50", "upper_50", "lower_90", "upper_90"]
+        first = b["horizon"][0]
+        assert first == {"step": 1, "value": a["value"], "lower_50": a["lower_50"], "upper_50": a["upper_50"],
+                         "lower_90": a["lower_90"], "upper_90": a["upper_90"]}
+        for s in b["horizon"][1:]:
+            assert s["lower_90"] <= s["lower_50"] <= s["value"] <= s["upper_50"] <= s["upper_90"]
+    h1 = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=1, batch_size=2)
+    assert [r["horizon"] for r in h1] == [r["horizon"][:1] for r in out]  # H = 1: predict's row, no path
+    # the deterministic path: value h + 1 is predict's after the text with values 1..h written (as the adapter
+    # writes them: value_decimals = 1) and the continuations between them
+    for prompt, conts, b in zip(PROMPTS, CONTS, out):
+        text = prompt
+        for h in range(2):
+            text += format_number(round(b["horizon"][h]["value"], 1)) + conts[h]
+            ref = model.predict_values([text], tokenizer=qwen_tokenizer)[0]["value"]
+            assert b["horizon"][h + 1]["value"] == pytest.approx(ref, rel=1e-4, abs=1e-3)
+
+
+def test_paths_are_seeded_share_the_prefill_and_deterministic_path_alone(saved, qwen_tokenizer):
+    _, model = saved
+    kw = dict(tokenizer=qwen_tokenizer, horizon=3, paths=25, continuations=CONTS)
+    a = model.predict_horizon(PROMPTS, seed=1, **kw)
+    assert a == model.predict_horizon(PROMPTS, seed=1, **kw)
+    assert a != model.predict_horizon(PROMPTS, seed=2, **kw)
+    # the value path does not depend on the paths, nor on u drawn per path or per step
+    alone = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=3, paths=0, levels=None,
+                                  continuations=CONTS)
+    step = model.predict_horizon(PROMPTS, seed=1, individual="step", **kw)
+    for x, y, z in zip(a, alone, step):
+        assert list(y["horizon"][0]) == ["step", "value"]
+        for h in range(3):
+            assert x["horizon"][h]["value"] == pytest.approx(y["horizon"][h]["value"], rel=1e-5, abs=1e-4)
+            assert z["horizon"][h]["value"] == pytest.approx(y["horizon"][h]["value"], rel=1e-5, abs=1e-4)
+
+
+def test_individual_draw_is_the_heads_cauchy_at_the_quantile_u_gives():
+    """w_reg . (u - loc_U) / (|w_reg| . scale_U') is a standard Cauchy: its quartiles are -1, 1."""
+    from causal_adapter.modeling.cauchy import cauchy_cdf
+
+    class Act:
+        w_reg = torch.tensor([2.0, -0.5, 0.0], dtype=torch.float64)
+
+    g = torch.Generator().manual_seed(0)
+    eps = torch.rand(40000, 3, generator=g, dtype=torch.float64)
+    scale = torch.tensor([0.3, 4.0, 1.0], dtype=torch.float64).expand(40000, 3)
+    t = hz.individual_draw(Act, eps, scale)
+    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    assert q.tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=0.04)
+    # a head that does not read u: the exogenous noise, drawn from the individual's first coordinate (the lanes part)
+    Act.w_reg = torch.zeros(3, dtype=torch.float64)
+    t0 = hz.individual_draw(Act, eps, scale)
+    assert torch.allclose(t0, torch.tan(math.pi * (eps[:, 0] - 0.5)), rtol=1e-9, atol=1e-9)
+    q0 = torch.quantile(t0, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    assert q0.tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=0.04)
+    # the mixture quantile of one component is its own quantile
+    loc, sc = torch.tensor([[3.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64)
+    assert float(hz.mixture_quantile(loc, sc, 0.75)) == pytest.approx(5.0, abs=1e-9)
+    two = hz.mixture_quantile(torch.tensor([[0.0, 10.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), 0.5)
+    assert float(((cauchy_cdf(two, 0.0, 1.0) + cauchy_cdf(two, 10.0, 1.0)) / 2)) == pytest.approx(0.5, abs=1e-9)
+
+
+def test_free_text_paths_write_their_own_text(saved, qwen_tokenizer):
+    """Without continuations the lanes write the text up to each value, a number written after the two tokens the
+    prompt ends with: an adapter whose <NUM> always wins, with the number layout " " (a <NUM> after another token is
+    written after a space), writes "v1 v2 v3"; an untrained one writes no value and says so."""
+    _, model = saved
+    with pytest.raises(ValueError, match="wrote no value .* give the row's continuations"):
+        model.predict_horizon(PROMPTS[2:], tokenizer=qwen_tokenizer, horizon=2, paths=20)
+    prompts = ["Counts: 3 4 5 ", "Yearly sunspot numbers 105.5 104.5 66.6 "]
+    cfg, b_cls = model.causal_config, model.action.b_cls
+    keep = b_cls.detach().clone(), cfg.number_prefix_id, cfg.number_contexts
+    space = qwen_tokenizer.convert_tokens_to_ids("\u0120")
+    try:
+        with torch.no_grad():
+            b_cls[model.num_token_id] = 1e4
+        # no number layout: <NUM> right after <NUM>, never after the prompt's " ": numbers of the text, no value
+        with pytest.raises(ValueError, match="wrote no value"):
+            model.predict_horizon(prompts, tokenizer=qwen_tokenizer, horizon=2, paths=20)
+        cfg.number_prefix_id, cfg.number_contexts = space, [space]
+        out = model.predict_horizon(prompts, tokenizer=qwen_tokenizer, horizon=3, paths=20, seed=0)
+        one = model.predict_values(prompts, tokenizer=qwen_tokenizer)
+        for a, b in zip(one, out):
+            assert b["horizon"][0]["value"] == a["value"] and len(b["horizon"]) == 3
+            assert all(math.isfinite(s["value"]) and s["lower_90"] <= s["upper_90"] for s in b["horizon"])
+        assert out == model.predict_horizon(prompts, tokenizer=qwen_tokenizer, horizon=3, paths=20, seed=0)
+        fresh = model.predict_horizon(prompts, tokenizer=qwen_tokenizer, horizon=3, paths=20, seed=0, individual="step")
+        assert [[s["value"] for s in r["horizon"]] for r in fresh] == [[s["value"] for s in r["horizon"]] for r in out]
+        # the deterministic lane wrote " " and <NUM> after each value: value h + 1 is predict's after "v1 .. vh "
+        for prompt, b in zip(prompts, out):
+            text = prompt
+            for h in (1, 2):
+                text += format_number(round(b["horizon"][h - 1]["value"], 1)) + " "
+                ref = model.predict_values([text], tokenizer=qwen_tokenizer)[0]["value"]
+                assert b["horizon"][h]["value"] == pytest.approx(ref, rel=1e-4, abs=1e-3)
+    finally:
+        with torch.no_grad():
+            b_cls.copy_(keep[0])
+        cfg.number_prefix_id, cfg.number_contexts = keep[1], keep[2]
+
+
+def test_bad_input_names_the_problem(saved, qwen_tokenizer):
+    _, model = saved
+    kw = dict(tokenizer=qwen_tokenizer)
+    for extra, needle in ((dict(horizon=0), r"horizon must be an integer in \[1, 64\]"),
+                          (dict(horizon=hz.MAX_HORIZON + 1), "horizon must be"),
+                          (dict(horizon=3, paths=10, continuations=CONTS), "at least 20"),
+                          (dict(horizon=3, continuations=[["; 1975: "], *CONTS[1:]]), "row 0: continuations holds 1"),
+                          (dict(horizon=3, continuations=CONTS[:2]), "one list per prompt")):
+        with pytest.raises(ValueError, match=needle):
+            model.predict_horizon(PROMPTS, **{**kw, **extra})
+    with pytest.raises(ValueError, match="row 0: the prompt holds no number and has no continuations"):
+        model.predict_horizon(["Rain next month: "], horizon=2, **kw)
+
+
+def test_completion_steps_reads_values_and_labels_from_a_forecasting_row():
+    NUM, SP, SEMI, DASH, COLON, Q = 999, 5, 6, 7, 3, 8
+    # "T 2016-07:" + " 33.2; 2016-08: 32.9; 2016-09: 30.4" as tokens (' ' before each number)
+    prompt = [1, 2, SP, NUM, DASH, NUM, COLON]
+    comp = [SP, NUM, SEMI, SP, NUM, DASH, NUM, COLON, SP, NUM, SEMI, SP, NUM, DASH, NUM, COLON, SP, NUM]
+    ids = prompt + comp
+    vals = [0, 0, 0, 2016, 0, 7, 0, 0, 33.2, 0, 0, 2016, 0, 8, 0, 0, 32.9, 0, 0, 2016, 0, 9, 0, 0, 30.4]
+    labels = [-100] * len(prompt) + comp
+    p_ids, p_vals, y, conts = hz_train().completion_steps(ids, vals, labels, NUM)
+    assert p_ids == prompt + [SP] and y == [33.2, 32.9, 30.4] and p_vals[3] == 2016
+    assert conts[0] == ([SEMI, SP, NUM, DASH, NUM, COLON, SP], [0.0, 0.0, 2016.0, 0.0, 8.0, 0.0, 0.0])
+    assert len(conts) == 2
+    # labels without numbers ("; Jan: 5.1; Feb: 6.2"): every number after ": " is a value
+    words = [1, 11, COLON] + [SP, NUM, SEMI, SP, 12, COLON, SP, NUM, SEMI, SP, 13, COLON, SP, NUM]
+    got = hz_train().completion_steps(words, [0, 0, 0, 0, 5.1] + [0] * 5 + [6.2] + [0] * 5 + [7.3],
+                                      [-100] * 3 + words[3:], NUM)
+    assert got[2] == [5.1, 6.2, 7.3] and got[3][0][0] == [SEMI, SP, 12, COLON, SP]
+    # one value; records that change shape after value 2 keep the steps read before
+    assert hz_train().completion_steps(prompt + [SP, NUM], vals[:9], [-100] * 7 + [SP, NUM], NUM) is None
+    odd = comp[:10] + [SEMI, SP, NUM, COLON, SP, NUM]  # a label of one number where the others have two
+    got = hz_train().completion_steps(prompt + odd, vals[:len(prompt + odd)] + [0] * 10, [-100] * 7 + odd, NUM)
+    assert len(got[2]) == 2
+    del Q
+
+
+def hz_train():
+    from causal_adapter.training.value_head import horizon
+
+    return horizon
+
+
+def test_predict_command_horizon_jsonl_csv_and_errors(tmp_path, saved, qwen_tokenizer, capsys):
+    adapter, model = saved
+    rows = [{"prompt": p, "continuations": c} for p, c in zip(PROMPTS, CONTS)]
+    rows.insert(1, {"prompt": None, "continuations": None})
+    data = _jsonl(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "pred.jsonl"
+    base = ["predict", str(adapter), *TINY32, "--data-file", str(data)]
+    assert main(base + ["--output", str(out), "--horizon", "3", "--paths", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "no per-step calibration" in err and "3 of 4 rows written" in err
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["row"] for r in got] == [0, 2, 3]
+    api = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=3, paths=20, continuations=CONTS)
+    one = model.predict_values(PROMPTS, tokenizer=qwen_tokenizer)
+    for g, a, o in zip(got, api, one):
+        assert g["horizon"] == a["horizon"]
+        assert g["value"] == o["value"] and g["horizon"][0]["value"] == o["value"]  # step 1 is predict's
+    csv_out = tmp_path / "pred.csv"
+    assert main(base + ["--output", str(csv_out), "--horizon", "3", "--paths", "20", "--levels", "0.8"]) == 0
+    with open(csv_out, newline="") as fh:
+        flat = list(csv.DictReader(fh))
+    assert "h3_upper_80" in flat[0] and "h1_value" in flat[0] and "horizon" not in flat[0]
+    capsys.readouterr()
+    # bad input: one or two lines, nothing written
+    out.write_text("previous\n")
+    wrong = _jsonl(tmp_path / "wrong.jsonl", [{"prompt": PROMPTS[0], "continuations": ["; 1975: "]}])
+    nonum = _jsonl(tmp_path / "nonum.jsonl", [{"prompt": "Rain next month: "}])
+    for args, needle in ((base + ["--horizon", "0"], "horizon must be an integer in [1, 64]"),
+                         (base + ["--horizon", "65"], "horizon must be an integer in [1, 64]"),
+                         (base + ["--horizon", "3", "--paths", "19"], "at least 20"),
+                         (["predict", str(adapter), *TINY32, "--data-file", str(wrong), "--horizon", "3"],
+                          "row 0: continuations holds 1 texts; horizon 3 needs 2"),
+                         (["predict", str(adapter), *TINY32, "--data-file", str(nonum), "--horizon", "2"],
+                          "row 0: the prompt holds no number and has no continuations")):
+        assert main(args + ["--output", str(out)]) == 1
+        err = capsys.readouterr().err
+        lines = [x for x in err.strip().splitlines() if "examples" not in x]  # datasets' loading bar aside
+        assert needle in err and len(lines) <= 2, err
+        assert out.read_text() == "previous\n"
+
+
+def _forecast_rows(series, start, stop, H, window=8):
+    """Rows of a forecasting file: the window's "t: v" pairs, the completion the next H values with their labels."""
+    rows = []
+    for k, (title, values) in enumerate(series):
+        text = [format_number(v) for v in values]
+        for i in range(max(start, window), min(stop, len(values) - H + 1)):
+            hist = "; ".join(f"{2000 + j}: {text[j]}" for j in range(i - window, i))
+            comp = " " + text[i] + "".join(f"; {2000 + j}: {text[j]}" for j in range(i + 1, i + H))
+            rows.append({"prompt": f"{title} {hist}; {2000 + i}:", "completion": comp})
+    return rows
+
+
+def test_train_fits_per_step_maps_on_forecasting_validation_rows(tmp_path, qwen_tokenizer, capsys):
+    """`train --train-file --validation-file`, no other flag: the per-step maps of the validation rows' steps 2..4
+    are fitted, saved with the adapter, reloaded, and used by predict --horizon (beyond them: widened)."""
+    g = torch.Generator().manual_seed(0)
+    series = []
+    for k in range(3):
+        level = 50.0 * (k + 1)
+        walk = (torch.randn(60, generator=g, dtype=torch.float64) * 0.05 * level).cumsum(0) + level
+        series.append((f"Series {k}.", [round(float(v), 1) for v in walk]))
+    train_rows, val_rows = _forecast_rows(series, 0, 44, 4), _forecast_rows(series, 44, 60, 4)
+    assert len(val_rows) >= 12
+    tr, va = _jsonl(tmp_path / "train.jsonl", train_rows), _jsonl(tmp_path / "val.jsonl", val_rows)
+    run = tmp_path / "run"
+    assert main(["train", "--train-file", str(tr), "--validation-file", str(va), "--output-dir", str(run),
+                 "--max-steps", "2", "--tiny-hidden-size", "16", "--tiny-layers", "1", "--no-plot"]) == 0
+    capsys.readouterr()
+    cfg = json.loads((run / "adapter" / "causal_adapter_config.json").read_text())
+    cal = cfg["adapter_config"]["horizon_calibration"]
+    assert cal["individual"] in hz.INDIVIDUALS and len(cal["steps"]) == 3  # steps 2, 3, 4
+    assert all(m["n"] == len(val_rows) for m in cal["steps"])
+    pred = _jsonl(tmp_path / "pred_in.jsonl", [{"prompt": r["prompt"], "completion": r["completion"][:6],
+                                                "continuations": ["; 2070:", "; 2071:", "; 2072:", "; 2073:"]}
+                                               for r in val_rows[:2]])
+    out = tmp_path / "pred.jsonl"
+    assert main(["predict", str(run / "adapter"), "--tiny-hidden-size", "16", "--tiny-layers", "1", "--data-file",
+                 str(pred), "--output", str(out), "--horizon", "5", "--paths", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "validation covered steps 1..4" in err and "widened" in err
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [len(r["horizon"]) for r in got] == [5, 5]
+    for r in got:
+        w = [s["upper_90"] - s["lower_90"] for s in r["horizon"]]
+        assert all(math.isfinite(x) and x > 0 for x in w)
+
+
+def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path):
+    """`/v1/predict` with horizon / paths / continuations / seed: the rows `predict_horizon` gives in-process; bad
+    values get a 400 naming the field."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from serve_fixtures import Server
+
+    adapter, model = saved
+    server = Server(["--adapter", f"h={adapter}", *TINY32], tmp_path / "serve.log")
+    try:
+        url = server.wait_ready().url
+
+        def post(body):
+            return httpx.post(url + "/v1/predict", json={"model": "h", "prompts": PROMPTS, **body}, timeout=120)
+
+        r = post({"horizon": 3, "paths": 20, "continuations": CONTS, "seed": 3})
+        assert r.status_code == 200, r.text
+        got = r.json()["data"]
+        want = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=3, paths=20, continuations=CONTS,
+                                     seed=3)
+        for g, w in zip(got, want):
+            assert g["horizon"] == w["horizon"] and g["value"] == w["value"]
+        assert "horizon" not in post({}).json()["data"][0]  # without it: predict's rows as before
+        for body, field in (({"horizon": 0}, "horizon"), ({"horizon": 3, "paths": 5}, "paths"),
+                            ({"paths": 30}, "paths"), ({"horizon": 3, "continuations": CONTS[:1]}, "continuations")):
+            r = post(body)
+            assert r.status_code == 400, r.text
+            assert field in r.json()["error"]["message"], r.json()
+    finally:
+        server.stop()
