@@ -8,7 +8,10 @@ Claims, each failing when its mechanism is removed:
   the window predicts) it is not kept (one standard error);
 * the head's forward gives what the fit measured: loc_Y = m + s (linear + net) on the validation rows;
 * its inputs are scale-free: a window multiplied by c gives c times the value and the width, the correction on;
-* the fields are validated, and an adapter with the correction saves and loads with identical outputs.
+* the fields are validated, and an adapter with the correction saves and loads with identical outputs;
+* in the adapter's own units (a table's fields, no per-row rule wins: rule "fixed"), the head's form with its
+  correction is kept where the target is curved (100 + 20 a b: well below the best hyperplane's error) and not where
+  it is linear.
 """
 import math
 
