@@ -13,6 +13,8 @@ from causal_adapter.commands.main import main
 from causal_adapter.modeling import horizon as hz
 from causal_adapter.numbers import format_number
 
+from test_predict import _jsonl, calibrated_adapter
+
 TINY32 = ["--tiny-hidden-size", "32", "--tiny-layers", "1"]
 PROMPTS = [
     "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6; 1972: 68.9; 1973: 38; 1974: ",
@@ -24,27 +26,9 @@ CONTS = [["; 1975: ", "; 1976: "], ["; 1978: ", "; 1979: "], ["; 1980: ", "; 198
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, qwen_tokenizer):
-    """(adapter dir, loaded model): value units (1 decimal), a one-step calibration map, random w_reg (the paths'
-    u reaches the value)."""
-    from causal_adapter.model import CausalModel, get_causal_model
-    from causal_adapter.modeling.intervals import fit_calibration
-    from causal_adapter.saving.assets import load_base
-
-    base, _ = load_base(None, "qwen2", "float32", 32, 1)
-    model = get_causal_model(base, tokenizer=qwen_tokenizer)
-    model.set_value_units(39.0, 38.0, 1)
-    g = torch.Generator().manual_seed(0)
-    y = torch.randn(200, generator=g, dtype=torch.float64) * 2.0
-    model.causal_config.value_calibration = fit_calibration(y, torch.zeros(200), torch.ones(200))
-    path = tmp_path_factory.mktemp("horizon") / "adapter"
-    model.save_pretrained(path)
-    fresh, _ = load_base(None, "qwen2", "float32", 32, 1)
-    return path, CausalModel.from_pretrained(fresh, path, tokenizer=qwen_tokenizer)
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    """(adapter dir, loaded model): `test_predict`'s adapter (value units, 1 decimal, a one-step calibration map,
+    random w_reg: the paths' u reaches the value)."""
+    return calibrated_adapter(tmp_path_factory, qwen_tokenizer, "horizon")
 
 
 def test_step_one_is_predict_and_the_path_feeds_each_value_back(saved, qwen_tokenizer):

@@ -7,7 +7,6 @@ both equal log p(<NUM>) + log P(the value rounds to the written text) computed f
 import math
 
 import pytest
-import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra: pip install 'causal_adapter[eval]'")
 pytest.importorskip("tenacity", reason="lm-eval's API models: pip install 'causal_adapter[eval]'")
@@ -18,13 +17,11 @@ from pathlib import Path  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from causal_adapter import CausalModel, get_causal_model  # noqa: E402
+from causal_adapter import CausalModel  # noqa: E402
 from causal_adapter.integrations.lm_eval_harness import lm_class, register  # noqa: E402
 from causal_adapter.numbers import NumberTokenizer  # noqa: E402
-from causal_adapter.saving.assets import build_tiny_qwen  # noqa: E402
 from serve_fixtures import Server  # noqa: E402
-from test_generation import perturb  # noqa: E402
-from test_serve_logprobs import reference  # noqa: E402
+from test_serve_logprobs import float64_base_and_adapters, reference  # noqa: E402
 
 TASKS = str(Path(__file__).parent / "data" / "lm_eval")
 LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 2
@@ -33,13 +30,7 @@ LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps on the 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, qwen_tokenizer):
     d = tmp_path_factory.mktemp("lm_eval")
-    base = build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, dtype=torch.float64)
-    base.save_pretrained(d / "base")
-    qwen_tokenizer.save_pretrained(d / "base")
-    get_causal_model(base, tokenizer=qwen_tokenizer).save_pretrained(d / "fresh")
-    num = perturb(get_causal_model(base, tokenizer=qwen_tokenizer), seed=3, num_bias=12.0, b_reg=0.0)
-    num.set_value_units(60.0, 40.0, 1)
-    num.save_pretrained(d / "num")
+    base = float64_base_and_adapters(d, qwen_tokenizer)
     server = Server(["--base", str(d / "base"), "--dtype", "float64", "--adapter", f"fresh={d / 'fresh'}",
                      "--adapter", f"num={d / 'num'}"], d / "serve.log")
     register()

@@ -19,8 +19,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, qwen_tokenizer):
+def calibrated_adapter(tmp_path_factory, qwen_tokenizer, name: str = "predict"):
     """(adapter dir, the loaded model): value units and a calibration map whose 90% multiplier
     differs from the Cauchy one, so a test can tell calibrated from raw intervals."""
     from causal_adapter.saving.assets import load_base
@@ -32,10 +31,15 @@ def saved(tmp_path_factory, qwen_tokenizer):
     g = torch.Generator().manual_seed(0)
     y = torch.randn(200, generator=g, dtype=torch.float64) * 2.0  # normal residuals: c_90 ~ 3.3, not 6.3
     model.causal_config.value_calibration = fit_calibration(y, torch.zeros(200), torch.ones(200))
-    path = tmp_path_factory.mktemp("predict") / "adapter"
+    path = tmp_path_factory.mktemp(name) / "adapter"
     model.save_pretrained(path)
     fresh, _ = load_base(None, "qwen2", "float32", 32, 1)
     return path, CausalModel.from_pretrained(fresh, path, tokenizer=qwen_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, qwen_tokenizer):
+    return calibrated_adapter(tmp_path_factory, qwen_tokenizer)
 
 
 def _jsonl(path, rows):

@@ -25,9 +25,9 @@ TEXT = "The cat sat on the mat and looked at the door"
 NUMBERS = "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6"
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, qwen_tokenizer):
-    d = tmp_path_factory.mktemp("logprobs")
+def float64_base_and_adapters(d, qwen_tokenizer):
+    """The float64 toy base (with the tokenizer) saved at d/base, a fresh adapter at d/fresh and one whose `<NUM>`
+    row and value head are moved at d/num; returns the base."""
     base = build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, dtype=torch.float64)
     base.save_pretrained(d / "base")
     qwen_tokenizer.save_pretrained(d / "base")
@@ -35,6 +35,13 @@ def setup(tmp_path_factory, qwen_tokenizer):
     num = perturb(get_causal_model(base, tokenizer=qwen_tokenizer), seed=3, num_bias=12.0, b_reg=0.0)
     num.set_value_units(60.0, 40.0, 1)
     num.save_pretrained(d / "num")
+    return base
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, qwen_tokenizer):
+    d = tmp_path_factory.mktemp("logprobs")
+    base = float64_base_and_adapters(d, qwen_tokenizer)
     log = perturb(get_causal_model(base, tokenizer=qwen_tokenizer), seed=4, num_bias=12.0, b_reg=0.0)
     log.set_value_transform("log", log_units=(4.0, 1.0), positive=True)
     log.save_pretrained(d / "log")
