@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "causal_adapter"
 # bottom to top; a module may import its own layer and the ones below
-LAYERS = {"_version": 0, "_compat": 0, "config": 0, "numbers": 1, "modeling": 2, "saving": 3, "model": 4, "data": 5,
+LAYERS = {"_version": 0, "_compat": 0, "config": 0, "numbers": 1, "records": 1, "modeling": 2, "saving": 3, "model": 4, "data": 5,
           "training": 6, "serving": 7, "commands": 8, "integrations": 8,
           "__main__": 9}
 # old import paths kept for users (CHANGELOG), each a module that only re-exports from its new home (none since

@@ -12,6 +12,7 @@ import torch
 from causal_adapter.commands.main import main
 from causal_adapter.modeling import horizon as hz
 from causal_adapter.numbers import format_number
+from causal_adapter.training.value_head.warm_start import fit_value_units
 
 from test_predict import _jsonl, calibrated_adapter
 
@@ -252,11 +253,19 @@ def test_train_fits_per_step_maps_on_forecasting_validation_rows(tmp_path, qwen_
     run = tmp_path / "run"
     assert main(["train", "--train-file", str(tr), "--validation-file", str(va), "--output-dir", str(run),
                  "--max-steps", "2", "--tiny-hidden-size", "16", "--tiny-layers", "1", "--no-plot"]) == 0
-    capsys.readouterr()
+    log = capsys.readouterr().err
+    assert f"value head: rows={4 * len(train_rows)}," in log  # the fit's targets: the values alone
     cfg = json.loads((run / "adapter" / "causal_adapter_config.json").read_text())
     cal = cfg["adapter_config"]["horizon_calibration"]
     assert cal["individual"] in hz.INDIVIDUALS and len(cal["steps"]) == 3  # steps 2, 3, 4
     assert all(m["n"] == len(val_rows) for m in cal["steps"])
+    # the head's units and its one-step map read the values, not the labels' years (records.value_label_mask)
+    assert cfg["adapter_config"]["value_calibration"]["n"] == 4 * len(val_rows)
+    values = [float(v) for r in train_rows for v in r["completion"].replace(";", ":").split(":")[::2]]
+    assert len(values) == 4 * len(train_rows) and max(values) < 1000
+    assert cfg["adapter_config"]["value_loc"] == pytest.approx(fit_value_units(values)[0])
+    if cfg["adapter_config"]["value_transform"] == "log":
+        assert cfg["adapter_config"]["value_log_units"][0] == pytest.approx(fit_value_units(map(math.log, values))[0])
     pred = _jsonl(tmp_path / "pred_in.jsonl", [{"prompt": r["prompt"], "completion": r["completion"][:6],
                                                 "continuations": ["; 2070:", "; 2071:", "; 2072:", "; 2073:"]}
                                                for r in val_rows[:2]])

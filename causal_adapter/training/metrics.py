@@ -47,6 +47,7 @@ from ..modeling.adaptive import adaptive_interval
 from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss
 from ..modeling.value_transform import ValueMap
+from ..records import value_targets
 from ..saving.fsdp import whole_root_parameters
 from ..saving.unwrap import unwrap_model
 
@@ -117,13 +118,15 @@ class MetricAccumulator:
             self.fp += int((pred_num & ~is_num).sum())
             self.fn += int((~pred_num & is_num).sum())
             self.softmax_nll += nll
-        if n_num:
+        if n_num:  # the value metrics (and the calibration read from them): the values, not a record's labels
             values = batch.get("label_values")
             if values is None:
                 values = batch["numeric_values"]
-            y_true = values.to(heads)[:, 1:][keep][is_num].to(torch.float64)
-            loc = output.loc_Y[:, :-1][keep][is_num].to(torch.float64)
-            scale = output.scale_Y[:, :-1][keep][is_num].to(torch.float64)
+            ids = batch["input_ids"].to(heads) if "input_ids" in batch else labels  # a hand-made batch: labels
+            at = value_targets(ids, labels, self.num_token_id)[:, 1:]
+            y_true = values.to(heads)[:, 1:][at].to(torch.float64)
+            loc = output.loc_Y[:, :-1][at].to(torch.float64)
+            scale = output.scale_Y[:, :-1][at].to(torch.float64)
             self.y_true += y_true.tolist()
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()

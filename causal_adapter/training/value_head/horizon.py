@@ -2,10 +2,9 @@
 rows that hold several values: a forecasting file's rows, prompt ``"...; 2016-06: 31.7; 2016-07:"`` and completion
 ``" 33.2; 2016-08: 32.9; 2016-09: 30.4"``. No flag: `train --validation-file` fits it whenever such rows exist.
 
-A row's values are read from its completion's tokens (`completion_steps`): value 1 is the completion's first number;
-every later number written after the same two tokens as value 1 (``": "`` of ``"2016-07: 33.2"``; the labels'
-numbers, ``2016`` and ``08``, follow other tokens) is the next value while the records keep their shape (as many
-numbers between two values), the text between two values its continuation. The paths of
+A row's values are read from its completion's tokens (`completion_steps`, by `records.record_values`: value 1 is
+the completion's first number, the next ones the numbers written after the same two tokens), the text between two
+values its continuation. The paths of
 each row (`modeling.horizon.run_paths`, `CALIBRATION_PATHS` per row, at most `MAX_ROWS` rows) give per step h >= 2
 the deterministic value v_h and the spread s_h (`path_spread`); the map of step h is the split-conformal map of
 |y_h - v_h| / s_h (`intervals.fit_calibration`, on the head's scale; a residual below the written resolution counts
@@ -28,6 +27,7 @@ from ...modeling.horizon import INDIVIDUALS, Paths, path_spread, run_paths
 from ...modeling.intervals import crossfit_interval_score, fit_calibration, interval
 from ...modeling.prediction import predict_forward
 from ...numbers import pad_batch
+from ...records import record_values
 from ...saving.unwrap import unwrap_causal_model
 from .calibration import written_resolution
 
@@ -49,21 +49,8 @@ def completion_steps(ids: list[int], values: list[float], labels: list[int], num
     start = next((i for i, lab in enumerate(labels) if lab != -100), None)
     if start is None:
         return None
-    nums = [i for i in range(start, len(ids)) if ids[i] == num_id]
-    if len(nums) < 2 or nums[0] < 2:
-        return None
-    context = ids[nums[0] - 2:nums[0]]  # what is written before value 1 (": " of "2016-07: 33.2")
-    at = [nums[0]]
-    between = None
-    for j in nums[1:]:
-        if ids[j - 2:j] != context:
-            continue  # a number of the labels ("2016", "08")
-        count = sum(1 for i in nums if at[-1] < i < j)  # the numbers of the label between two values
-        if between is not None and count != between:
-            break  # the records change shape: keep the steps read so far
-        between = count
-        at.append(j)
-    if len(at) < 2:
+    at = record_values(ids, [i for i in range(start, len(ids)) if ids[i] == num_id])
+    if at is None:
         return None
     conts = [(ids[a + 1:b], [float(v) for v in values[a + 1:b]]) for a, b in zip(at, at[1:])]
     return ids[:at[0]], [float(v) for v in values[:at[0]]], [float(values[j]) for j in at], conts

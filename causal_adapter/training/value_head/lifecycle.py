@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ...config import BF16_MAX_SHIFT, ROW_UNIT_RULES
+from ...records import value_label_mask
 from ...saving.unwrap import unwrap_causal_model
 from ..config import TrainConfig
 from ..data import rows_at
@@ -50,8 +51,8 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
     rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
     value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
-    values = [v for labels, vals in zip(rows["labels"], rows[value_column])
-              for lab, v in zip(labels, vals) if lab == num_id]
+    values = [v for ids, labels, vals in zip(rows["input_ids"], rows["labels"], rows[value_column])
+              for keep, v in zip(value_label_mask(ids, labels, num_id), vals) if keep]  # not a record's labels
     if not values:
         return summary
     fresh = inner.causal_config.value_loc is None

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ...config import BF16_MAX_SHIFT
 from ...numbers import format_number
+from ...records import value_targets
 from ...saving.fsdp import whole_root_parameters
 from ...saving.unwrap import unwrap_causal_model
 from .choice import Scored, choose_recent_width, one_standard_error_choice, score_diffs
@@ -95,7 +96,7 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                 labels = batch["labels"].to(device)
                 out = model(batch["input_ids"].to(device), batch["numeric_values"].to(device),
                             batch["attention_mask"].to(device))
-                pos = labels[:, 1:] == num_token_id
+                pos = value_targets(batch["input_ids"].to(device), labels, num_token_id)[:, 1:]  # not the labels
                 at = pos.to(out.loc_U.device)  # heads may sit elsewhere
                 feats.append(out.loc_U[:, :-1][at].double().cpu())
                 if out.recent is not None:

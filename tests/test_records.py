@@ -1,0 +1,49 @@
+"""A completion's values and the labels between them (`causal_adapter.records`), on the real tokenizer: the value
+head's fit, its metrics and its calibration read the values only."""
+from __future__ import annotations
+
+import torch
+
+from causal_adapter.numbers import NumberTokenizer
+from causal_adapter.records import value_label_mask, value_targets
+from causal_adapter.saving.assets import load_qwen_tokenizer
+
+TOKENIZER = load_qwen_tokenizer()
+NUM = len(TOKENIZER)
+NT = NumberTokenizer(TOKENIZER, NUM)
+
+
+def row(prompt: str, completion: str) -> tuple[list[int], list[int], list[float]]:
+    a, b = NT.encode(prompt), NT.encode(completion)
+    return (a.input_ids + b.input_ids, [-100] * len(a.input_ids) + b.input_ids, a.numeric_values + b.numeric_values)
+
+
+def values_kept(prompt: str, completion: str) -> list[float]:
+    ids, labels, vals = row(prompt, completion)
+    return [v for i, (v, k) in enumerate(zip(vals, value_label_mask(ids, labels, NUM))) if k]
+
+
+def test_a_forecasting_completions_labels_are_not_values():
+    assert values_kept("Monthly CO2. 2016-06: 31.7; 2016-07:",
+                       " 33.2; 2016-08: 32.9; 2016-09: 30.4; 2016-10: 29.8") == [33.2, 32.9, 30.4, 29.8]
+    assert values_kept("Yearly. 1999: 3.1; 2000:", " 3.2; 2001: 3.3; 2002: 3.0") == [3.2, 3.3, 3.0]
+
+
+def test_other_completions_keep_every_number():
+    assert values_kept("Q: how many?", " 12") == [12.0]
+    assert values_kept("The point:", " x=3, y=5") == [3.0, 5.0]
+    assert values_kept("Next three:", " 4, 5, 6") == [4.0, 5.0, 6.0]
+    assert values_kept("2016-07:", " 33.2") == [33.2]  # one value: its prompt's numbers are not labels
+
+
+def test_a_packed_row_reads_each_completion_alone_and_the_batch_form_agrees():
+    a = row("Sales. 2016-06: 31.7; 2016-07:", " 33.2; 2016-08: 32.9")
+    b = row("Q: how many?", " 12")
+    ids, labels = a[0] + b[0], a[1] + b[1]
+    mask = value_label_mask(ids, labels, NUM)
+    assert [v for v, k in zip(a[2] + b[2], mask) if k] == [33.2, 32.9, 12.0]
+    batch_ids = torch.tensor([ids, b[0] + [0] * (len(ids) - len(b[0]))])
+    batch_labels = torch.tensor([labels, b[1] + [-100] * (len(ids) - len(b[1]))])
+    got = value_targets(batch_ids, batch_labels, NUM)
+    assert got[0].tolist() == mask
+    assert got[1].tolist() == [lab == NUM for lab in batch_labels[1].tolist()]
