@@ -47,3 +47,19 @@ def test_a_packed_row_reads_each_completion_alone_and_the_batch_form_agrees():
     got = value_targets(batch_ids, batch_labels, NUM)
     assert got[0].tolist() == mask
     assert got[1].tolist() == [lab == NUM for lab in batch_labels[1].tolist()]
+
+
+def test_the_heads_fit_reads_rows_spread_over_the_file_about_max_targets_values():
+    """A file ordered by series: the fit's rows come from all of it, not its first rows (`spread_rows`)."""
+    from datasets import Dataset
+
+    from causal_adapter.training.value_head.lifecycle import spread_rows
+
+    rows = [row(f"Series {k}. 2016-06: 31.7; 2016-07:", f" {k}.5; 2016-08: 32.9; 2016-09: 30.4; 2016-10: 29.8")
+            for k in range(100)]
+    ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
+                            "numeric_values": [r[2] for r in rows]})
+    picked = spread_rows(ds, NUM, 40)
+    firsts = [vals[ids.index(NUM, len(ids) - 26)] for ids, vals in zip(picked["input_ids"], picked["numeric_values"])]
+    assert len(firsts) == 10 and firsts[0] == 0.5 and firsts[-1] == 99.5  # 4 values a row: 10 rows, first to last
+    assert spread_rows(ds, NUM, 10_000)["input_ids"] == ds["input_ids"]

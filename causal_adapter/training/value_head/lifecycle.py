@@ -48,8 +48,8 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
     Returns the summary the log prints."""
     inner = unwrap_causal_model(model)
     summary: dict = {}
-    rows = train_ds.select(range(min(len(train_ds), max_rows)))
     num_id = inner.num_token_id
+    rows = spread_rows(train_ds, num_id, max_rows)
     value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
     values = [v for ids, labels, vals in zip(rows["input_ids"], rows["labels"], rows[value_column])
               for keep, v in zip(value_label_mask(ids, labels, num_id), vals) if keep]  # not a record's labels
@@ -74,7 +74,7 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         def batches(ds):
             return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
-        val = batches(eval_ds) if eval_ds is not None and len(eval_ds) else None
+        val = batches(spread_rows(eval_ds, num_id, max_rows)) if eval_ds is not None and len(eval_ds) else None
         gathered = gather_rows(model, batches(rows), device, max_rows, val_batches=val)
         if gathered is not None:
 
@@ -93,6 +93,21 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in summary.items()), file=sys.stderr)
     return summary
+
+
+def _evenly(n: int, k: int) -> list[int]:
+    return torch.linspace(0, n - 1, k).round().long().unique().tolist() if k < n else list(range(n))
+
+
+def spread_rows(ds, num_id: int, max_targets: int):
+    """The rows of `ds` the head's fit reads: spread evenly over the whole file (a file ordered by series gives
+    every series its share, where its first rows gave the first series alone), about `max_targets` values in all
+    (`records.value_label_mask`; a forecasting row holds several)."""
+    rows = ds.select(_evenly(len(ds), max_targets))
+    counts = [sum(value_label_mask(ids, labels, num_id)) for ids, labels in zip(rows["input_ids"], rows["labels"])]
+    if sum(counts) > max_targets:
+        rows = rows.select(_evenly(len(rows), max(1, len(rows) * max_targets // sum(counts))))
+    return rows
 
 
 def _set_log_units(inner, values) -> None:
