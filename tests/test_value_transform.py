@@ -262,3 +262,17 @@ def test_a_log_head_under_a_bf16_autocast_computes_in_full_precision(prices, qwe
     assert out.loc_Y.dtype == torch.float32
     torch.testing.assert_close(out.loc_Y[rows, last].double(), exact, rtol=1e-5, atol=1e-5)
     assert bool((model.value_map.to_value(out.loc_Y[rows, last]) > 0).all())
+
+
+def test_auto_is_chosen_again_by_the_final_head_when_training_moved_its_features(tmp_path, capsys):
+    """The transform 'auto' chose on the untrained features is chosen again on the final ones, by the heads the
+    adapter will keep (each with its correction): both refits scored, as the warm start's two."""
+    files = ["--train-file", _jsonl(tmp_path / "train.jsonl", _price_rows(120, 0)),
+             "--validation-file", _jsonl(tmp_path / "val.jsonl", _price_rows(40, 1))]
+    assert main(["train", *files, "--max-steps", "3", "--output-dir", str(tmp_path / "run"), "--no-plot",
+                 "--no-progress", *TINY32]) == 0
+    heads = [line for line in capsys.readouterr().err.splitlines() if line.startswith("value head:")]
+    assert len(heads) == 2, heads  # the warm start, the refit on the trained features
+    assert all("value_transform_identity_score=" in h and "value_transform_log_score=" in h for h in heads), heads
+    saved = json.loads((tmp_path / "run" / "adapter" / "causal_adapter_config.json").read_text())["adapter_config"]
+    assert saved["value_transform"] == heads[-1].rsplit("value_transform=", 1)[1].split(",")[0]
