@@ -14,6 +14,7 @@ than two values (a single value, a list, a sentence with numbers of several kind
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import Sequence
 
 import torch
@@ -36,7 +37,7 @@ def record_values(ids: Sequence[int], nums: Sequence[int]) -> list[int] | None:
     for j in nums[1:]:
         if list(ids[j - CONTEXT_TOKENS:j]) != context:
             continue  # a number of the labels ("2016", "08")
-        count = sum(1 for i in nums if at[-1] < i < j)  # the label's numbers between two values
+        count = bisect_left(nums, j) - bisect_right(nums, at[-1])  # the label's numbers between two values
         if between is not None and count != between:
             break  # the records change shape: the values read so far
         between = count
