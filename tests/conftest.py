@@ -3,6 +3,7 @@ comparison of adapter tensors."""
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,25 @@ END_OF_RUN_TENSORS = ("action.w_reg", "action.b_reg", "action.b_noise_Y", "actio
 def training_state_tensors(tensors: dict) -> dict:
     """`tensors` without END_OF_RUN_TENSORS: what the last checkpoint and the final adapter share."""
     return {k: v for k, v in tensors.items() if not k.startswith(END_OF_RUN_TENSORS)}
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (its directory on sys.path: the scripts import common.py and scales.py)."""
+    import importlib.util
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def result_items(printed: list[str]) -> dict[str, str]:
+    """The key=value items of a benchmark's output, whose last line must be its one RESULT line."""
+    last = printed[-1]
+    assert last.startswith("RESULT ") and sum(line.startswith("RESULT") for line in printed) == 1, printed[-3:]
+    return dict(item.split("=", 1) for item in last[len("RESULT "):].split())

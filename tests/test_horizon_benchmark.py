@@ -2,32 +2,23 @@
 layout) and forecasts H = 4 steps; its RESULT line holds finite per-step figures, step 1 equal to `predict`, and the
 paths' time against one deterministic path (the figures themselves are not checked: 2 steps). The baselines iterate
 on their own forecasts, and the forecasting rows split by where their values lie."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import load_benchmark, result_items
+
 pytest.importorskip("statsmodels", reason="benchmarks/scales.py's bundled series come from statsmodels")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "horizon.py"
 
 
-def _load():
-    if str(BENCH.parent) not in sys.path:
-        sys.path.append(str(BENCH.parent))  # the script imports benchmarks/common.py and benchmarks/scales.py
-    spec = importlib.util.spec_from_file_location("horizon_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load()
+    return load_benchmark("horizon")
 
 
 @pytest.fixture
@@ -47,8 +38,7 @@ def test_quick_run_prints_a_finite_per_step_result_line(bench, tmp_path, capsys,
     assert bench.main(["--quick", "--output", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     last = printed[-1]
-    assert last.startswith("RESULT ") and sum(line.startswith("RESULT") for line in printed) == 1
-    kv = dict(item.split("=", 1) for item in last[len("RESULT "):].split())
+    kv = result_items(printed)
     H = bench.QUICK["horizon"]
     for s in "abc":
         assert kv[f"{s}_step1_equals_predict"] == "True"

