@@ -18,6 +18,8 @@ a test that imports a script puts benchmarks/ on sys.path itself. Sections:
 """
 from __future__ import annotations
 
+import os
+
 import contextlib
 import gc
 import inspect
@@ -33,6 +35,12 @@ import torch
 
 MIB = 2**20
 GEMMS = ("fp32", "tf32", "bf16")
+
+
+def offline() -> None:
+    """No download at run time: the hub, transformers and datasets offline unless the caller says otherwise."""
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(k, "1")
 
 
 # ----------------------------------------------------------------------------- output

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 import scales
-from common import fmt, log, ridge_fit, ridge_predict, write_report
+from common import fmt, log, offline, ridge_fit, ridge_predict, write_report
 
 SETS = ("a", "b", "c")
 HORIZON = 12
@@ -356,8 +355,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(k, "1")
+    offline()
     t0 = time.perf_counter()
     sp = speed(args)
     log(f"speed: {PATHS} paths x {HORIZON} steps {sp['paths_s']:.3f} s, one path {sp['one_path_s']:.3f} s: "

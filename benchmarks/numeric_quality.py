@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from common import fmt, log, ridge_fit, ridge_predict, write_report
+from common import fmt, log, offline, ridge_fit, ridge_predict, write_report
 
 CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "heteroscedastic")
 TABULAR = ("diabetes", "engel", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
@@ -818,8 +817,7 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(k, "1")
+    offline()
     from causal_adapter.saving.assets import load_qwen_tokenizer
 
     t0 = time.perf_counter()

@@ -85,7 +85,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -96,7 +95,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import fmt as _fmt, log as _log, ridge_fit, ridge_predict, write_report
+from common import fmt as _fmt, log as _log, offline, ridge_fit, ridge_predict, write_report
 
 SETS = ("a", "b", "c")
 SCALES = (1e-3, 1e-1, 1.0, 10.0, 1e3, 1e5)
@@ -814,8 +813,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(k, "1")
+    offline()
     t0 = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory(prefix="scales_") as tmp:

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import fmt as _fmt, log as _log, write_report
+from common import fmt as _fmt, log as _log, offline, write_report
 from scales import code_state, train_and_predict
 
 SPLIT = (0.6, 0.2, 0.2)
@@ -378,8 +378,7 @@ def settings_note(args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update({k: os.environ.get(k, "1") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                                                          "HF_DATASETS_OFFLINE")})
+    offline()
     t0 = time.perf_counter()
     results = run_tables(args)
     checks = [(ok, line) for n, r in results.items() for ok, line in check_targets(n, r["summary"])]

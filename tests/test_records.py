@@ -59,7 +59,7 @@ def test_the_heads_fit_reads_rows_spread_over_the_file_about_max_targets_values(
             for k in range(100)]
     ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
                             "numeric_values": [r[2] for r in rows]})
-    picked = spread_rows(ds, NUM, 40)
+    picked, _ = spread_rows(ds, NUM, 40)
     firsts = [vals[ids.index(NUM, len(ids) - 26)] for ids, vals in zip(picked["input_ids"], picked["numeric_values"])]
     assert len(firsts) == 10 and firsts[0] == 0.5 and firsts[-1] == 99.5  # 4 values a row: 10 rows, first to last
-    assert spread_rows(ds, NUM, 10_000)["input_ids"] == ds["input_ids"]
+    assert spread_rows(ds, NUM, 10_000)[0]["input_ids"] == ds["input_ids"]

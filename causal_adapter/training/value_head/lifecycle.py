@@ -49,10 +49,9 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
     inner = unwrap_causal_model(model)
     summary: dict = {}
     num_id = inner.num_token_id
-    rows = spread_rows(train_ds, num_id, max_rows)
+    rows, masks = spread_rows(train_ds, num_id, max_rows)
     value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
-    values = [v for ids, labels, vals in zip(rows["input_ids"], rows["labels"], rows[value_column])
-              for keep, v in zip(value_label_mask(ids, labels, num_id), vals) if keep]  # not a record's labels
+    values = [v for mask, vals in zip(masks, rows[value_column]) for keep, v in zip(mask, vals) if keep]  # not labels
     if not values:
         return summary
     fresh = inner.causal_config.value_loc is None
@@ -74,7 +73,7 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         def batches(ds):
             return (collator(rows_at(ds, range(i, min(i + bs, len(ds))))) for i in range(0, min(len(ds), max_rows), bs))
 
-        val = batches(spread_rows(eval_ds, num_id, max_rows)) if eval_ds is not None and len(eval_ds) else None
+        val = batches(spread_rows(eval_ds, num_id, max_rows)[0]) if eval_ds is not None and len(eval_ds) else None
         gathered = gather_rows(model, batches(rows), device, max_rows, val_batches=val)
         if gathered is not None:
 
@@ -103,14 +102,16 @@ def _evenly(n: int, k: int) -> list[int]:
 
 
 def spread_rows(ds, num_id: int, max_targets: int):
-    """The rows of `ds` the head's fit reads: spread evenly over the whole file (a file ordered by series gives
-    every series its share, where its first rows gave the first series alone), about `max_targets` values in all
-    (`records.value_label_mask`; a forecasting row holds several)."""
+    """(rows, their `records.value_label_mask`s): the rows of `ds` the head's fit reads, spread evenly over the
+    whole file (a file ordered by series gives every series its share, where its first rows gave the first series
+    alone), about `max_targets` values in all (a forecasting row holds several)."""
     rows = ds.select(_evenly(len(ds), max_targets))
-    counts = [sum(value_label_mask(ids, labels, num_id)) for ids, labels in zip(rows["input_ids"], rows["labels"])]
-    if sum(counts) > max_targets:
-        rows = rows.select(_evenly(len(rows), max(1, len(rows) * max_targets // sum(counts))))
-    return rows
+    masks = [value_label_mask(ids, labels, num_id) for ids, labels in zip(rows["input_ids"], rows["labels"])]
+    total = sum(map(sum, masks))
+    if total > max_targets:
+        keep = _evenly(len(rows), max(1, len(rows) * max_targets // total))
+        rows, masks = rows.select(keep), [masks[i] for i in keep]
+    return rows, masks
 
 
 def _set_log_units(inner, values) -> None:
