@@ -150,6 +150,10 @@ class CausalAdapterConfig:
         value's own units: phi's input and the identity head read those).
     value_positive: training saw only positive values of the quantity: no value or interval bound below 0 (under
         "identity" they are floored at 0, under "log" positive by construction).
+    value_range: [min, max] of the training values, set by `train()`. Under "log" the head writes within that range
+        on log y widened by its width on each side (`modeling.value_transform.log_bounds`): a position it was never
+        fitted at writes the nearest bound, not an exp that overflows. None (adapters written before the field): the
+        dtype's limit alone.
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
@@ -240,6 +244,7 @@ class CausalAdapterConfig:
     value_transform: str = "identity"
     value_log_units: list[float] | None = None
     value_positive: bool = False
+    value_range: list[float] | None = None
     horizon_calibration: dict | None = None
 
     def __post_init__(self) -> None:
@@ -348,6 +353,13 @@ class CausalAdapterConfig:
             raise ValueError("value_transform 'log' needs value_log_units, the head's units on log y")
         if not isinstance(self.value_positive, bool):
             raise ValueError(f"value_positive must be a bool, got {self.value_positive!r}")
+        if self.value_range is not None:
+            r = self.value_range
+            if (not isinstance(r, (list, tuple)) or len(r) != 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in r)
+                    or r[0] > r[1]):
+                raise ValueError(f"value_range must be [min, max] of finite numbers with min <= max, got {r!r}")
+            self.value_range = [float(r[0]), float(r[1])]
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):

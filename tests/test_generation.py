@@ -793,3 +793,59 @@ def test_generate_command_draws_its_progress_bar_only_for_several_rows_or_a_term
     os.close(master)
     with open(os.devnull, "w") as pipe:
         assert not show_progress(1, False, pipe) and show_progress(2, False, pipe) and not show_progress(2, True, pipe)
+
+
+# --------------------------------------------------------------------------- causal value in the head's units
+def _numbers_prompts():
+    """Two left-padded prompts with four numbers each (one kind: a row gets its own per-row units)."""
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 290, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2], ids[1, :2] = 0, 0
+    vals = torch.zeros(2, 10, dtype=torch.float64)
+    for row, series in ((0, (12.0, 13.5, 12.75, 14.0)), (1, (-310.0, -290.0, -305.0, -280.0))):
+        for pos, v in zip((3, 5, 7, 9), series):
+            ids[row, pos], vals[row, pos] = NUM_SMALL, v
+    return ids, vals, mask
+
+
+@pytest.mark.parametrize("units", ["adapter", "adapter_recent", "row"])
+def test_causal_value_is_the_heads_location_at_the_sampled_u_in_value_units(units):
+    """Causal mode writes, for each generated number, the value head's location with the sampled individual u in
+    place of loc_U, in value units: loc_Y + unit * w_reg . (u - loc_U), with u = loc_U + scale_U' tan(pi (eps -
+    1/2)) from the returned eps and unit the head's scale unit (value_scale for the adapter's units, the row's own
+    s_row in per-row units: scale_Y / |b_noise_Y| for an independent width). Checked against one full forward over
+    the generated sequence, on units other than (0, 1) (a value left in standardised units is off by the units) and
+    in per-row units with w_reg != 0 (a value that ignores u is the plain loc_Y); "adapter_recent": the adapter's
+    units with the head also reading the 4 most recent numbers (w_recent != 0), which the causal value keeps."""
+    cfg = dict(num_token_id=NUM_SMALL, gamma0=1.0, regression_scale="independent", b_noise_Y_init=0.7)
+    if units != "adapter":
+        cfg.update(recent_values=4, value_row_units="last" if units == "row" else None)
+    base = stir(small_vocab_qwen(dtype=torch.float64, hidden_size=32, seed=2), seed=2)
+    model = perturb(get_causal_model(base, CausalAdapterConfig(**cfg)), seed=2, num_bias=500.0, b_reg=0.3)
+    act = model.action
+    if units != "row":
+        model.set_value_units(40.0, 3.0)
+    if units == "adapter_recent":
+        with torch.no_grad():
+            act.w_recent.copy_(torch.tensor([0.6, 0.3, -0.2, 0.1], dtype=act.w_recent.dtype))
+    assert bool(act.w_reg.abs().sum() > 0)
+    ids, vals, mask = _numbers_prompts()
+    T = 5
+    out = model.generate(input_ids=ids, numeric_values=vals, attention_mask=mask, mode="causal", max_new_tokens=T,
+                         eos_token_id=[], seed=5, return_eps=True)
+    assert (out.new_tokens == NUM_SMALL).all()  # every step writes a number, fed back to the next
+    full_mask = torch.cat([mask, torch.ones(2, T, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        f = model(out.sequences, out.numeric_values, attention_mask=full_mask, position_ids=positions(full_mask))
+        at = slice(ids.shape[1] - 1, ids.shape[1] - 1 + T)  # the positions that chose the new tokens
+        loc_U, loc_Y, scale_Y = f.loc_U[:, at], f.loc_Y[:, at], f.scale_Y[:, at]
+        u = loc_U + act.noisy_scale(f.scale_U[:, at]) * torch.tan(math.pi * (out.eps - 0.5))
+        unit = scale_Y / act.b_noise_Y.abs()
+        expected = loc_Y + unit * ((u - loc_U) @ act.w_reg)
+    if units != "row":
+        torch.testing.assert_close(unit, torch.full_like(unit, 3.0), rtol=1e-12, atol=0)
+    else:  # each row's own unit, not the adapter's
+        assert act.row_rule == "last" and not torch.allclose(unit, torch.full_like(unit, act.value_scale))
+    assert float((expected - loc_Y).abs().min()) > 1e-3  # u moves the value: a value ignoring u would differ
+    torch.testing.assert_close(out.new_values, expected, rtol=1e-7, atol=1e-9)

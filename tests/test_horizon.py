@@ -2,6 +2,7 @@
 is `predict_values` exactly, the deterministic path feeds each value back and writes the row's continuations between
 them, the paths are seeded and share one prefill, the per-step maps `train` fits on validation rows of a forecasting
 file are saved and reloaded, and bad input fails before anything is written."""
+import contextlib
 import csv
 import json
 import math
@@ -109,12 +110,9 @@ def test_free_text_paths_write_their_own_text(saved, qwen_tokenizer):
     with pytest.raises(ValueError, match="wrote no value .* give the row's continuations"):
         model.predict_horizon(PROMPTS[2:], tokenizer=qwen_tokenizer, horizon=2, paths=20)
     prompts = ["Counts: 3 4 5 ", "Yearly sunspot numbers 105.5 104.5 66.6 "]
-    cfg, b_cls = model.causal_config, model.action.b_cls
-    keep = b_cls.detach().clone(), cfg.number_prefix_id, cfg.number_contexts
+    cfg = model.causal_config
     space = qwen_tokenizer.convert_tokens_to_ids("\u0120")
-    try:
-        with torch.no_grad():
-            b_cls[model.num_token_id] = 1e4
+    with numbers_always_win(model):
         # no number layout: <NUM> right after <NUM>, never after the prompt's " ": numbers of the text, no value
         with pytest.raises(ValueError, match="wrote no value"):
             model.predict_horizon(prompts, tokenizer=qwen_tokenizer, horizon=2, paths=20)
@@ -134,6 +132,20 @@ def test_free_text_paths_write_their_own_text(saved, qwen_tokenizer):
                 text += format_number(round(b["horizon"][h - 1]["value"], 1)) + " "
                 ref = model.predict_values([text], tokenizer=qwen_tokenizer)[0]["value"]
                 assert b["horizon"][h]["value"] == pytest.approx(ref, rel=1e-4, abs=1e-3)
+
+
+@contextlib.contextmanager
+def numbers_always_win(model, layout: int | None = None):
+    """<NUM> the argmax everywhere (b_cls 1e4), with the number layout `layout` (a <NUM> after another token is
+    written after it) when given; the adapter restored after."""
+    cfg, b_cls = model.causal_config, model.action.b_cls
+    keep = b_cls.detach().clone(), cfg.number_prefix_id, cfg.number_contexts
+    try:
+        with torch.no_grad():
+            b_cls[model.num_token_id] = 1e4
+        if layout is not None:
+            cfg.number_prefix_id, cfg.number_contexts = layout, [layout]
+        yield
     finally:
         with torch.no_grad():
             b_cls.copy_(keep[0])
@@ -312,3 +324,204 @@ def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path)
             assert field in r.json()["error"]["message"], r.json()
     finally:
         server.stop()
+
+
+def _lanes(model, tokenizer, prompt, horizon, paths, conts, individual, seed=0):
+    """`run_paths` on one prompt exactly as `predict_horizon` runs it (the same prefill, generator and groups): the
+    `Paths` of its 1 + `paths` lanes (lane 0 deterministic, lanes 1.. sampled)."""
+    from causal_adapter.modeling.generation.prepare import text_prompts_tokenizer
+    from causal_adapter.modeling.prediction import encoded_batches, predict_forward
+
+    ntok = text_prompts_tokenizer(model, [prompt], tokenizer, "test")
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    model.eval()
+    ((_, enc),) = encoded_batches(model, ntok, [prompt], 1)
+    with torch.no_grad():
+        *_, fwd = predict_forward(model, enc, use_cache=True)
+    ids, vals = enc["input_ids"].to(model.input_device), enc["numeric_values"].to(model.input_device)
+    cont = None if conts is None else hz.continuation_tokens(model, ntok, conts)
+    groups = None if conts is not None else hz.text_groups(model, ntok, gen, individual)
+    return hz.run_paths(model, fwd, 0, 0, ids, vals, cont, horizon, paths, gen, individual, groups)
+
+
+def _assert_lanes_part(p, paths, horizon):
+    """Every sampled lane has its own value at every step (its own u: a lane copying another's noise would repeat its
+    values), and its own head at every step after the first (each lane fed back its own values)."""
+    assert p.value.shape == (1 + paths, horizon)
+    for h in range(horizon):
+        sampled = p.value[1:, h]
+        assert bool(torch.isfinite(sampled).all()), (h, sampled)
+        distinct = len(set(sampled.tolist()))
+        assert distinct == paths, f"step {h + 1}: {distinct} distinct values over {paths} lanes"
+        if h:
+            assert len(set(p.loc_Y[1:, h].tolist())) == paths, f"step {h + 1}: lanes share their head's location"
+
+
+@pytest.mark.parametrize("individual", hz.INDIVIDUALS)
+def test_sampled_lanes_draw_their_own_noise(saved, qwen_tokenizer, individual):
+    """Each sampled lane draws its own eps (u): its values differ from every other lane's at every step, with the
+    continuations forced and with the text written by the lanes themselves, u drawn once per path or at every step.
+    (The intervals are the mixture over the lanes: lanes sharing one draw collapse it to one lane's Cauchy.)"""
+    _, model = saved
+    paths = 20
+    p = _lanes(model, qwen_tokenizer, PROMPTS[0], 3, paths, CONTS[0], individual)
+    _assert_lanes_part(p, paths, 3)
+    # lane 0 is the deterministic path: the head's location itself at every step
+    assert torch.equal(p.value[0], p.loc_Y[0])
+    # free text: an adapter whose <NUM> always wins, with the layout " " (as test_free_text_paths_write_their_own_text)
+    with numbers_always_win(model, layout=qwen_tokenizer.convert_tokens_to_ids("\u0120")):
+        p = _lanes(model, qwen_tokenizer, "Counts: 3 4 5 ", 3, paths, None, individual)
+        _assert_lanes_part(p, paths, 3)
+
+
+def _step_map(c50: float, c90: float) -> dict:
+    """A per-step map (as `value_calibration`) whose 50% multiplier is c50 and 90% multiplier c90: n = 9 scores, the
+    50% one the ceil(10 * 0.5) = 5th smallest, the 90% one the ceil(10 * 0.9) = 9th."""
+    return {"n": 9, "scores": [float(c50)] * 5 + [float(c90)] * 4}
+
+
+#: per-step multipliers (c_50, c_90) of steps 2, 3, 4: each step its own, none the one-step map's (~1.35, ~3.3)
+STEP_MULTIPLIERS = [(0.5, 2.0), (1.7, 4.5), (2.6, 8.0)]
+
+
+def _horizon_with(model, tokenizer, calibration, horizon):
+    """predict_horizon of PROMPTS under `calibration` (set on the adapter for the call), u drawn per path, seed 0."""
+    from causal_adapter.config import _validate_horizon_calibration
+
+    _validate_horizon_calibration(calibration)  # a map the adapter could hold
+    cfg = model.causal_config
+    keep = cfg.horizon_calibration
+    cfg.horizon_calibration = calibration
+    try:
+        return model.predict_horizon(PROMPTS, tokenizer=tokenizer, horizon=horizon, paths=20, seed=0,
+                                     continuations=[c + ["; 1990: "] * (horizon - 3) for c in CONTS])
+    finally:
+        cfg.horizon_calibration = keep
+
+
+def test_each_step_uses_its_own_map_and_steps_beyond_are_widened_by_sqrt(saved, qwen_tokenizer):
+    """With a per-step calibration (maps of steps 2..4, H_v = 4), step h's interval at level q is value_h -+ c_{h,q}
+    s_h on the head's scale: c_{h,q} the multiplier of step h's OWN map (not step 2's, not the one-step map
+    `value_calibration`), and beyond H_v the last map's multiplier times sqrt(h / H_v) exactly. Step 1 stays the
+    one-step prediction (value_calibration's intervals). s_h, the paths' spread, is read from the same paths under
+    maps of multiplier 1 at every step."""
+    from causal_adapter.modeling.intervals import conformal_multiplier
+
+    _, model = saved
+    H, vm = 6, model.value_map
+    one_step = model.causal_config.value_calibration
+    steps = [_step_map(*c) for c in STEP_MULTIPLIERS]
+    for m, (c50, c90) in zip(steps, STEP_MULTIPLIERS):  # the maps say what the test means them to
+        assert conformal_multiplier(m, 0.5) == c50 and conformal_multiplier(m, 0.9) == c90
+        for q in (0.5, 0.9):
+            assert abs(conformal_multiplier(m, q) - conformal_multiplier(one_step, q)) > 0.2
+    unit = _horizon_with(model, qwen_tokenizer, {"individual": "path", "paths": 20,
+                                                 "steps": [_step_map(1.0, 1.0)] * (H - 1)}, H)
+    got = _horizon_with(model, qwen_tokenizer, {"individual": "path", "paths": 20, "steps": steps}, H)
+    one = model.predict_values(PROMPTS, tokenizer=qwen_tokenizer)
+
+    def head(x):
+        return float(vm.to_head(torch.tensor(x, dtype=torch.float64)))
+
+    for r, u, o in zip(got, unit, one):
+        assert r["horizon"][0] == {"step": 1, "value": o["value"], **{f"{s}_{n}": o[f"{s}_{n}"] for n in (50, 90)
+                                                                      for s in ("lower", "upper")}}
+        for h in range(2, H + 1):
+            s, su = r["horizon"][h - 1], u["horizon"][h - 1]
+            assert s["value"] == su["value"]  # the same paths: only the multipliers differ
+            for q, n, k in ((0.5, 50, 0), (0.9, 90, 1)):
+                spread = (head(su[f"upper_{n}"]) - head(su[f"lower_{n}"])) / 2  # c = 1: the half-width is s_h
+                assert spread > 0
+                if h <= 4:
+                    c = STEP_MULTIPLIERS[h - 2][k]
+                else:  # beyond the last calibrated step H_v = 4: its multiplier widened by sqrt(h / H_v)
+                    c = STEP_MULTIPLIERS[-1][k] * math.sqrt(h / 4)
+                lo, hi = head(s[f"lower_{n}"]), head(s[f"upper_{n}"])
+                assert (hi - lo) / 2 == pytest.approx(c * spread, rel=1e-9), (h, n, c, (hi - lo) / 2 / spread)
+                assert (hi + lo) / 2 == pytest.approx(head(s["value"]), rel=1e-9, abs=1e-9)  # around the path's value
+
+
+def _mixture_cdf(loc, scale, x):
+    """The equal mixture of Cauchy(loc_i, scale_i) [N] at x (torch.distributions: independent of `mixture_quantile`)."""
+    return float(torch.distributions.Cauchy(loc, scale).cdf(torch.tensor(x, dtype=torch.float64)).mean())
+
+
+def test_raw_intervals_are_the_sampled_lanes_mixture_and_the_spread_its_quartiles(saved, qwen_tokenizer):
+    """Without a per-step map, step h's interval at level q is the central q interval of the equal mixture of the
+    SAMPLED lanes' Cauchy(loc_Y, scale_Y) at step h (lane 0 left out), its value the deterministic lane's; with maps,
+    the spread s_h the maps multiply is that mixture's 50% half-width (checked with maps of multiplier 1), centred on
+    the deterministic lane's location. The lanes are `run_paths`' for the same prompt, seed and paths."""
+    _, model = saved
+    vm, H, paths = model.value_map, 4, 20
+    conts = CONTS[0] + ["; 1977: "]
+    p = _lanes(model, qwen_tokenizer, PROMPTS[0], H, paths, conts, "path", seed=0)
+    assert model.causal_config.horizon_calibration is None
+    raw = model.predict_horizon(PROMPTS[0], tokenizer=qwen_tokenizer, horizon=H, paths=paths, seed=0,
+                                continuations=conts)[0]["horizon"]
+    cfg = model.causal_config
+    cfg.horizon_calibration = {"individual": "path", "paths": paths, "steps": [_step_map(1.0, 1.0)] * (H - 1)}
+    try:
+        unit = model.predict_horizon(PROMPTS[0], tokenizer=qwen_tokenizer, horizon=H, paths=paths, seed=0,
+                                     continuations=conts)[0]["horizon"]
+    finally:
+        cfg.horizon_calibration = None
+
+    def head(x):
+        return float(vm.to_head(torch.tensor(x, dtype=torch.float64)))
+
+    for h in range(2, H + 1):
+        loc, scale = p.loc_Y[1:, h - 1], p.scale_Y[1:, h - 1]
+        assert raw[h - 1]["value"] == pytest.approx(float(p.value[0, h - 1]), rel=1e-6)
+        for q, n in ((0.5, 50), (0.9, 90)):
+            lo, hi = head(raw[h - 1][f"lower_{n}"]), head(raw[h - 1][f"upper_{n}"])
+            assert _mixture_cdf(loc, scale, lo) == pytest.approx((1 - q) / 2, abs=1e-6), (h, n)
+            assert _mixture_cdf(loc, scale, hi) == pytest.approx((1 + q) / 2, abs=1e-6), (h, n)
+        q25, q75 = head(raw[h - 1]["lower_50"]), head(raw[h - 1]["upper_50"])
+        for n in (50, 90):  # multiplier 1: centre -+ s_h, s_h the mixture's 50% half-width
+            lo, hi = head(unit[h - 1][f"lower_{n}"]), head(unit[h - 1][f"upper_{n}"])
+            assert (hi - lo) / 2 == pytest.approx((q75 - q25) / 2, rel=1e-6), (h, n)
+            assert (hi + lo) / 2 == pytest.approx(float(p.loc_Y[0, h - 1]), rel=1e-6, abs=1e-9)
+
+
+def test_fit_horizon_calibration_keeps_the_better_way_and_each_steps_own_scores(saved, qwen_tokenizer):
+    """`fit_horizon_calibration` on tokenized validation rows of a forecasting file (3 values each): the way of
+    drawing u it keeps is the one with the smaller held-out score it reports ("path" on a tie), and the map of step
+    h (h = 2, 3) holds that way's scores |y_h - v_h| / s_h of step h: v_h the deterministic lane's location at step h,
+    s_h the mixture's 50% half-width, from `run_paths` of the rows (the residuals here are far above the written
+    resolution: no floor applies)."""
+    from datasets import Dataset
+
+    from causal_adapter.data.pipeline import tokenize_dataset
+    from causal_adapter.modeling.intervals import fit_calibration
+    from causal_adapter.numbers import NumberTokenizer
+
+    fit = hz_train()
+    _, model = saved
+    g = torch.Generator().manual_seed(1)
+    series = []
+    for k in range(2):
+        walk = (torch.randn(24, generator=g, dtype=torch.float64) * 3.0).cumsum(0) + 60.0 * (k + 1)
+        series.append((f"Series {k}.", [round(float(v), 1) for v in walk]))
+    rows = _forecast_rows(series, 0, 24, 3, window=4)[:14]
+    ds = tokenize_dataset(Dataset.from_list(rows), NumberTokenizer(qwen_tokenizer, model.num_token_id))
+    cfg = model.causal_config
+    try:
+        summary = fit.fit_horizon_calibration(model, ds, paths=20)
+        cal = cfg.horizon_calibration
+    finally:
+        cfg.horizon_calibration = None
+    assert summary is not None and summary["horizon_rows"] == len(rows) and summary["horizon_steps"] == 3
+    scores = {k: summary[f"horizon_score_{k}"] for k in hz.INDIVIDUALS}
+    best = min(scores.values())
+    assert summary["horizon_individual"] == cal["individual"] == next(k for k in hz.INDIVIDUALS if scores[k] == best)
+    assert cal["paths"] == 20 and len(cal["steps"]) == 2
+    # the chosen way's paths, run again as the fit runs them (the same seed), and each step's scores
+    steps = fit.horizon_rows(ds, model.num_token_id)
+    assert len(steps) == len(rows)
+    results = fit.run_rows(model, steps, cal["individual"], 20)
+    for h in (2, 3):
+        y = model.value_map.to_head(torch.tensor([ys[h - 1] for _, ys in results], dtype=torch.float64))
+        centre = torch.stack([p.loc_Y[0, h - 1] for p, _ in results])
+        spread = torch.tensor([float(hz.path_spread(p)[1][h - 1]) for p, _ in results], dtype=torch.float64)
+        assert bool(((y - centre).abs() > 1.0).all())  # far above the resolution: no floor
+        assert cal["steps"][h - 2] == fit_calibration(y, centre, spread), h

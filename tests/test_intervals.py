@@ -6,6 +6,7 @@ import torch
 
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.modeling.intervals import (
+    MAX_SCORES,
     SCALE_EXPONENTS,
     choose_scale_exponent,
     conformal_multiplier,
@@ -44,6 +45,21 @@ def test_conformal_coverage_on_fresh_draws_with_a_wrong_scale():
     for level in (0.5, 0.8, 0.9, 0.95):
         lo, hi = interval(torch.zeros_like(test), torch.ones_like(test), level, calib)
         assert abs(float(((test >= lo) & (test <= hi)).double().mean()) - level) < 0.02
+
+
+def test_a_thinned_map_interpolates_between_its_kept_order_statistics():
+    """A map of n > MAX_SCORES scores keeps MAX_SCORES evenly spaced order statistics (both ends) and c_q is
+    interpolated between them: on the scores 1..n (evenly spaced) c_q is the exact ceil((n + 1) q)-th smallest to
+    within half a unit (the rounding of the kept ranks) at every level; a map that read the nearest kept order
+    statistic below instead is off by up to n / MAX_SCORES = 5 units, which a coverage check cannot see."""
+    n = 5000
+    calib = fit_calibration(torch.arange(1, n + 1, dtype=torch.float64), [0.0] * n, [1.0] * n)
+    assert calib["n"] == n and len(calib["scores"]) == MAX_SCORES
+    assert calib["scores"][0] == 1.0 and calib["scores"][-1] == float(n)
+    for q in torch.linspace(0.01, 0.995, 198, dtype=torch.float64).tolist():
+        assert abs(conformal_multiplier(calib, q) - math.ceil((n + 1) * q)) <= 0.5 + 1e-9, q
+    assert conformal_multiplier(calib, n / (n + 1)) == float(n)  # the largest finite one: the last score kept
+    assert conformal_multiplier(calib, 0.9999) == math.inf  # ceil(5001 x 0.9999) = 5001 > n
 
 
 def test_calibration_map_round_trips_through_the_config_and_is_validated():

@@ -464,3 +464,60 @@ def test_predict_draws_the_fan_of_a_horizon(server, browser):
     rows = d.find_elements(By.CSS_SELECTOR, "#predict-table tbody tr")
     assert len(rows) == 4
     assert close(shown(rows[3].find_elements(By.TAG_NAME, "td")[2].text), want[3]["value"])
+
+
+@needs_browser
+def test_horizon_fan_is_drawn_at_the_bounds_of_the_api(server, browser):
+    """The horizon fan's drawn geometry, not only its data attributes: each level's polygon runs from the window's last
+    value through the API's upper bounds of steps 1..H and back through its lower bounds, every vertex at the y the
+    plot's (linear) y scale gives that bound, at the x of its step's point. The y scale is read off the drawing itself
+    (the context line's vertices against the window's values, checked on the steps' points)."""
+    d = browser
+    open_page(d, server)
+    d.find_element(By.ID, "tab-predict").click()
+    d.find_element(By.CSS_SELECTOR, "input[name=pkind][value=series]").click()
+    prompt = json.loads(d.find_element(By.ID, "series-prompt").text)
+    H = 3
+    steps = d.find_element(By.ID, "series-horizon")
+    steps.clear()
+    steps.send_keys(str(H))
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]")) == H, "the fan")
+    sep = d.find_element(By.ID, "series-sep").get_attribute("value")
+    want = api(server, "/v1/predict", {"model": "a", "prompts": [prompt], "horizon": H, "paths": 100,
+                                       "continuations": [[sep] * (H - 1)]}).json()["data"][0]["horizon"]
+    assert all(math.isfinite(s[f"{side}_{level}"]) for s in want for side in ("lower", "upper") for level in (50, 90))
+    svg = d.find_element(By.CSS_SELECTOR, "#plot svg")
+
+    # the y scale: y_px = a + b * value, fitted on the context line (the window's values as drawn)
+    series = [float(v) for v in re.split(r"[\s,;]+", d.find_element(By.ID, "series").get_attribute("value").strip())]
+    context = svg_points(svg.find_element(By.CSS_SELECTOR, "[data-band=context]"))
+    assert len(context) == len(series) and max(series) > min(series)
+    i, j = series.index(max(series)), series.index(min(series))
+    b = (context[i][1] - context[j][1]) / (series[i] - series[j])
+    a = context[i][1] - b * series[i]
+    assert b < 0  # up is larger
+
+    def ys(v):
+        return a + b * v
+
+    for v, (_, y) in zip(series, context):
+        assert y == pytest.approx(ys(v), abs=1e-6)
+    dots = svg.find_elements(By.CSS_SELECTOR, "[data-band=point]")
+    xs = [float(p.get_attribute("cx")) for p in dots]
+    for p, s in zip(dots, want):  # the scale places the steps' values where their points are drawn
+        assert float(p.get_attribute("cy")) == pytest.approx(ys(s["value"]), abs=1e-6)
+
+    drawn = {}
+    for level in (50, 90):
+        points = svg_points(svg.find_element(By.CSS_SELECTOR, f"polygon[data-band='{level}']"))
+        assert len(points) == 1 + 2 * H and points[0] == pytest.approx(context[-1])
+        upper, lower = points[1:1 + H], points[1 + H:][::-1]
+        assert [x for x, _ in upper] == pytest.approx(xs) and [x for x, _ in lower] == pytest.approx(xs)
+        for side, vertices in (("upper", upper), ("lower", lower)):
+            got = [y for _, y in vertices]
+            assert got == pytest.approx([ys(s[f"{side}_{level}"]) for s in want], abs=1e-6), (level, side, got)
+        drawn[level] = upper, lower
+    # the 90% fan encloses the 50% fan wherever the API's intervals nest
+    for h, s in enumerate(want):
+        assert drawn[90][0][h][1] <= drawn[50][0][h][1] + 1e-9 and drawn[50][1][h][1] <= drawn[90][1][h][1] + 1e-9

@@ -172,3 +172,64 @@ def test_chat_still_refuses_logprobs(setup):
     r = httpx.post(setup["url"] + "/v1/chat/completions", json={"model": "num", "logprobs": True,
                                                                 "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_a_log_adapters_served_values_and_intervals_are_in_value_units(setup, client, qwen_tokenizer):
+    """The ``log`` adapter (its Cauchy on log y) through the live server: each written number's ``value`` and its
+    50% / 90% bounds (calibrated and raw) equal in-process `generate`'s, which are exp of the log-scale ones: the
+    bounds are positive and bracket the value, wider above it than below (bounds left on log y are loc_Y -+ c
+    scale_Y, not exp of them). Softmax mode: the <NUM> bias makes this adapter write numbers there."""
+    from causal_adapter.modeling.generation import generate
+
+    prompt = NUMBERS[:-5]
+    served = client.completions.create(model="log", prompt=prompt, max_tokens=4,
+                                       extra_body={"mode": "softmax"}).choices[0]
+    model = local(setup, "log", qwen_tokenizer)
+    out = generate(model, prompt, tokenizer=qwen_tokenizer, max_new_tokens=4, mode="softmax")
+    assert served.text == out.texts[0]
+    numbers = out.numbers[0]
+    assert numbers and len(served.values) == len(numbers)
+    for v, n in zip(served.values, numbers):
+        assert v["text"] == n["text"] and v["value"] == pytest.approx(n["value"], rel=1e-9)
+        for level in (50, 90):
+            lo, hi = n[f"interval_{level}"]
+            c = math.tan(math.pi * level / 200)  # no calibration map: the raw Cauchy interval on log y, exp'd
+            assert (lo, hi) == pytest.approx((math.exp(n["loc"] - c * n["scale"]), math.exp(n["loc"] + c * n["scale"])),
+                                             rel=1e-9)
+            assert 0 < lo < n["exact"] < hi and hi - n["exact"] > n["exact"] - lo  # exp of a symmetric log interval
+            assert (v[f"lower_{level}"], v[f"upper_{level}"]) == pytest.approx((lo, hi), rel=1e-9)
+            assert (v[f"raw_lower_{level}"], v[f"raw_upper_{level}"]) == pytest.approx(n[f"raw_interval_{level}"],
+                                                                                       rel=1e-9)
+
+
+def test_the_most_logprobs_the_server_allows_are_answered(setup, client, qwen_tokenizer):
+    """``logprobs`` at the limit (20, vLLM's default --max-logprobs; 21 is the 400 above) is answered, through the
+    openai client: every scored token carries its 20 best alternatives (and its own entry: 20 or 21 texts), each a
+    log-probability (<= 0), the chosen token's the value in ``token_logprobs``."""
+    from causal_adapter.serving.schemas import MAX_LOGPROBS
+
+    assert MAX_LOGPROBS == 20
+    r = client.completions.create(model="num", prompt=NUMBERS[:-5], max_tokens=2, logprobs=MAX_LOGPROBS, echo=True,
+                                  extra_body={"mode": "softmax"})
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.tokens) > 10
+    for tok, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert MAX_LOGPROBS <= len(top) <= MAX_LOGPROBS + 1, (tok, len(top))
+        assert top[tok] == chosen and all(v <= 0.0 for v in top.values())
+
+
+def test_logprobs_of_a_completion_cut_at_a_stop_string_end_with_its_text(setup, client):
+    """A completion cut before a stop string carries the logprobs of the tokens it kept: with the stop string the
+    text of generated token 3 (the cut on a token boundary), the text is tokens 1-2 and so are its logprobs (the same
+    values as without the stop string), not the stop string's token."""
+    kw = dict(model="num", prompt=NUMBERS[:-5], max_tokens=6, logprobs=1, temperature=0, extra_body={"mode": "softmax"})
+    full = client.completions.create(**kw).choices[0]
+    toks = full.logprobs.tokens
+    assert len(toks) >= 3 and "".join(toks) == full.text
+    stop = toks[2]
+    assert stop.strip() and stop not in toks[0] + toks[1] + toks[2][:-1]  # it first occurs where token 3 starts
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.text == toks[0] + toks[1] and cut.finish_reason == "stop"
+    assert cut.logprobs.tokens == toks[:2]
+    assert cut.logprobs.token_logprobs == full.logprobs.token_logprobs[:2]
+    assert cut.logprobs.text_offset == full.logprobs.text_offset[:2]

@@ -154,10 +154,14 @@ def test_a_log_adapter_round_trips_and_generation_writes_the_predicted_value(pri
 
 def test_old_adapters_load_as_identity_and_the_fields_are_checked():
     old = CausalAdapterConfig().to_dict()
-    for name in ("value_transform", "value_log_units", "value_positive"):
+    for name in ("value_transform", "value_log_units", "value_positive", "value_range"):
         del old[name]
     cfg = CausalAdapterConfig.from_dict(old)
     assert cfg.value_transform == "identity" and cfg.value_log_units is None and cfg.value_positive is False
+    assert cfg.value_range is None
+    for bad in ([1.0], [2.0, 1.0], [0.0, math.inf], "1,2"):
+        with pytest.raises(ValueError, match="value_range"):
+            CausalAdapterConfig(value_range=bad)
     with pytest.raises(ValueError, match="value_transform"):
         CausalAdapterConfig(value_transform="sqrt")
     with pytest.raises(ValueError, match="value_log_units"):
@@ -276,3 +280,46 @@ def test_auto_is_chosen_again_by_the_final_head_when_training_moved_its_features
     assert all("value_transform_identity_score=" in h and "value_transform_log_score=" in h for h in heads), heads
     saved = json.loads((tmp_path / "run" / "adapter" / "causal_adapter_config.json").read_text())["adapter_config"]
     assert saved["value_transform"] == heads[-1].rsplit("value_transform=", 1)[1].split(",")[0]
+
+
+def test_a_log_heads_loss_reg_is_the_gated_nll_of_the_value_with_its_jacobian():
+    """A head on log y: the forward's loss_reg is the NLL of the value itself, sum_i gate_i (NLL_Cauchy(log y_i;
+    loc_Y_i, scale_Y_i) + log y_i) / n_<NUM> (the Jacobian log y: what makes it compare with an identity head's
+    and what the evaluation loss and metrics.jsonl report), gate_i = alpha + (1 - alpha) P_num_i, all computed
+    here from the forward's own loc_Y, scale_Y and OvR scores."""
+    model = small_model(alpha=0.5, threshold_init=0.0)
+    model.set_value_transform("log", (3.0, 0.8), positive=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 290, (2, 9), generator=g)
+    vals = torch.zeros(2, 9)
+    for row, pos, v in ((0, 3, 12.5), (0, 6, 480.0), (1, 2, 0.37), (1, 5, 55.0), (1, 8, 2100.0)):
+        ids[row, pos], vals[row, pos] = 300, v
+    with torch.no_grad():
+        out = model(ids, vals, labels=ids, return_scores=True)
+    C = model.action.thresholds.reshape(())
+    p_num = 0.5 + torch.atan((out.loc_S[..., 300] - C) / out.scale_S[..., 300]) / math.pi
+    total, n = 0.0, 0
+    for b in range(2):
+        for i in range(8):
+            if ids[b, i + 1] != 300:
+                continue
+            y = vals[b, i + 1].double()
+            nll = cauchy_nll(y.log(), out.loc_Y[b, i].double(), out.scale_Y[b, i].double()) + y.log()
+            total += float((0.5 + 0.5 * p_num[b, i].double()) * nll)
+            n += 1
+    assert n == 5 and float(out.loss_reg) == pytest.approx(total / n, rel=1e-5)
+
+
+def test_a_log_head_set_without_value_units_reloads_with_its_log_units(tmp_path):
+    """`set_value_transform("log", log_units)` alone (no `set_value_units`): the saved adapter reloads with the head's
+    units on log y, so it predicts what it predicted before saving (it once reloaded with units (0, 1))."""
+    from causal_adapter.model import CausalModel
+
+    model = small_model(regression_scale="independent")
+    model.set_value_transform("log", (4.0, 1.0), positive=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(ids).loc_Y
+    model.save_pretrained(tmp_path / "a")
+    again = CausalModel.from_pretrained(small_model().backbone, tmp_path / "a")
+    assert (again.action.value_loc, again.action.value_scale) == (4.0, 1.0)
+    torch.testing.assert_close(again(ids).loc_Y, before)

@@ -106,7 +106,8 @@ def output_row(row: int, out: GenerationOutput) -> dict:
     """One json row: ``row`` (the input's index), ``completion`` (the generated text, numbers rendered),
     ``values`` (per generated number: ``text``, ``value`` as written, ``loc`` / ``scale`` (loc_Y, scale_Y),
     ``p_num`` (P(<NUM>) at that step), ``lower_50`` ... ``upper_90`` (the adapter's intervals, as `predict` names
-    them) and ``raw_lower_50`` ... (raw Cauchy)), ``finished`` (stopped on eos rather than at --max-new-tokens)."""
+    them) and ``raw_lower_50`` ... (raw Cauchy)), ``finished`` (stopped on eos rather than at --max-new-tokens),
+    and ``stop_reason`` where the row ended early (its value or hidden state not finite: `GenerationOutput`)."""
     values = []
     for n in out.numbers[0]:
         v = {"text": n["text"], "value": n["value"], "loc": n["loc"], "scale": n["scale"], "p_num": n["p_num"]}
@@ -114,12 +115,17 @@ def output_row(row: int, out: GenerationOutput) -> dict:
             for level in (50, 90):
                 v[f"{prefix}lower_{level}"], v[f"{prefix}upper_{level}"] = n[f"{prefix}interval_{level}"]
         values.append(v)
-    return {"row": row, "completion": out.texts[0], "values": values, "finished": bool(out.finished[0])}
+    record = {"row": row, "completion": out.texts[0], "values": values, "finished": bool(out.finished[0])}
+    if out.stop_reasons and out.stop_reasons[0] is not None:
+        record["stop_reason"] = out.stop_reasons[0]
+    return record
 
 
 def print_numbers(prompts: list[str], outs: list[GenerationOutput]) -> None:
     for prompt, out in zip(prompts, outs):
         print(prompt + out.texts[0])
+        if out.stop_reasons and out.stop_reasons[0] is not None:
+            print(f"  ({out.stop_reasons[0]})")
         for n in out.numbers[0]:
             lo50, hi50 = n["interval_50"]
             lo90, hi90 = n["interval_90"]

@@ -177,6 +177,8 @@ class CausalModel(nn.Module):
         self.action.set_value_map(value_map_of(config))
         if config.value_loc is not None:
             self.set_value_units(config.value_loc, config.value_scale)
+        else:  # a head on log y may have its units there without value units (set_value_transform alone)
+            self._set_head_units()
         self.action.set_row_units(config.value_row_units, config.value_row_width)
 
     def set_value_units(self, value_loc: float, value_scale: float, value_decimals: int | None = None) -> None:
@@ -191,10 +193,10 @@ class CausalModel(nn.Module):
         self._set_head_units()
 
     def set_value_transform(self, transform: str, log_units: tuple[float, float] | None = None,
-                            positive: bool | None = None) -> None:
+                            positive: bool | None = None, value_range: tuple[float, float] | None = None) -> None:
         """The scale the value's Cauchy lives on (`modeling.value_transform`: "identity" or "log"), the head's units
-        on log y [loc, scale] under "log", and whether the quantity is positive (None: as it is). Stored in the
-        config, hence in the saved adapter."""
+        on log y [loc, scale] under "log", whether the quantity is positive and the training values' [min, max]
+        (`config.value_range`; None: as they are). Stored in the config, hence in the saved adapter."""
         cfg = self.causal_config
         if transform == "log" and log_units is None:
             raise ValueError("value_transform 'log' needs the head's units on log y (log_units)")
@@ -202,6 +204,9 @@ class CausalModel(nn.Module):
         cfg.value_log_units = [float(log_units[0]), float(log_units[1])] if transform == "log" else None
         if positive is not None:
             cfg.value_positive = bool(positive)
+        if value_range is not None:
+            cfg.value_range = [float(value_range[0]), float(value_range[1])]
+            cfg.validate()
         self.action.set_value_map(value_map_of(cfg))
         self._set_head_units()
 

@@ -348,6 +348,7 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
         tok = torch.empty_like(tok)
         val = torch.full(tok.shape, math.nan, dtype=torch.float64, device=dev)
         ly, sy = val.clone(), val.clone()
+        writable = torch.ones(tok.shape, dtype=torch.bool, device=dev)
         pend = torch.zeros_like(pending)
         for g, rows in ((det, (lanes == 0).nonzero().squeeze(1)), (cau, (lanes > 0).nonzero().squeeze(1))):
             if not rows.numel():
@@ -356,7 +357,7 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
             with full_precision(dev):
                 c = choose(model, g, z[rows], prev=prev[rows], pending=pending[rows],
                            recent=None if recent is None else recent[rows], shared_eps=shared)
-            tok[rows], pend[rows] = c.tok, c.pending
+            tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
             val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
             if g is cau:  # the value at the head's width, where the lane's u puts it (`individual_draw`)
                 with full_precision(dev):
@@ -368,13 +369,17 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
         written = torch.where(is_val, torch.zeros_like(written), written + 1)
         for i in is_val.nonzero().squeeze(1).tolist():
             lane, h = int(lanes[i]), int(step[i])
-            if math.isfinite(float(val[i])) and abs(float(val[i])) <= MAX_FED_VALUE:
+            if bool(writable[i]) and math.isfinite(float(val[i])) and abs(float(val[i])) <= MAX_FED_VALUE:
                 value[lane, h], locs[lane, h], scales[lane, h] = val[i], ly[i], sy[i]
         step = step + is_val.long()
-        bad = is_num & (~torch.isfinite(val) | (val.abs() > MAX_FED_VALUE))
+        bad = is_num & (~torch.isfinite(val) | (val.abs() > MAX_FED_VALUE) | ~writable)  # as `generation.record.faults`
         ended = (written > MAX_TEXT_TOKENS) | torch.isin(tok, torch.tensor(sorted(eos), dtype=torch.long, device=dev))
         ended |= bad
         done = (step >= horizon) | ended
+        if bool(bad[lanes == 0].any()):
+            raise ValueError(f"the deterministic path chose a number after value {int(step[0])} that the value head "
+                             "cannot write (not finite, or outside a log head's bounds: a position it was not fitted "
+                             "at): give the row's continuations (the text before each value)")
         if bool(ended[lanes == 0].any()):
             raise ValueError(f"the deterministic path wrote no value (a number after the text the prompt ends with) "
                              f"within {MAX_TEXT_TOKENS} tokens after value {int(step[0])}: give the row's "

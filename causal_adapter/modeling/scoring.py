@@ -263,6 +263,8 @@ class OvRScorer:
         d = torch.addcmul(z if z_up is None else z_up, w[:, :1], norms[:1], value=-1)
         d = d.addcmul_(w[:, 1:], norms[1:], value=-1).sub_(offset)
         keep = (d.amax(0) >= 0).nonzero().squeeze(1)  # amax over the batch: a tenth of the time of any(0) on CPU
+        if not keep.numel():  # no row passes: only a z that is not finite (NaN) gives that; the exact path decides
+            return None
         if keep.numel() > self.V // 2:  # most rows pass: bound them all in place (an approximate z: give up)
             if exact is not None:
                 return None

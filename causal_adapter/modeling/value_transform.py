@@ -9,6 +9,14 @@ Jacobian, NLL(y) = NLL(h) + log y, so NLLs under both transforms compare (`Value
 ``positive``: training saw only positive values of the quantity. Under ``identity`` the value and the interval's
 bounds are then floored at 0 (the interval meets (0, inf), where every value it should cover lies, so its coverage of
 positive values is unchanged); under ``log`` they are positive by construction.
+
+A head on log y writes only what it can (`ValueMap.bounds`, docs/values.md "What a log head writes"): its bounds are
+the training values' range on log y, widened by that range's width on each side (at least a factor of 10: a range of
+one value). Generation never writes a number whose h lies outside them (`writable`): at a position the head was never
+fitted at (a second number after the answer, where loc_Y can be 1,250 on log y) the row ends there, saying why. Every
+other reader (`predict`, the intervals, the horizon's paths) gets h clamped to them; and, whatever the range, to what
+exp can represent in h's own dtype (`log_limits`: 88.7 in float32, 709 in float64), so no finite h gives an infinite
+value.
 """
 from __future__ import annotations
 
@@ -19,15 +27,36 @@ import torch
 from torch import Tensor
 
 from ..config import VALUE_TRANSFORMS as TRANSFORMS
-#: the largest h that `to_value` exponentiates (exp(709) is the largest finite float64)
+#: the largest h that `to_value` exponentiates in float64 (exp(709) is the largest finite float64)
 MAX_LOG = 709.0
+#: the least widening of a log head's bounds on each side of its training range, on log y (a factor of 10)
+MIN_LOG_WIDENING = math.log(10.0)
+
+
+def log_limits(dtype: torch.dtype) -> tuple[float, float]:
+    """The h whose exp is a finite normal number of `dtype` (float32 and bfloat16: -87.3 to 88.7, float16: -9.7 to
+    11.09, float64: -708.4 to 709): the exp runs in h's own dtype, so its clamp is that dtype's."""
+    info = torch.finfo(dtype)
+    return math.log(info.tiny), (math.log(info.max) - 1e-3 if dtype != torch.float64 else MAX_LOG)
+
+
+def log_bounds(value_range) -> tuple[float, float] | None:
+    """A log head's bounds on h from its training values' [min, max] (module docstring); None without a range or
+    with a value <= 0 in it (no log)."""
+    if value_range is None or not value_range[0] > 0:
+        return None
+    lo, hi = math.log(value_range[0]), math.log(value_range[1])
+    widen = max(hi - lo, MIN_LOG_WIDENING)
+    return lo - widen, hi + widen
 
 
 @dataclass(frozen=True)
 class ValueMap:
-    """The value's transform T and whether the quantity is positive (module docstring)."""
+    """The value's transform T, whether the quantity is positive, and under log the bounds of h it writes within
+    (module docstring; None: the dtype's limit alone, as adapters saved before `value_range`)."""
     transform: str = "identity"
     positive: bool = False
+    bounds: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
@@ -44,10 +73,22 @@ class ValueMap:
         return torch.where(y > 0, y.clamp_min(torch.finfo(y.dtype).tiny).log(), torch.full_like(y, math.nan))
 
     def to_value(self, h: Tensor) -> Tensor:
-        """h -> the value T^-1(h) (a location, a bound, or a sampled h), floored at 0 for a positive quantity."""
+        """h -> the value T^-1(h) (a location, a bound, or a sampled h), floored at 0 for a positive quantity; under
+        log h is kept within `bounds` and within what exp represents in h's dtype (a NaN stays NaN)."""
         if self.log:
-            return h.clamp(max=MAX_LOG).exp()
+            lo, hi = log_limits(h.dtype)
+            if self.bounds is not None:
+                lo, hi = max(lo, self.bounds[0]), min(hi, self.bounds[1])
+            return h.clamp(min=lo, max=hi).exp()
         return h.clamp_min(0.0) if self.positive else h
+
+    def writable(self, h: Tensor) -> Tensor:
+        """[...] bool: h is a value the head can write: finite and, under log, within `bounds` (generation ends a
+        row rather than write a number at h outside them: `generation.record.faults`)."""
+        ok = torch.isfinite(h)
+        if self.log and self.bounds is not None:
+            ok &= (h >= self.bounds[0]) & (h <= self.bounds[1])
+        return ok
 
     def nll_offset(self, y: Tensor) -> Tensor:
         """-log |dh/dy| at y: what turns the NLL of h into the NLL of y (log y under log, else 0)."""
@@ -59,5 +100,8 @@ class ValueMap:
 
 
 def value_map_of(config) -> ValueMap:
-    """The `ValueMap` of a `CausalAdapterConfig` (adapters saved before the fields: identity, not positive)."""
-    return ValueMap(getattr(config, "value_transform", "identity"), bool(getattr(config, "value_positive", False)))
+    """The `ValueMap` of a `CausalAdapterConfig` (adapters saved before the fields: identity, not positive, no
+    bounds beyond the dtype's)."""
+    transform = getattr(config, "value_transform", "identity")
+    bounds = log_bounds(getattr(config, "value_range", None)) if transform == "log" else None
+    return ValueMap(transform, bool(getattr(config, "value_positive", False)), bounds)

@@ -287,11 +287,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
         def data(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        def chunk(index: int, text: str, finish_reason: str | None = None, values: list | None = None) -> str:
+        def chunk(index: int, text: str, finish_reason: str | None = None, values: list | None = None,
+                  stop_reason: str | None = None) -> str:
             if chat:
                 delta = {"content": text} if text or finish_reason is None else {}
-                return data(schemas.chat_chunk(rid, created, model, index, delta, finish_reason, values))
-            return data(schemas.completion_chunk(rid, created, model, index, text, finish_reason, values))
+                return data(schemas.chat_chunk(rid, created, model, index, delta, finish_reason, values, stop_reason))
+            return data(schemas.completion_chunk(rid, created, model, index, text, finish_reason, values, stop_reason))
 
         ended = False
         try:
@@ -304,7 +305,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
                     yield chunk(event[1], event[2])
                 elif event[0] == "row":
                     r = event[2]
-                    yield chunk(event[1], r["delta"], r["finish_reason"], r["values"])
+                    yield chunk(event[1], r["delta"], r["finish_reason"], r["values"], r.get("stop_reason"))
                 elif event[0] == "done":
                     ended = True
                     if include_usage:

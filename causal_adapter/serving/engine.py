@@ -10,8 +10,10 @@ whatever runs beside it); every other setting is the row's own (max_tokens, stop
 the next step (its prompt prefilled, a prefix shared with an earlier prompt read from the prefix cache) and leaves it
 when it finishes; its stream sends each new piece of text that can no longer turn into a stop string, its last event
 carries the rest, so the deltas join to exactly the non-streamed text. A stop string ends the row and the text is
-cut before it (OpenAI); ``finish_reason`` is "stop" (eos or a stop string) or "length". Each row's ``values``: its
-numbers (before the cut) with its adapter's intervals at the requested levels (`CausalModel.value_interval`).
+cut before it (OpenAI); ``finish_reason`` is "stop" (eos or a stop string) or "length", and "stop" with a
+``stop_reason`` sentence (vLLM's field) for a row that ended on a value or a hidden state that is not finite. Each
+row's ``values``: its numbers (before the cut) with its adapter's intervals at the requested levels
+(`CausalModel.value_interval`).
 """
 from __future__ import annotations
 
@@ -366,7 +368,9 @@ class Engine:
         if cut is not None:
             numbers = self._numbers_before(row, numbers, cut)
             text, finished = text[:cut], True
-        out = {"index": row.tag.index, "text": text, "finish_reason": "stop" if finished else "length",
+        out = {"index": row.tag.index, "text": text,
+               "finish_reason": "stop" if finished or row.stop_reason is not None else "length",
+               "stop_reason": row.stop_reason,
                "values": _values(numbers, levels, calibration, row.group.settings.value_map),
                "completion_tokens": len(row.tokens)}
         spec = row.tag.job.spec

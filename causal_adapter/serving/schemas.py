@@ -186,38 +186,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    """choices: dicts with index, text, finish_reason, values."""
+    """choices: dicts with index, text, finish_reason, values (and stop_reason: why a row ended early, as vLLM's
+    field: a sentence when its value or its hidden state was not finite, else null)."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                         "finish_reason": c["finish_reason"], "values": c["values"]} for c in choices],
+                         "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
+                         "values": c["values"]} for c in choices],
             "usage": use}
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": None, "finish_reason": c["finish_reason"], "values": c["values"]}
+                         "logprobs": None, "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
+                         "values": c["values"]}
                         for c in choices],
             "usage": use}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None = None,
-                     values: list | None = None) -> dict:
-    return _chunk(rid, created, model, "text_completion", {"index": index, "text": text}, finish_reason, values)
+                     values: list | None = None, stop_reason: str | None = None) -> dict:
+    return _chunk(rid, created, model, "text_completion", {"index": index, "text": text}, finish_reason, values,
+                  stop_reason)
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None = None,
-               values: list | None = None) -> dict:
+               values: list | None = None, stop_reason: str | None = None) -> dict:
     return _chunk(rid, created, model, "chat.completion.chunk", {"index": index, "delta": delta}, finish_reason,
-                  values)
+                  values, stop_reason)
 
 
 def _chunk(rid: str, created: int, model: str, obj: str, choice: dict, finish_reason: str | None,
-           values: list | None) -> dict:
-    """One streamed choice (`values` on its last chunk only)."""
+           values: list | None, stop_reason: str | None = None) -> dict:
+    """One streamed choice (`values` and `stop_reason` on its last chunk only)."""
     choice = {**choice, "logprobs": None, "finish_reason": finish_reason}
     if values is not None:
         choice["values"] = values
+        choice["stop_reason"] = stop_reason
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 

@@ -9,7 +9,8 @@
   token = argmax_k (W_cls u + b_cls - C)_k, value = the head's decision value on u (`ActionHead.decision_scores`).
 
 Every value written is the value head's location mapped to the value (`value_transform.ValueMap.to_value`: itself,
-or exp of it for a head on log y).
+or exp of it for a head on log y); one that is not finite, or outside a log head's bounds, is not written
+(`Choice.writable`: the row ends there, `record.faults`).
 
 Random protocol (so a run can be reproduced): a group's draws come from its generator, one ``torch.rand((n, C))``
 (causal) or one ``torch.multinomial`` over [n, V] (softmax sampling) per step, n = the group's slots when its rows
@@ -32,7 +33,8 @@ from .prepare import Group, Settings
 @dataclass
 class Choice:
     """One step of n rows, on the heads' device: token, value (before rounding), P_k of the token, loc_Y, scale_Y,
-    the rows whose <NUM> comes next (`place_number`), and the causal mode's eps [n, C] (None otherwise)."""
+    the rows whose <NUM> comes next (`place_number`), whether each value can be written (`ValueMap.writable`: finite
+    and within a log head's bounds), and the causal mode's eps [n, C] (None otherwise)."""
 
     tok: Tensor
     val: Tensor
@@ -40,6 +42,7 @@ class Choice:
     loc_Y: Tensor
     scale_Y: Tensor
     pending: Tensor
+    writable: Tensor
     eps: Tensor | None = None
 
 
@@ -98,7 +101,7 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
     tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
-    return Choice(tok, s.value_map.to_value(val), prob, h.loc_Y, h.scale_Y, pending, eps)
+    return Choice(tok, s.value_map.to_value(val), prob, h.loc_Y, h.scale_Y, pending, s.value_map.writable(val), eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

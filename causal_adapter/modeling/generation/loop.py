@@ -13,7 +13,9 @@ A step is five named steps:
    (`cache.merge_rows`): the new rows' decode rows join the others'.
 2. `_decide`: per group (adapter + decoding options + generator), the heads on each row's last hidden state z and the
    mode's choice (`choose`), the number layout (`place`), the values as written (`record`); one copy to the host.
-3. per row: the step recorded and the stop checked (`stop`): eos, a stop string, its max_new_tokens, a cancel.
+3. per row: the step recorded and the stop checked (`stop`): eos, a stop string, its max_new_tokens, a cancel; a row
+   whose hidden state or written value is not finite (`record.faults`) writes nothing more and ends with its
+   `stop_reason` (`stop.stop_on_fault`): nothing that is not finite is fed back, and the other rows go on.
 4. `_leave`: finished rows leave at once: their cache rows are dropped (`cache.select_rows`) and the padding every
    row left has in common is cut (`cache.trim_left`).
 5. `_feed`: the tokens and values of the rows that stay go through the backbone together, one position each
@@ -41,8 +43,8 @@ from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
 from .cache import PrefixCache, cache_from, key_value_only, left_pad, merge_rows, movable, select_rows, trim_left
 from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
-from .record import Row, append_step, push_recent, recent_window, written_values
-from .stop import start_text, stop_after
+from .record import Row, append_step, faults, push_recent, recent_window, written_values
+from .stop import start_text, stop_after, stop_on_fault
 
 log = logging.getLogger("causal_adapter.generation")
 
@@ -319,7 +321,7 @@ class StepLoop:
             feed_dtype = torch.promote_types(feed_dtype, g.vdtype)
         tok = torch.tensor([r.group.settings.pad_id for r in rows], dtype=torch.long, device=hdev)
         fed = torch.zeros(B, dtype=feed_dtype, device=hdev)
-        host = torch.zeros(5, B, dtype=torch.float64, device=hdev)  # written, exact, P_k, loc_Y, scale_Y
+        host = torch.zeros(6, B, dtype=torch.float64, device=hdev)  # written, exact, P_k, loc_Y, scale_Y, fault
         pending = torch.zeros(B, dtype=torch.bool, device=hdev)
         eps = {}
         index = {g: (None if len(at) == B else torch.tensor(at, device=hdev)) for g, at in groups.items()}
@@ -340,11 +342,15 @@ class StepLoop:
                            shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
                            vocab=vocab.get(g))
             exact, written = written_values(g, c.tok, c.val)
+            fault = faults(take(g, self.z), c.tok, written.to(feed_dtype), c.writable, g.settings.num_id)
             at_t = slice(None) if index[g] is None else index[g]
-            tok[at_t], fed[at_t], pending[at_t] = c.tok, written.to(feed_dtype), c.pending
+            # a faulty row writes nothing more: its token is the pad, its value 0 (never fed back), and it leaves
+            tok[at_t] = torch.where(fault > 0, g.settings.pad_id, c.tok)
+            fed[at_t] = torch.where(fault > 0, 0.0, written.to(feed_dtype))
+            pending[at_t] = c.pending & (fault == 0)
             hd = g.settings.hdtype
             host[:, at_t] = torch.stack([written.double(), exact.double(), c.prob.to(hd).double(),
-                                         c.loc_Y.to(hd).double(), c.scale_Y.to(hd).double()])
+                                         c.loc_Y.to(hd).double(), c.scale_Y.to(hd).double(), fault.double()])
             if g.opts.return_eps:
                 eps.update(zip(mine, c.eps.to(g.settings.device)))
         self.prev, self.pending = tok, pending
@@ -355,6 +361,9 @@ class StepLoop:
             if r.done:
                 continue
             t = int(values[0][i])
+            if values[6][i]:
+                stop_on_fault(r, int(values[6][i]), values[4][i], values[5][i])
+                continue
             append_step(r, t, values[1][i], values[2][i], values[3][i], values[4][i], values[5][i], eps.get(r))
             stop_after(r, t, values[1][i], r.group.settings.eos_set)
         return tok, fed

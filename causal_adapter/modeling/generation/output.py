@@ -36,6 +36,9 @@ class GenerationOutput:
     texts: decoded generated text per row (numbers rendered), when a tokenizer was available.
     eps: [B, T, C] the uniforms of causal mode (with return_eps=True); with
         shared_individual=True every step of a row holds the same eps.
+    stop_reasons: per row, None, or why it ended before eos, a stop string or max_new_tokens: a sentence when its
+        hidden state or the value of the number it chose was not finite (the row ends before that step; the
+        other rows go on).
     """
 
     sequences: Tensor
@@ -50,6 +53,7 @@ class GenerationOutput:
     texts: list[str] | None = None
     eps: Tensor | None = None
     mode: str = "deterministic"
+    stop_reasons: list[str | None] = field(default_factory=list)
 
     def row(self, b: int) -> "GenerationOutput":
         """Row `b` alone, as generating its prompt by itself returns it: the prompt's left padding and the
@@ -64,7 +68,8 @@ class GenerationOutput:
             new_values=self.new_values[b:b + 1, :n], lengths=self.lengths[b:b + 1], finished=self.finished[b:b + 1],
             token_probs=self.token_probs[b:b + 1, :n], numbers=[numbers],
             texts=None if self.texts is None else [self.texts[b]],
-            eps=None if self.eps is None else self.eps[b:b + 1, :n], mode=self.mode)
+            eps=None if self.eps is None else self.eps[b:b + 1, :n], mode=self.mode,
+            stop_reasons=self.stop_reasons[b:b + 1])
 
 
 def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[dict[str, Any]]:
@@ -123,7 +128,8 @@ def rows_output(rows: Sequence[Row], input_ids: Tensor, numeric_values: Tensor, 
         attention_mask=torch.cat([attention_mask, gen_mask.long()], 1), new_tokens=new_tokens, new_values=new_values,
         lengths=lengths, finished=torch.tensor([r.finished for r in rows], dtype=torch.bool, device=device),
         token_probs=padded("probs", lambda r: 0.0, s.hdtype),
-        numbers=[row_numbers(r, S, calibration_of(r)) for r in rows], texts=texts, eps=eps, mode=s.opts.mode)
+        numbers=[row_numbers(r, S, calibration_of(r)) for r in rows], texts=texts, eps=eps, mode=s.opts.mode,
+        stop_reasons=[r.stop_reason for r in rows])
 
 
 def row_output(row: Row, *, calibration: dict | None, ntok=None) -> GenerationOutput:

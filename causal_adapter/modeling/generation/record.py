@@ -41,6 +41,11 @@ class Row:
     done: bool = False  # written its last token (finished, max_new_tokens) or cancelled
     cancelled: bool = False
     reused_tokens: int = 0  # prompt tokens read from the prefix cache
+    stop_reason: str | None = None  # why a row ended before its end (`stop.stop_on_fault`); None: it did not
+
+
+#: `faults` codes: the row's hidden state is not finite; the <NUM> it chose has no finite value
+FAULT_HIDDEN, FAULT_VALUE = 1, 2
 
 
 def written_values(g: Group, tok: Tensor, val: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,6 +55,15 @@ def written_values(g: Group, tok: Tensor, val: Tensor) -> tuple[Tensor, Tensor]:
     vdtype = g.vdtype
     exact = torch.where(tok == s.num_id, val.to(vdtype), torch.zeros((), dtype=vdtype, device=val.device))
     return exact, exact if s.decimals is None else torch.round(exact, decimals=s.decimals)
+
+
+def faults(z: Tensor, tok: Tensor, fed: Tensor, writable: Tensor, num_id: int) -> Tensor:
+    """[n] 0 where a row can go on, else why not (`FAULT_HIDDEN`: its hidden state z [n, H] is not finite;
+    `FAULT_VALUE`: it chose <NUM> and the value head cannot write its value: not `writable` [n] (`ValueMap.writable`)
+    or, once written and fed back as fed [n], not finite)."""
+    hidden = ~torch.isfinite(z).all(-1).to(tok.device)
+    value = (tok == num_id) & ~(writable & torch.isfinite(fed))
+    return torch.where(hidden, FAULT_HIDDEN, torch.where(value, FAULT_VALUE, 0))
 
 
 def recent_window(ids: list[int], values: list[float], num_id: int, k: int) -> list[float]:

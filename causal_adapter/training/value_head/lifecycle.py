@@ -59,7 +59,7 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         loc, scale = fit_value_units(values)
         inner.set_value_units(loc, scale, value_decimals(values))
         positive = all(v > 0 for v in values)
-        inner.set_value_transform("identity", positive=positive)
+        inner.set_value_transform("identity", positive=positive, value_range=(min(values), max(values)))
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals,
                        value_positive=positive)
         if config.value_transform == "log":
