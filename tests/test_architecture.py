@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "causal_adapter"
 # bottom to top; a module may import its own layer and the ones below
-LAYERS = {"_version": 0, "_compat": 0, "config": 0, "numbers": 1, "records": 1, "modeling": 2, "saving": 3, "model": 4, "data": 5,
+LAYERS = {"_version": 0, "_compat": 0, "config": 0, "numbers": 1, "number_grammar": 1, "records": 1, "modeling": 2, "saving": 3, "model": 4, "data": 5,
           "training": 6, "serving": 7, "commands": 8, "integrations": 8,
           "__main__": 9}
 # old import paths kept for users (CHANGELOG), each a module that only re-exports from its new home (none since
@@ -168,3 +168,27 @@ def test_the_stated_layer_check_catches_a_stale_number(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_table_layers", lambda: {"data": 5})
     with pytest.raises(AssertionError, match=r"'data': \(4, 5\)"):
         test_the_stated_layers_are_the_declared_ones()
+
+
+def test_docs_architecture_names_every_module():
+    """docs/architecture.md's table names every module of the package (its file, or its name in its package's
+    row): a module added without a word on what it owns fails here."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        name = path.stem
+        if f"`{name}.py`" not in table and f"`{name}`" not in table and f"`{name}/`" not in table \
+                and f"{path.parent.name}/{name}" not in table:
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"modules docs/architecture.md does not name: {missing}"
+
+
+def test_integrations_need_nothing_of_the_command_line():
+    """The commands run the integrations (`commands/harness.py`: lm-eval), never the other way: an integration is
+    usable from Python without the CLI (its base check lives in `saving/hub.py`)."""
+    up = [(m, target, line) for m, path in _modules().items() if m.startswith("integrations")
+          for target, line, _ in _imports(m, path) if target.split(".")[0] == "commands"]
+    assert not up, f"integrations importing the command line: {up}"

@@ -13,6 +13,7 @@ the embedded tiny base with the real Qwen tokenizer. Claims, each failing when i
 * `generate` and `predict` report the same value and the same calibrated intervals for the same row.
 """
 import json
+import math
 import random
 
 import pytest
@@ -128,3 +129,36 @@ def test_a_number_chosen_where_training_never_fitted_is_written_after_the_space(
     for nums, p, text in zip(gen.numbers, pred, gen.texts):
         assert text.startswith(" ") and min(targets) <= nums[0]["value"] <= max(targets), text
         assert nums[0]["exact"] == pytest.approx(p["value"], abs=0.1 * (p["upper_90"] - p["lower_90"]))  # as above
+
+
+def test_causal_values_over_a_thousand_individuals_spread_as_the_heads_interval(trained, qwen_tokenizer):
+    """SPEC 4 (causal, amended): the value causal sampling writes is the head's own Cauchy at the quantile the sampled
+    u gives it, so 1,000 individuals on one row (4 seeds x 250 rows, each row its own draws) spread as the head's raw
+    interval: the share below / above its 50% bounds is 1/4 each and below / above its 90% bounds 1/20 each, within
+    4 standard errors of a binomial share. The value at u itself (loc_Y with u for loc_U) is 1e4x wider or, with
+    w_reg = 0, the deterministic value every time; a value in other units misses the bounds. <NUM> is made the argmax
+    (a bias of 1e4, as above): the layout writes the space, then the number at the fitted position."""
+    import copy
+
+    model, _, rows = trained
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        eager.action.b_cls[eager.num_token_id] += 1e4
+    prompt = rows[0]["prompt"]
+    values, bounds = [], set()
+    for seed in range(4):
+        gen = eager.generate([prompt] * 250, tokenizer=qwen_tokenizer, max_new_tokens=2, mode="causal", seed=seed)
+        for nums in gen.numbers:
+            n = nums[0]
+            values.append(n["exact"])
+            bounds.add((round(n["raw_interval_50"][0], 3), round(n["raw_interval_50"][1], 3),
+                        round(n["raw_interval_90"][0], 3), round(n["raw_interval_90"][1], 3)))
+    assert len(values) == 1000 and len(bounds) == 1  # one row: one head, one interval
+    lo50, hi50, lo90, hi90 = bounds.pop()
+    v = torch.tensor(values, dtype=torch.float64)
+    for share, p in (((v < lo50).double().mean(), 0.25), ((v > hi50).double().mean(), 0.25),
+                     ((v < lo90).double().mean(), 0.05), ((v > hi90).double().mean(), 0.05)):
+        assert abs(float(share) - p) <= 4 * math.sqrt(p * (1 - p) / len(v)), (float(share), p, lo50, hi50, lo90, hi90)
+    # the token's own draw: the deterministic mode's value is the interval's centre, unchanged
+    det = eager.generate([prompt], tokenizer=qwen_tokenizer, max_new_tokens=2)
+    assert det.numbers[0][0]["exact"] == pytest.approx(float(v.median()), rel=0.05)

@@ -143,8 +143,8 @@ def test_scalar_parameters_are_one_element_and_broadcast_as_scalars():
     u = torch.randn(C)
     loc_Y, scale_Y = act.regression(u, torch.rand(C))
     assert loc_Y.shape == scale_Y.shape == ()  # a single individual: scalars, as with 0-d b_reg / b_noise_Y
-    s, y = act.decision_scores(torch.randn(3, C), model.W_cls)
-    assert s.shape == (3, model.vocab_size) and y.shape == (3,) and act.num_threshold().shape == ()
+    s = act.decision_scores(torch.randn(3, C), model.W_cls)
+    assert s.shape == (3, model.vocab_size) and act.num_threshold().shape == ()
 
 
 def test_adapter_saved_with_0d_scalars_still_loads(tmp_path):

@@ -131,7 +131,12 @@ def reference_generate(model, ids, vals, mask, mode, steps, *, eos=(), pad=0, se
             eps = shared_eps if shared else torch.rand((B, H), generator=gen, dtype=W.dtype)
             u = loc_U + scale_Up * torch.tan(math.pi * (eps - 0.5))
             tok = (u @ W.T + act.b_cls - C).argmax(-1)
-            val = u @ act.w_reg + act.b_reg
+            # the head's own Cauchy at the quantile u gives it: w_reg . (u - loc_U) / (|w_reg| . scale_U') is an
+            # exact standard Cauchy deviate (the first coordinate's deviate where w_reg = 0)
+            dev = u - loc_U
+            den = scale_Up @ act.w_reg.abs()
+            t = torch.where(den > 0, (dev @ act.w_reg) / den, torch.tan(math.pi * (eps[:, 0] - 0.5)))
+            val = out.loc_Y[:, -1] + out.scale_Y[:, -1] * t
         tok = torch.where(finished, pad, tok)
         val = torch.where(tok == model.num_token_id, val, 0.0)
         finished = finished | torch.isin(tok, torch.tensor(list(eos), dtype=torch.long))
@@ -810,14 +815,13 @@ def _numbers_prompts():
 
 
 @pytest.mark.parametrize("units", ["adapter", "adapter_recent", "row"])
-def test_causal_value_is_the_heads_location_at_the_sampled_u_in_value_units(units):
-    """Causal mode writes, for each generated number, the value head's location with the sampled individual u in
-    place of loc_U, in value units: loc_Y + unit * w_reg . (u - loc_U), with u = loc_U + scale_U' tan(pi (eps -
-    1/2)) from the returned eps and unit the head's scale unit (value_scale for the adapter's units, the row's own
-    s_row in per-row units: scale_Y / |b_noise_Y| for an independent width). Checked against one full forward over
-    the generated sequence, on units other than (0, 1) (a value left in standardised units is off by the units) and
-    in per-row units with w_reg != 0 (a value that ignores u is the plain loc_Y); "adapter_recent": the adapter's
-    units with the head also reading the 4 most recent numbers (w_recent != 0), which the causal value keeps."""
+def test_causal_value_is_the_heads_cauchy_at_the_sampled_u_in_value_units(units):
+    """Causal mode writes, for each generated number, the value head's own Cauchy at the quantile the sampled
+    individual u gives it, in value units: loc_Y + scale_Y t, t = w_reg . (u - loc_U) / (|w_reg| . scale_U'), with
+    u = loc_U + scale_U' tan(pi (eps - 1/2)) from the returned eps (the token's u). Checked against one full forward
+    over the generated sequence, on units other than (0, 1) (a value left in standardised units is off by the units:
+    scale_Y = 3 |b_noise_Y|), in per-row units with w_reg != 0 (each row's own unit), and with the head also reading
+    the 4 most recent numbers (w_recent != 0: loc_Y moves with them); t differs from 0 (a value ignoring u is loc_Y)."""
     cfg = dict(num_token_id=NUM_SMALL, gamma0=1.0, regression_scale="independent", b_noise_Y_init=0.7)
     if units != "adapter":
         cfg.update(recent_values=4, value_row_units="last" if units == "row" else None)
@@ -840,12 +844,14 @@ def test_causal_value_is_the_heads_location_at_the_sampled_u_in_value_units(unit
         f = model(out.sequences, out.numeric_values, attention_mask=full_mask, position_ids=positions(full_mask))
         at = slice(ids.shape[1] - 1, ids.shape[1] - 1 + T)  # the positions that chose the new tokens
         loc_U, loc_Y, scale_Y = f.loc_U[:, at], f.loc_Y[:, at], f.scale_Y[:, at]
-        u = loc_U + act.noisy_scale(f.scale_U[:, at]) * torch.tan(math.pi * (out.eps - 0.5))
+        scale_Up = act.noisy_scale(f.scale_U[:, at])
+        u = loc_U + scale_Up * torch.tan(math.pi * (out.eps - 0.5))
+        t = ((u - loc_U) @ act.w_reg) / (scale_Up @ act.w_reg.abs())
+        expected = loc_Y + scale_Y * t
         unit = scale_Y / act.b_noise_Y.abs()
-        expected = loc_Y + unit * ((u - loc_U) @ act.w_reg)
     if units != "row":
         torch.testing.assert_close(unit, torch.full_like(unit, 3.0), rtol=1e-12, atol=0)
     else:  # each row's own unit, not the adapter's
         assert act.row_rule == "last" and not torch.allclose(unit, torch.full_like(unit, act.value_scale))
-    assert float((expected - loc_Y).abs().min()) > 1e-3  # u moves the value: a value ignoring u would differ
+    assert float(t.abs().min()) > 1e-3  # u moves the value: a value ignoring u would differ
     torch.testing.assert_close(out.new_values, expected, rtol=1e-7, atol=1e-9)

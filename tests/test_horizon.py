@@ -77,8 +77,10 @@ def test_paths_are_seeded_share_the_prefill_and_deterministic_path_alone(saved, 
 
 
 def test_individual_draw_is_the_heads_cauchy_at_the_quantile_u_gives():
-    """w_reg . (u - loc_U) / (|w_reg| . scale_U') is a standard Cauchy: its quartiles are -1, 1."""
+    """w_reg . (u - loc_U) / (|w_reg| . scale_U') is a standard Cauchy: its quartiles are -1, 1 (`heads.individual_draw`,
+    the value of the horizon's sampled paths and of causal `generate`)."""
     from causal_adapter.modeling.cauchy import cauchy_cdf
+    from causal_adapter.modeling.heads import individual_draw
 
     class Act:
         w_reg = torch.tensor([2.0, -0.5, 0.0], dtype=torch.float64)
@@ -86,12 +88,12 @@ def test_individual_draw_is_the_heads_cauchy_at_the_quantile_u_gives():
     g = torch.Generator().manual_seed(0)
     eps = torch.rand(40000, 3, generator=g, dtype=torch.float64)
     scale = torch.tensor([0.3, 4.0, 1.0], dtype=torch.float64).expand(40000, 3)
-    t = hz.individual_draw(Act, eps, scale)
+    t = individual_draw(Act, eps, scale)
     q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     assert q.tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=0.04)
     # a head that does not read u: the exogenous noise, drawn from the individual's first coordinate (the lanes part)
     Act.w_reg = torch.zeros(3, dtype=torch.float64)
-    t0 = hz.individual_draw(Act, eps, scale)
+    t0 = individual_draw(Act, eps, scale)
     assert torch.allclose(t0, torch.tan(math.pi * (eps[:, 0] - 0.5)), rtol=1e-9, atol=1e-9)
     q0 = torch.quantile(t0, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     assert q0.tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=0.04)
@@ -314,8 +316,16 @@ def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path)
         got = r.json()["data"]
         want = model.predict_horizon(PROMPTS, tokenizer=qwen_tokenizer, horizon=3, paths=20, continuations=CONTS,
                                      seed=3)
+        # each step says whether its intervals are calibrated (`hz.step_intervals`): this adapter has a one-step
+        # map and no per-step maps, so step 1 is and steps 2, 3 (the paths' raw intervals) are not
+        assert model.causal_config.value_calibration is not None and model.causal_config.horizon_calibration is None
         for g, w in zip(got, want):
+            assert [(s.pop("calibrated"), s.pop("intervals")) for s in g["horizon"]] == \
+                [(True, "calibrated"), (False, "raw"), (False, "raw")]
             assert g["horizon"] == w["horizon"] and g["value"] == w["value"]
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["value_decimals"]) for m in models] == [("h", model.causal_config.value_decimals)] == \
+            [("h", 1)]
         assert "horizon" not in post({}).json()["data"][0]  # without it: predict's rows as before
         for body, field in (({"horizon": 0}, "horizon"), ({"horizon": 3, "paths": 5}, "paths"),
                             ({"paths": 30}, "paths"), ({"horizon": 3, "continuations": CONTS[:1]}, "continuations")):
@@ -382,6 +392,40 @@ def _step_map(c50: float, c90: float) -> dict:
 
 #: per-step multipliers (c_50, c_90) of steps 2, 3, 4: each step its own, none the one-step map's (~1.35, ~3.3)
 STEP_MULTIPLIERS = [(0.5, 2.0), (1.7, 4.5), (2.6, 8.0)]
+
+
+def test_step_intervals_says_which_steps_are_calibrated(saved):
+    """`step_intervals`: step 1 "calibrated" with a one-step map (else "raw"); step h >= 2 "calibrated" where
+    horizon_calibration has its own map, "widened" beyond the last one (as `widened_multiplier` says: not calibrated),
+    "raw" without per-step maps. `predict`'s stderr note follows it (`commands.predict.horizon_notes`)."""
+    from types import SimpleNamespace
+
+    from causal_adapter.commands.predict import horizon_notes
+
+    _, model = saved
+    one, steps = model.causal_config.value_calibration, [_step_map(*c) for c in STEP_MULTIPLIERS]  # steps 2..4
+    cal = {"individual": "path", "paths": 20, "steps": steps}
+    for value_cal, horizon_cal, H, want in (
+            (one, None, 4, ["calibrated", "raw", "raw", "raw"]),
+            (None, None, 2, ["raw", "raw"]),
+            (one, cal, 1, ["calibrated"]),
+            (one, cal, 4, ["calibrated"] * 4),
+            (one, cal, 6, ["calibrated"] * 4 + ["widened"] * 2),
+            (None, cal, 5, ["raw", "calibrated", "calibrated", "calibrated", "widened"])):
+        config = SimpleNamespace(value_calibration=value_cal, horizon_calibration=horizon_cal)
+        assert hz.step_intervals(config, H) == want, (value_cal is not None, horizon_cal is not None, H)
+        for h, kind in enumerate(want[1:], 2):  # the rule horizon_steps' multipliers follow
+            if horizon_cal:
+                assert hz.widened_multiplier(steps, h, 0.9)[1] == (kind == "calibrated")
+        model_like = SimpleNamespace(causal_config=config)
+        notes = horizon_notes(model_like, H)
+        if "raw" in want[1:]:
+            assert len(notes) == 1 and "no per-step calibration" in notes[0]
+        elif "widened" in want:
+            assert notes == [f"predict: validation covered steps 1..4; the intervals of steps 5..{H} are step 4's "
+                             f"widened by sqrt(step / 4) (docs/predict.md, \"A horizon\")"]
+        else:
+            assert notes == []
 
 
 def _horizon_with(model, tokenizer, calibration, horizon):

@@ -13,17 +13,9 @@ import pytest
 import torch
 
 from causal_adapter.modeling.cauchy import cauchy_nll, ovr_probability
-from causal_adapter.modeling import loss as loss_module
-from causal_adapter.modeling.loss import (
-    COMPILE_ENV,
-    COMPILE_MIN_ELEMENTS,
-    chunk_sizes,
-    fused_ovr_loss,
-    gated_regression_loss,
-    num_probability,
-    reference_ovr_loss,
-    use_compiled,
-)
+from causal_adapter.modeling import ovr_loss as loss_module
+from causal_adapter.modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss
+from causal_adapter.modeling.ovr_loss import COMPILE_ENV, COMPILE_MIN_ELEMENTS, chunk_sizes, use_compiled
 
 mpmath.mp.dps = 40
 
@@ -133,7 +125,7 @@ def test_compiled_kernel_follows_the_scale_floor(grads):
 
 _CROSS_ISA_PROBE = """
 import torch
-from causal_adapter.modeling import loss
+from causal_adapter.modeling import ovr_loss as loss
 from causal_adapter.modeling.loss import fused_ovr_loss
 torch.manual_seed(0)
 N, C, V = 23, 5, 37

@@ -336,7 +336,7 @@ def test_model_loss_with_the_compiled_kernel_equals_eager(monkeypatch):
     """CAUSAL_ADAPTER_COMPILE_LOSS=1 (what a GPU gets by default for batches with N x V >= 2^24)
     routes the model's loss through the torch.compile'd block kernel; loss and head gradients
     equal the eager kernel's."""
-    from causal_adapter.modeling import loss as loss_module
+    from causal_adapter.modeling import ovr_loss as loss_module
 
     monkeypatch.setenv(loss_module.COMPILE_ENV, "1")
     model = wrap(build_tiny_qwen("qwen3", hidden_size=32, num_layers=1, vocab_size=QWEN_VOCAB_SIZE, seed=3),

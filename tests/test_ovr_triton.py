@@ -14,7 +14,7 @@ from triton_interpreter import interpreted_ovr_triton
 ovr_triton = interpreted_ovr_triton()
 pytestmark = pytest.mark.skipif(ovr_triton is None, reason="triton is not installed (pip install triton)")
 
-from causal_adapter.modeling import loss as loss_module  # noqa: E402
+from causal_adapter.modeling import ovr_loss as loss_module  # noqa: E402
 from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss  # noqa: E402
 from test_loss import (  # noqa: E402
     CASES, FLOOR, assert_rel, extreme_case, loss_and_grads, make_case, mp_loss_and_grads,

@@ -52,6 +52,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 needs_browser = pytest.mark.skipif(MISSING_BROWSER is not None and not IN_CI, reason=str(MISSING_BROWSER))
 
 KEY = "playground-key"
+#: the toy adapters' value_decimals (serve_fixtures.make_adapter: their data written with one decimal)
+DECIMALS = 1
 PROMPT = "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971:"
 MAX_TOKENS = 8
 SHOTS = os.environ.get("CAUSAL_ADAPTER_PLAYGROUND_SHOTS")
@@ -126,10 +128,17 @@ def shown_interval(text):
 
 
 def close(page, api_value):
-    """The page shows 6 significant digits."""
+    """A probability (P(<NUM>)): the page shows 6 significant digits."""
     if math.isinf(api_value):
         return page == api_value
     return page == pytest.approx(api_value, rel=5e-6, abs=1e-9)
+
+
+def close_value(page, api_value):
+    """A value or a bound: the page shows the adapter's `DECIMALS`."""
+    if math.isinf(api_value):
+        return page == api_value
+    return page == pytest.approx(api_value, abs=0.5 * 10 ** -DECIMALS + 1e-9)
 
 
 def screenshot(driver, path: Path, docs_name: str | None = None):
@@ -259,10 +268,10 @@ def test_complete_shows_the_values_and_intervals_of_the_api(server, browser, tmp
             tip = wait(d, lambda d: d.find_element(By.ID, "tip") if d.find_element(By.ID, "tip").is_displayed()
                        else None, "the tooltip")
             field = {e.get_attribute("data-field"): e.text for e in tip.find_elements(By.TAG_NAME, "dd")}
-            assert close(shown(field["value"]), v["value"])
+            assert close_value(shown(field["value"]), v["value"])
             for level in (50, 90):
                 lo, hi = shown_interval(field[f"interval-{level}"])
-                assert close(lo, v[f"lower_{level}"]) and close(hi, v[f"upper_{level}"]), (level, field, v)
+                assert close_value(lo, v[f"lower_{level}"]) and close_value(hi, v[f"upper_{level}"]), (level, field, v)
             assert close(shown(field["p-num"]), v["p_num"]) and 0 < v["p_num"] <= 1
             label = button.get_attribute("aria-label")
             assert field["interval-50"] in label and field["interval-90"] in label
@@ -271,9 +280,9 @@ def test_complete_shows_the_values_and_intervals_of_the_api(server, browser, tmp
         # the table of the numbers says the same
         first, v = d.find_element(By.CSS_SELECTOR, "#values-table tbody tr").find_elements(By.TAG_NAME, "td"), \
             want["values"][0]
-        for col, level in ((2, 50), (3, 90)):
+        for col, level in ((1, 50), (2, 90)):
             lo, hi = shown_interval(first[col].text)
-            assert close(lo, v[f"lower_{level}"]) and close(hi, v[f"upper_{level}"])
+            assert close_value(lo, v[f"lower_{level}"]) and close_value(hi, v[f"upper_{level}"])
 
     ActionChains(d).move_to_element(numbers[0]).perform()  # the screenshot shows a number's tooltip
     screenshot(d, tmp_path / "complete.png", "playground-complete.png")
@@ -336,10 +345,10 @@ def test_predict_plots_the_bands_of_the_api(server, browser, tmp_path):
     series = d.find_element(By.ID, "series").get_attribute("value")
     assert len(bands["context"].get_attribute("points").split()) == len(re.split(r"[\s,;]+", series.strip()))
     cells = [c.text for c in d.find_elements(By.CSS_SELECTOR, "#predict-table tbody td")]
-    assert close(shown(cells[2]), row["value"]) and close(shown(cells[5]), row["p_num"])
+    assert close_value(shown(cells[2]), row["value"]) and close(shown(cells[5]), row["p_num"])
     for col, level in ((3, 50), (4, 90)):
         lo, hi = shown_interval(cells[col])
-        assert close(lo, row[f"lower_{level}"]) and close(hi, row[f"upper_{level}"])
+        assert close_value(lo, row[f"lower_{level}"]) and close_value(hi, row[f"upper_{level}"])
     screenshot(d, tmp_path / "predict.png", "playground-predict.png")
 
 
@@ -463,7 +472,7 @@ def test_predict_draws_the_fan_of_a_horizon(server, browser):
         assert len(svg_points(band)) == 1 + 2 * 4  # from the last value, through the 4 upper and 4 lower bounds
     rows = d.find_elements(By.CSS_SELECTOR, "#predict-table tbody tr")
     assert len(rows) == 4
-    assert close(shown(rows[3].find_elements(By.TAG_NAME, "td")[2].text), want[3]["value"])
+    assert close_value(shown(rows[3].find_elements(By.TAG_NAME, "td")[2].text), want[3]["value"])
 
 
 @needs_browser
@@ -521,3 +530,205 @@ def test_horizon_fan_is_drawn_at_the_bounds_of_the_api(server, browser):
     # the 90% fan encloses the 50% fan wherever the API's intervals nest
     for h, s in enumerate(want):
         assert drawn[90][0][h][1] <= drawn[50][0][h][1] + 1e-9 and drawn[50][1][h][1] <= drawn[90][1][h][1] + 1e-9
+
+
+# ----------------------------------------------------------------------------- the horizon, read as a user would
+#: where the page's screenshot of a 6-step horizon goes besides the test's tmp_path (a fixed path to look at)
+HORIZON_SHOT = Path(os.environ.get("CAUSAL_ADAPTER_HORIZON_SHOT", "/tmp/playground-horizon.png"))
+
+
+def horizon_on_page(d, server, H, adapter="a"):
+    """The page (at the desktop size) asked for an H-step horizon of its default series; the API's steps for the same
+    request."""
+    d.set_window_size(1100, 900)
+    open_page(d, server, adapter)
+    d.find_element(By.ID, "tab-predict").click()
+    d.find_element(By.CSS_SELECTOR, "input[name=pkind][value=series]").click()
+    prompt = json.loads(d.find_element(By.ID, "series-prompt").text)
+    steps = d.find_element(By.ID, "series-horizon")
+    steps.clear()
+    steps.send_keys(str(H))
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]")) == H, "the fan")
+    body = {"model": adapter, "prompts": [prompt]}
+    if H > 1:
+        sep = d.find_element(By.ID, "series-sep").get_attribute("value")
+        body.update(horizon=H, paths=100, continuations=[[sep] * (H - 1)])
+    row = api(server, "/v1/predict", body).json()["data"][0]
+    return row["horizon"] if H > 1 else row
+
+
+def table(d, table_id):
+    """(header texts, rows of cell elements) of one of the page's tables."""
+    heads = [th.text for th in d.find_elements(By.CSS_SELECTOR, f"#{table_id} thead th")]
+    rows = [tr.find_elements(By.TAG_NAME, "td") for tr in d.find_elements(By.CSS_SELECTOR, f"#{table_id} tbody tr")]
+    return heads, rows
+
+
+@needs_browser
+def test_horizon_marks_each_uncalibrated_step(server, browser, tmp_path):
+    """Adapter a has a one-step map and no per-step maps (as the demo's adapter): the API says step 1 is calibrated
+    and steps 2..6 are not (the paths' raw intervals); the page marks each of those steps (a badge in its table row, a
+    hollow point in the fan) and says so in a line under the fan. A one-step prediction shows no such line."""
+    d = browser
+    want = horizon_on_page(d, server, 6)
+    assert [s["calibrated"] for s in want] == [True] + [False] * 5
+    assert [s["intervals"] for s in want] == ["calibrated"] + ["raw"] * 5
+    rows = d.find_elements(By.CSS_SELECTOR, "#predict-table tbody tr")
+    assert [r.get_attribute("data-calibrated") for r in rows] == ["true"] + ["false"] * 5
+    for r, s in zip(rows, want):
+        badges = r.find_elements(By.CSS_SELECTOR, "td .badge")
+        if s["calibrated"]:
+            assert not badges, f"step {s['step']} is calibrated, yet marked"
+        else:
+            assert len(badges) == 1 and badges[0].is_displayed() and badges[0].text == "uncalibrated", s["step"]
+            assert "raw" in badges[0].get_attribute("title")
+    note = d.find_element(By.ID, "plot-note")
+    assert note.is_displayed(), "no line under the fan"
+    assert note.text.startswith("Steps 2\u20136: uncalibrated intervals") and "raw" in note.text, note.text
+    points = d.find_elements(By.CSS_SELECTOR, "#plot svg [data-band=point]")
+    assert [p.get_attribute("data-calibrated") for p in points] == ["true"] + ["false"] * 5
+    assert {p.get_attribute("fill") for p in points[1:]} == {"#fff"}  # hollow
+    assert d.find_element(By.ID, "legend-uncalibrated").is_displayed()
+    screenshot(d, tmp_path / "horizon.png")
+    shutil.copy(tmp_path / "horizon.png", HORIZON_SHOT)
+
+    horizon_on_page(d, server, 1)  # one step: calibrated, nothing to say
+    assert not d.find_element(By.ID, "plot-note").is_displayed()
+    assert not d.find_element(By.ID, "legend-uncalibrated").is_displayed()
+
+
+VALUE_TEXT = re.compile(rf"-?\d+\.\d{{{DECIMALS}}}|\u221e|\u2212\u221e")
+
+
+def at_decimals(text):
+    """A value as the page prints it at the adapter's decimals: exactly `DECIMALS` of them (or an unbounded side)."""
+    assert VALUE_TEXT.fullmatch(text), f"{text!r} is not written with the adapter's {DECIMALS} decimal(s)"
+    return shown(text)
+
+
+@needs_browser
+def test_values_and_bounds_are_printed_at_the_adapters_decimals(server, browser):
+    """/v1/models says each adapter's value_decimals (the toy adapters' data: one decimal); the page prints every
+    value and bound at them: the horizon table, the one-step table and the numbers of a completion."""
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert {m["id"]: m["value_decimals"] for m in models["data"]} == {"a": DECIMALS, "b": DECIMALS}
+    d = browser
+    want = horizon_on_page(d, server, 6)
+    _, rows = table(d, "predict-table")
+    for cells, s in zip(rows, want):
+        assert close_value(at_decimals(cells[2].text), s["value"])
+        for col, level in ((3, 50), (4, 90)):
+            lo, hi = shown_interval(cells[col].text)
+            lo_text, hi_text = cells[col].text[1:-1].split(", ")
+            assert close_value(at_decimals(lo_text), s[f"lower_{level}"]) and lo == shown(lo_text)
+            assert close_value(at_decimals(hi_text), s[f"upper_{level}"]) and hi == shown(hi_text)
+    row = horizon_on_page(d, server, 1)
+    _, (cells,) = table(d, "predict-table")
+    assert close_value(at_decimals(cells[2].text), row["value"])
+    for col in (3, 4):
+        assert all(VALUE_TEXT.fullmatch(x) for x in cells[col].text[1:-1].split(", ")), cells[col].text
+
+    d.find_element(By.ID, "tab-complete").click()
+    d.find_element(By.CSS_SELECTOR, "input[name=kind][value=prompt]").click()
+    tokens = d.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(MAX_TOKENS))
+    d.find_element(By.ID, "run").click()
+    wait(d, lambda d: "written" in d.find_element(By.ID, "complete-status").text, "the completion")
+    _, rows = table(d, "values-table")
+    assert rows
+    for cells in rows:
+        for cell in cells[1:3]:  # the 50% and 90% intervals
+            for x in cell.text[1:-1].split(", "):
+                at_decimals(x)
+    button = d.find_element(By.CSS_SELECTOR, "#output button.num")
+    d.execute_script("arguments[0].focus()", button)
+    tip = wait(d, lambda d: d.find_element(By.ID, "tip") if d.find_element(By.ID, "tip").is_displayed() else None,
+               "the tooltip")
+    field = {e.get_attribute("data-field"): e.text for e in tip.find_elements(By.TAG_NAME, "dd")}
+    at_decimals(field["value"])
+    for x in field["interval-50"][1:-1].split(", ") + field["interval-90"][1:-1].split(", "):
+        at_decimals(x)
+
+
+def y_scale(d, svg):
+    """The plot's y scale, y_px = a + b * value, read off the context line (the window's values as drawn)."""
+    series = [float(v) for v in re.split(r"[\s,;]+", d.find_element(By.ID, "series").get_attribute("value").strip())]
+    context = svg_points(svg.find_element(By.CSS_SELECTOR, "[data-band=context]"))
+    i, j = series.index(max(series)), series.index(min(series))
+    b = (context[i][1] - context[j][1]) / (series[i] - series[j])
+    return context[i][1] - b * series[i], b
+
+
+@needs_browser
+@pytest.mark.parametrize("H", [6, 1])
+def test_plot_has_round_y_ticks_and_axis_titles(server, browser, H):
+    """The y axis' tick labels are round numbers: at least three, a step of 1, 2 or 5 times a power of ten, each a
+    multiple of it, written with no more decimals than the step needs, each drawn at the height the plot's scale gives
+    its value; the x axis is titled "step" and the y axis "value" (the horizon's fan and the one-step plot)."""
+    d = browser
+    horizon_on_page(d, server, H)
+    svg = d.find_element(By.CSS_SELECTOR, "#plot svg")
+    labels = svg.find_elements(By.CSS_SELECTOR, "text[data-tick=y]")
+    values = [float(t.text.replace("\u2212", "-")) for t in labels]
+    assert len(values) >= 3, [t.text for t in labels]
+    steps = {round(b - a, 9) for a, b in zip(values, values[1:])}
+    assert len(steps) == 1, f"uneven ticks {values}"
+    step = steps.pop()
+    power = 10 ** math.floor(math.log10(step))
+    assert round(step / power, 9) in (1, 2, 5), f"tick step {step} is not 1, 2 or 5 times a power of ten: {values}"
+    decimals = max(0, -math.floor(math.log10(step)))
+    for t, v in zip(labels, values):
+        assert abs(v / step - round(v / step)) < 1e-6, f"tick {t.text} is not a multiple of {step}"
+        assert len(t.text.partition(".")[2]) == decimals, f"tick {t.text!r}: {decimals} decimals for a step of {step}"
+    a, b = y_scale(d, svg)
+    for t, v in zip(labels, values):  # each label beside the grid line of its value (the text's baseline 4px below)
+        assert float(t.get_attribute("y")) - 4 == pytest.approx(a + b * v, abs=1e-6), (t.text, v)
+    titles = {t.get_attribute("data-axis"): t for t in svg.find_elements(By.CSS_SELECTOR, "text[data-axis]")}
+    assert set(titles) == {"x", "y"} and titles["x"].text == "step" and titles["y"].text == "value"
+    assert all(t.is_displayed() for t in titles.values())
+    assert "rotate(-90" in titles["y"].get_attribute("transform")  # along its axis
+
+
+@needs_browser
+def test_horizon_table_first_column_is_the_step(server, browser):
+    """A horizon's table holds one row per step: its first column is headed "Step" (+1 .. +H); rows' predictions are
+    headed "Row" again."""
+    d = browser
+    horizon_on_page(d, server, 3)
+    heads, rows = table(d, "predict-table")
+    assert heads[0] == "Step", heads
+    assert [cells[0].text.split()[0] for cells in rows] == ["+1", "+2", "+3"]
+    d.find_element(By.CSS_SELECTOR, "input[name=pkind][value=rows]").click()
+    d.find_element(By.ID, "predict").click()
+    wait(d, lambda d: table(d, "predict-table")[0][0] == "Row", "the rows' table")
+    assert [cells[0].text for cells in table(d, "predict-table")[1]] == ["1", "2"]
+
+
+@needs_browser
+def test_complete_table_shows_each_number_once(server, browser):
+    """The Complete table: each number the completion wrote once (its text; its value is what the text says), then
+    its intervals and P(<NUM>): no column repeats the number."""
+    d = browser
+    d.set_window_size(1100, 900)
+    open_page(d, server)
+    prompt = d.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(PROMPT)
+    tokens = d.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(MAX_TOKENS))
+    d.find_element(By.ID, "run").click()
+    wait(d, lambda d: "written" in d.find_element(By.ID, "complete-status").text, "the completion")
+    want = api(server, "/v1/completions", {"model": "a", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                           "mode": "deterministic"}).json()["choices"][0]["values"]
+    heads, rows = table(d, "values-table")
+    assert heads == ["Number", "50% interval", "90% interval", "P(<NUM>)"], heads
+    assert want and len(rows) == len(want)
+    for cells, v in zip(rows, want):
+        texts = [c.text for c in cells]
+        assert texts[0] == v["text"]
+        same = [t for t in texts if t == v["text"] or (VALUE_TEXT.fullmatch(t) and shown(t) == float(v["text"]))]
+        assert same == [v["text"]], f"the number {v['text']!r} shown more than once: {texts}"
+        assert float(cells[0].get_attribute("title").split()[-1]) == v["value"]  # the exact value, on hover

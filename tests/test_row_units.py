@@ -293,37 +293,53 @@ def test_generate_writes_the_value_predict_gives_in_row_units(mixed_scales, qwen
 
 @pytest.mark.parametrize("c", [1e-3, 1e3])
 def test_causal_sampling_writes_the_value_in_the_series_units(mixed_scales, qwen_tokenizer, c):
-    """Causal sampling (a sampled u per step) in per-row units: the value written is the head's value for the
-    row's own numbers, in the series' units, as predict gives it, for a small and a large series alike (a value
-    left in standardised row units would be ~1 whatever the series)."""
+    """Causal sampling (a sampled u per step) in per-row units: the value written is the head's own Cauchy for the
+    row's own numbers at the quantile the sampled u gives it, loc_Y + scale_Y t (`heads.individual_draw`), in the
+    series' units, with loc_Y and scale_Y as predict gives them, for a small and a large series alike (a value left
+    in standardised row units would be ~1 whatever the series)."""
     model = mixed_scales[0]["auto"]
     assert model.action.row_rule is not None
+    assert not bool(model.action.w_reg.abs().sum() > 0)  # the fit kept no loc_U: t is u's first coordinate's deviate
     prompts = [_scaled_prompt(r["prompt"], c) for r in mixed_scales[1]["test"] if r["scale"] == 1.0][:4]
-    gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2, mode="causal", seed=0)
+    gen = model.generate(prompts, tokenizer=qwen_tokenizer, max_new_tokens=2, mode="causal", seed=0,
+                         return_eps=True)
     pred = model.predict_values(prompts, tokenizer=qwen_tokenizer)
-    written = [(nums[0], p) for nums, p in zip(gen.numbers, pred) if nums]
+    vm = model.value_map
+    written = [(b, nums[0], p) for b, (nums, p) in enumerate(zip(gen.numbers, pred)) if nums]
     assert len(written) >= 2, gen.texts  # the trained head writes a number after the label on most rows
-    for first, p in written:
-        assert first["value"] == pytest.approx(p["value"], rel=1e-4), (first, p)
+    for b, first, p in written:
+        # loc_Y and scale_Y (on the head's scale) are predict's, in the series' units
+        assert float(vm.to_value(torch.tensor(first["loc"], dtype=torch.float64))) == pytest.approx(p["value"], rel=1e-4)
+        assert first["scale"] == pytest.approx(p["scale"], rel=1e-4), (first, p)
+        t = math.tan(math.pi * (float(gen.eps[b, first["position"], 0]) - 0.5))
+        h = torch.tensor(first["loc"] + first["scale"] * t, dtype=torch.float64)
+        assert first["exact"] == pytest.approx(float(vm.to_value(h)), rel=1e-4), (first, p, t)
+    assert any(abs(first["exact"] - p["value"]) > 1e-3 * abs(p["value"]) for _, first, p in written)  # u moved it
 
 
 @pytest.mark.parametrize("c", [1e-3, 1e3])
-def test_the_causal_decision_value_is_the_row_regression_and_scales_with_the_row(mixed_scales, c):
-    """The unit form: `decision_scores(u, W_cls, recent)`'s value equals `row_regression(recent, u)`'s loc_Y (the
-    same u as its token), and a window multiplied by c gives c times it (the fit kept no loc_U here: w_reg = 0)."""
+def test_the_causal_value_scales_with_the_row(mixed_scales, c):
+    """The unit form: the causal value `individual_value(loc_Y, scale_Y, eps, scale_U')` of a row multiplied by c is
+    c times the row's (loc_Y and scale_Y of per-row units move with the row; the deviate is the same u's)."""
     model = mixed_scales[0]["auto"]
     act = copy.deepcopy(model.action).double()
     R = _series_windows(40, seed=7)  # 17 numbers a row (8 dated values), NaN past them
     R = torch.nn.functional.pad(R, (0, act.recent_values - R.shape[1]), value=math.nan)
     g = torch.Generator().manual_seed(1)
-    u = torch.randn(len(R), act.w_reg.shape[0], generator=g, dtype=torch.float64)
-    W_cls = torch.randn(act.b_cls.shape[0], act.w_reg.shape[0], generator=g, dtype=torch.float64)
+    C = act.w_reg.shape[0]
+    loc_U = torch.randn(len(R), C, generator=g, dtype=torch.float64)
+    scale_Up = torch.rand(len(R), C, generator=g, dtype=torch.float64) + 0.1
+    eps = torch.rand(len(R), C, generator=g, dtype=torch.float64)
     with torch.no_grad():
-        _, value = act.decision_scores(u, W_cls, R)
-        loc_Y, _ = act.row_regression(R, R[:, 0], u)  # the value of the same u as the token
-        _, value_c = act.decision_scores(u, W_cls, c * R)
-    torch.testing.assert_close(value, loc_Y, rtol=1e-12, atol=0)
-    torch.testing.assert_close(value_c, c * value, rtol=1e-9, atol=0)  # row units would not move with c
+        value = act.value_map.to_value(act.individual_value(*act.regression(loc_U, scale_Up, R), eps, scale_Up))
+        loc_c, scale_c = act.regression(loc_U, scale_Up, c * R)
+        value_c = act.value_map.to_value(act.individual_value(loc_c, scale_c, eps, scale_Up))
+        loc_Y, _ = act.regression(loc_U, scale_Up, R)
+    assert not torch.allclose(value, act.value_map.to_value(loc_Y))  # the individual's draw, not the location
+    # rows whose width stays above the absolute floor of scale_Y (`scale_floor`: the one term that is not per row)
+    free = scale_c > 10 * act.scale_floor
+    assert int(free.sum()) >= len(R) // 2
+    torch.testing.assert_close(value_c[free], c * value[free], rtol=1e-9, atol=0)  # row units would not move with c
 
 
 def test_per_row_units_under_a_bf16_autocast_keep_full_precision_values(mixed_scales, qwen_tokenizer):

@@ -8,19 +8,16 @@ import difflib
 import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 from ..data.conversations import read_chat_template
 from ..saving.assets import DTYPES, load_base
+from ..saving.hub import check_base, truthy  # noqa: F401 - the checks every command shares
 
 CLI_DTYPES = sorted(DTYPES)  # --dtype of every command (train: TrainConfig.dtype, the same names)
 DEBUG_ENV = "CAUSAL_ADAPTER_DEBUG"
 DEBUG_HELP = f"show the full traceback of an error (also: {DEBUG_ENV}=1)"
-HUB_TIMEOUT_S = 10.0
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 USER_ERRORS = (OSError, ValueError, ImportError, LookupError, FloatingPointError)
-_CHECKED_BASES: set[str] = set()
 
 
 class CLIError(Exception):
@@ -107,69 +104,6 @@ def chat_template_from_args(args: argparse.Namespace) -> str | None:
 
 
 # ---------------------------------------------------------------------------- checks before any work
-def truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def check_base(base: str | None, flag: str = "--base") -> None:
-    """Fail fast, in one line, on a base model that cannot load: a missing folder, a folder that
-    is not a checkpoint, a hub name that is neither cached nor reachable (no 50 s of retries)."""
-    if base is None or base in _CHECKED_BASES:
-        return
-    what = f"{flag} {base!r}"
-    fix = "give the folder of a saved Qwen checkpoint (config.json + *.safetensors) or a hub name such as Qwen/Qwen2.5-0.5B"
-    path = Path(base).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CLIError(f"{what} is a folder without config.json, not a model checkpoint: {fix}")
-        return
-    if path.exists():
-        raise CLIError(f"{what} is a file, not a model folder: {fix}")
-    if base.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(base):  # a path, not a hub id
-        raise CLIError(f"{what}: no such folder: {fix}")
-    _check_hub(base, what)
-    _CHECKED_BASES.add(base)  # a hub name is looked up once per process
-
-
-def _check_hub(name: str, what: str) -> None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache(name, "config.json"), str):
-            return
-    except Exception:  # noqa: BLE001 - an invalid repo id: the lookup below names the problem
-        pass
-    if truthy("HF_HUB_OFFLINE") or truthy("TRANSFORMERS_OFFLINE"):
-        raise CLIError(f"{what} is not a local folder nor in the hub cache, and HF_HUB_OFFLINE is set: "
-                       f"download it once with network (hf download {name}) or give a local folder")
-    result: dict = {}
-
-    def probe() -> None:
-        try:
-            from huggingface_hub import HfApi
-
-            HfApi().model_info(name, timeout=HUB_TIMEOUT_S / 2)
-        except Exception as e:  # noqa: BLE001 - classified below
-            result["error"] = e
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(HUB_TIMEOUT_S)
-    err = result.get("error")
-    if thread.is_alive():
-        err = TimeoutError(f"no answer within {HUB_TIMEOUT_S:.0f} s")
-    if err is None:
-        return
-    kind = type(err).__name__
-    if kind == "GatedRepoError":
-        raise CLIError(f"{what} is a gated model: accept its licence on huggingface.co and log in (hf auth login)")
-    if kind in ("RepositoryNotFoundError", "HFValidationError"):
-        raise CLIError(f"{what}: no such model on the Hugging Face hub (or a private one: log in with "
-                       f"hf auth login) and no such local folder: check the name or give the folder of a downloaded checkpoint")
-    raise CLIError(f"{what} is not a local folder nor in the hub cache, and the hub cannot be reached "
-                   f"({kind}): connect to the network, or give the folder of a downloaded checkpoint")
-
-
 def existing_outputs(out_dir: str | os.PathLike, names: tuple[str, ...]) -> list[str]:
     """The entries of `names` (globs) present in `out_dir`: the outputs a new run would replace."""
     out = Path(out_dir)

@@ -27,7 +27,8 @@ from ..data.conversations import check_chat_template, inference_prompt
 from ..data.pipeline import load_text_dataset
 from ..modeling.adaptive import DEFAULT_GAMMA, adaptive_interval
 from ..modeling.families import text_config
-from ..modeling.horizon import DEFAULT_PATHS, MAX_HORIZON, check_continuations, check_horizon, check_paths
+from ..modeling.horizon import (DEFAULT_PATHS, MAX_HORIZON, check_continuations, check_horizon, check_paths,
+                                step_intervals)
 from ..modeling.prediction import check_levels, level_name, prediction_columns
 from ..numbers import NumberTokenizer, find_numbers
 from ..saving.artifacts import atomic_write_file
@@ -205,14 +206,12 @@ def row_continuations(dataset, rows: Sequence[int], column: str = "continuations
 
 def horizon_notes(model, horizon: int) -> list[str]:
     """What the adapter's per-step calibration covers for `horizon` (stderr lines; none when it covers it all)."""
-    if horizon < 2:
-        return []
-    cal = model.causal_config.horizon_calibration
-    if cal is None:
+    kinds = step_intervals(model.causal_config, horizon)[1:]  # steps 2..H (step 1 is predict's own row)
+    if "raw" in kinds:
         return [f"predict: the adapter has no per-step calibration (train it with validation rows whose completion "
                 f"holds several values): steps 2..{horizon} give the paths' raw intervals"]
-    covered = len(cal["steps"]) + 1
-    if horizon > covered:
+    if "widened" in kinds:
+        covered = kinds.index("widened") + 1
         return [f"predict: validation covered steps 1..{covered}; the intervals of steps {covered + 1}..{horizon} are "
                 f"step {covered}'s widened by sqrt(step / {covered}) (docs/predict.md, \"A horizon\")"]
     return []

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     model.to(args.torch_device)
     registry = Registry(base_name, getattr(text_config(model.backbone), "max_position_embeddings", None))
     for name, path in adapters.items():
-        registry.add(name, path)
+        registry.add(name, path, model.causal_configs[name].value_decimals)
     engine = Engine(model, tokenizer, registry, max_batch_size=args.max_batch_size, chat_template=chat_template,
                     enable_thinking=args.enable_thinking, prefix_cache=not args.no_prefix_cache)
     app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root, max_queue=args.max_queue,

@@ -33,12 +33,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ..commands.parser import check_base
 from ..model import CausalModel, get_causal_model
 from ..modeling.families import text_config
 from ..modeling.loglikelihood import MODES, sequence_logprobs
 from ..numbers import NumberTokenizer
 from ..saving.assets import load_base
+from ..saving.hub import check_base
 
 log = logging.getLogger("causal_adapter.lm_eval")
 #: the names ``--model`` takes

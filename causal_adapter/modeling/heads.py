@@ -12,6 +12,7 @@ The shared W_cls is cast per use by chunks of rows, never copied into the adapte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import check_row_rule
+from .cauchy import cauchy_icdf
 from .row_net import part_shapes, row_net, PARTS as ROW_NET_PARTS
 from .row_transform import row_frame
 from .value_transform import ValueMap
@@ -230,7 +232,7 @@ class ActionHead(nn.Module):
         self.recent_window = int(recent_window or recent_values)
         self.row_rule: str | None = None  # the per-row units' rule (`set_row_units`), None = the adapter's units
         self.row_width_power = 0.0  # the width's exponent a in per-row units (`row_units.row_width`)
-        self.value_map = ValueMap()  # the scale the value's Cauchy lives on (`set_value_map`)
+        self._value_map = ValueMap()  # the scale the value's Cauchy lives on (`set_value_map`, `value_map`)
         if recent_values:
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
@@ -253,7 +255,17 @@ class ActionHead(nn.Module):
         """The scale the value's Cauchy lives on (`value_transform.ValueMap`): loc_Y, scale_Y and the head's units
         are on T(y), and the head reads the recent numbers as T(numbers) (`value_loc` / `value_scale` are then the
         head's units on that scale)."""
-        self.value_map = value_map
+        self._value_map = value_map
+
+    @property
+    def value_map(self) -> ValueMap:
+        """The value's map (`set_value_map`); in per-row units ("last", "median") without a log head's bounds: they are
+        absolute, and a per-row head is scale-equivariant (a row multiplied by c gives values multiplied by c, at any c), so it
+        keeps only the dtype's clamp of its exp and the step loop's end of a row whose value is not finite."""
+        vm = self._value_map
+        if self.row_rule in (None, "fixed") or vm.bounds is None:  # "fixed": the adapter's units for every row
+            return vm
+        return dataclasses.replace(vm, bounds=None)
 
     def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
         """Per-row units by `rule` (`config.ROW_UNIT_RULES`), or None for the adapter's units; needs recent values.
@@ -439,14 +451,33 @@ class ActionHead(nn.Module):
         scale_S = self.override_num_column(linear_in_dtype(scale_Up, W_cls.abs()), scale_Up, scale=True)
         return loc_S, scale_S.clamp_min(self.scale_floor)
 
-    def decision_scores(self, u: Tensor, W_cls: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Noise-free action for a sampled individual u [..., C] (recent [..., K] as in `regression`):
-        (s - C_k) [..., V] and y [...]."""
+    def decision_scores(self, u: Tensor, W_cls: Tensor) -> Tensor:
+        """Noise-free token scores for a sampled individual u [..., C]: (W_cls u + b_cls - C_k) [..., V] (its value:
+        `individual_value`)."""
         s = self.override_num_column(linear_in_dtype(u, W_cls) + self.b_cls, u)
-        if self.row_rule is not None:  # the value reads the row's numbers and the same u as the token
-            return s - self.threshold_scores(), self.row_regression(recent, u[..., 0], u)[0]
-        y = u @ self.w_reg + self.recent_term(recent, u) + self.b_reg.reshape(())
-        return s - self.threshold_scores(), self.from_standard(y)
+        return s - self.threshold_scores()
+
+    def individual_value(self, loc_Y: Tensor, scale_Y: Tensor, eps: Tensor, scale_Up: Tensor) -> Tensor:
+        """The value an individual u = loc_U + scale_U' tan(pi (eps - 1/2)) writes, on the head's scale: the head's
+        own Cauchy(loc_Y, scale_Y) [...] at the quantile u gives it (`individual_draw`; eps, scale_U' [..., C]), so
+        repeated draws spread as the head's interval does (SPEC 4, causal)."""
+        t = individual_draw(self, eps, scale_Up)
+        return loc_Y + scale_Y * t.to(loc_Y.dtype)
+
+
+def individual_draw(act: ActionHead, eps: Tensor, scale_Up: Tensor) -> Tensor:
+    """[...] the standard Cauchy deviate that individuals u = loc_U + scale_U' tan(pi (eps - 1/2)) (eps, scale_U'
+    [..., C]) give the value head: w_reg . (u - loc_U) / (|w_reg| . scale_U'). The head's location is linear in u
+    through w_reg alone (per-row units: times the row's unit), so this is exactly where u puts the value in its own
+    Cauchy. A head that does not read u (w_reg = 0: a per-row head on the row's numbers alone) has a width that is all
+    exogenous noise (|b_noise_Y|): the individual's first coordinate's deviate tan(pi (eps_0 - 1/2)) draws it, so
+    repeated draws still spread (else every draw would be loc_Y). The value at u itself (loc_Y with u for loc_U) has
+    the width |w_reg| . scale_U', which nothing fits to the values (27,000x scale_Y on a trained adapter)."""
+    w = act.w_reg.to(scale_Up.dtype)
+    deviates = cauchy_icdf(eps.to(scale_Up.dtype))
+    dev = scale_Up * deviates  # u - loc_U
+    den = scale_Up @ w.abs()
+    return torch.where(den > 0, (dev @ w) / den.clamp_min(torch.finfo(den.dtype).tiny), deviates[..., 0])
 
 
 def _idx(k: int, like: Tensor) -> Tensor:

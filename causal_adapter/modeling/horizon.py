@@ -48,12 +48,12 @@ from torch import Tensor
 
 from .._compat import cache_kwargs
 from ..numbers import find_numbers
-from .cauchy import cauchy_cdf, cauchy_icdf
+from .cauchy import cauchy_cdf
 from .generation.cache import cache_from, key_value_only
 from .generation.choose import choose, draw_eps
 from .generation.options import DecodingOptions
 from .generation.prepare import Group, prepare, text_prompts_tokenizer
-from .heads import full_precision, recent_values
+from .heads import full_precision, individual_draw, recent_values
 from .intervals import conformal_multiplier
 from .prediction import (DEFAULT_LEVELS, check_levels, encoded_batches, level_name, predict_forward,
                          prediction_rows)
@@ -197,20 +197,6 @@ def step_forward(model, cache, ids: Tensor, values: Tensor, recent_before: Tenso
         if regression:
             loc_Y, scale_Y = model.action.regression(loc_U, model.action.noisy_scale(scale_U), recent)
     return StepOutput(loc_U, scale_U, loc_Y, scale_Y, recent, z)
-
-
-def individual_draw(act, eps: Tensor, scale_Up: Tensor) -> Tensor:
-    """[N] the standard Cauchy deviate that individuals u = loc_U + scale_U' tan(pi (eps - 1/2)) (eps, scale_U' [N, C])
-    give the value head: w_reg . (u - loc_U) / (|w_reg| . scale_U'). The head's location is linear in u through w_reg
-    alone (per-row units: times the row's unit), so this is exactly where u puts the value in its own Cauchy. A head
-    that does not read u (w_reg = 0: a per-row head on the row's numbers alone) has a width that is all exogenous
-    noise (|b_noise_Y|): the individual's first coordinate's deviate tan(pi (eps_0 - 1/2)) draws it, so its paths
-    still part (else every lane would repeat the deterministic path and the spread would be one step's width)."""
-    w = act.w_reg.to(scale_Up.dtype)
-    deviates = cauchy_icdf(eps.to(scale_Up.dtype))
-    dev = scale_Up * deviates  # u - loc_U
-    den = scale_Up @ w.abs()
-    return torch.where(den > 0, (dev @ w) / den.clamp_min(torch.finfo(den.dtype).tiny), deviates[..., 0])
 
 
 def _draw(gen, n: int, C: int, like: Tensor) -> Tensor:
@@ -358,11 +344,8 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
                 c = choose(model, g, z[rows], prev=prev[rows], pending=pending[rows],
                            recent=None if recent is None else recent[rows], shared_eps=shared)
             tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
+            # the causal lanes' value: the head's own Cauchy where the lane's u puts it (`heads.individual_draw`)
             val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
-            if g is cau:  # the value at the head's width, where the lane's u puts it (`individual_draw`)
-                with full_precision(dev):
-                    t = individual_draw(model.action, c.eps, model.action.noisy_scale(model.abduction(z[rows])[1]))
-                val[rows] = model.value_map.to_value(c.loc_Y.double() + c.scale_Y.double() * t.double())
         is_num = tok == num
         is_val = is_num & (prev2 == context[0]) & (prev == context[1])  # written where value 1 was
         prev2, prev, pending = prev, tok, pend
@@ -442,6 +425,18 @@ def widened_multiplier(steps: list[dict], h: int, level: float) -> tuple[float, 
         return conformal_multiplier(steps[k], level), True
     last = len(steps) + 1
     return conformal_multiplier(steps[-1], level) * math.sqrt(h / last), False
+
+
+def step_intervals(config, horizon: int) -> list[str]:
+    """How the intervals of steps 1..`horizon` are made, by an adapter's `config`: "calibrated" (a map fitted on
+    validation: `value_calibration` for step 1, `horizon_calibration`'s own map of step h >= 2), "widened" (beyond the
+    steps validation covered: the last map's multiplier widened, `widened_multiplier`) or "raw" (no map: the head's
+    Cauchy for step 1, the paths' mixture for h >= 2). Only "calibrated" steps are calibrated."""
+    cal = config.horizon_calibration
+    out = ["calibrated" if config.value_calibration is not None else "raw"]
+    for h in range(2, horizon + 1):
+        out.append("raw" if not cal else "calibrated" if h - 2 < len(cal["steps"]) else "widened")
+    return out
 
 
 def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...], calibration: dict | None

@@ -12,7 +12,7 @@ positive values is unchanged); under ``log`` they are positive by construction.
 
 A head on log y writes only what it can (`ValueMap.bounds`, docs/values.md "What a log head writes"): its bounds are
 the training values' range on log y, widened by that range's width on each side (at least a factor of 10: a range of
-one value). Generation never writes a number whose h lies outside them (`writable`): at a position the head was never
+one value); a head in per-row units has none (`ActionHead.value_map`: it is scale-equivariant, any scale is its own). Generation never writes a number whose h lies outside them (`writable`): at a position the head was never
 fitted at (a second number after the answer, where loc_Y can be 1,250 on log y) the row ends there, saying why. Every
 other reader (`predict`, the intervals, the horizon's paths) gets h clamped to them; and, whatever the range, to what
 exp can represent in h's own dtype (`log_limits`: 88.7 in float32, 709 in float64), so no finite h gives an infinite

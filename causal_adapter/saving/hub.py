@@ -1,11 +1,13 @@
 """The Hugging Face Hub and base loading: `resolve_adapter_source` (a local directory or a hub repo id,
 one-line error offline), `push_to_hub`, `load_base_model` (a base given as a module, a local path or a
-hub name)."""
+hub name), `check_base` (a base that cannot load, named in one line before any work: the commands' and lm-eval's
+check, so that integrations need nothing of the command line)."""
 from __future__ import annotations
 
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -16,6 +18,19 @@ from .assets import tiny_qwen_from_name
 from .model_card import MODEL_CARD_NAME
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+#: how long `check_base` waits for the hub's answer about a base that is neither a folder nor cached
+HUB_TIMEOUT_S = 10.0
+_CHECKED_BASES: set[str] = set()
+
+
+class BaseSourceError(OSError):
+    """A base model that cannot load (`check_base`): a missing folder, a folder that is not a checkpoint, a hub name
+    neither cached nor reachable. One line, for the command line and lm-eval's model alike."""
+
+
+def truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _hub_offline() -> bool:
@@ -116,3 +131,62 @@ def push_to_hub(model, repo_id: str, *, private: bool | None = None, token: str 
             raise OSError(f"cannot push to {repo_id!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                           ) from None
     return str(getattr(info, "commit_url", info))
+
+
+def check_base(base: str | None, flag: str = "--base") -> None:
+    """Fail fast, in one line, on a base model that cannot load: a missing folder, a folder that
+    is not a checkpoint, a hub name that is neither cached nor reachable (no 50 s of retries)."""
+    if base is None or base in _CHECKED_BASES:
+        return
+    what = f"{flag} {base!r}"
+    fix = "give the folder of a saved Qwen checkpoint (config.json + *.safetensors) or a hub name such as Qwen/Qwen2.5-0.5B"
+    path = Path(base).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise BaseSourceError(f"{what} is a folder without config.json, not a model checkpoint: {fix}")
+        return
+    if path.exists():
+        raise BaseSourceError(f"{what} is a file, not a model folder: {fix}")
+    if base.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(base):  # a path, not a hub id
+        raise BaseSourceError(f"{what}: no such folder: {fix}")
+    _check_hub(base, what)
+    _CHECKED_BASES.add(base)  # a hub name is looked up once per process
+
+
+def _check_hub(name: str, what: str) -> None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - an invalid repo id: the lookup below names the problem
+        pass
+    if truthy("HF_HUB_OFFLINE") or truthy("TRANSFORMERS_OFFLINE"):
+        raise BaseSourceError(f"{what} is not a local folder nor in the hub cache, and HF_HUB_OFFLINE is set: "
+                       f"download it once with network (hf download {name}) or give a local folder")
+    result: dict = {}
+
+    def probe() -> None:
+        try:
+            from huggingface_hub import HfApi
+
+            HfApi().model_info(name, timeout=HUB_TIMEOUT_S / 2)
+        except Exception as e:  # noqa: BLE001 - classified below
+            result["error"] = e
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT_S)
+    err = result.get("error")
+    if thread.is_alive():
+        err = TimeoutError(f"no answer within {HUB_TIMEOUT_S:.0f} s")
+    if err is None:
+        return
+    kind = type(err).__name__
+    if kind == "GatedRepoError":
+        raise BaseSourceError(f"{what} is a gated model: accept its licence on huggingface.co and log in (hf auth login)")
+    if kind in ("RepositoryNotFoundError", "HFValidationError"):
+        raise BaseSourceError(f"{what}: no such model on the Hugging Face hub (or a private one: log in with "
+                       f"hf auth login) and no such local folder: check the name or give the folder of a downloaded checkpoint")
+    raise BaseSourceError(f"{what} is not a local folder nor in the hub cache, and the hub cannot be reached "
+                   f"({kind}): connect to the network, or give the folder of a downloaded checkpoint")

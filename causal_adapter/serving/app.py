@@ -3,11 +3,12 @@
     GET  /                             open: the playground page (static/playground.html; --no-ui: 404)
     GET  /health                       open (no key): {"status": "ok", "adapters": [...], queue and batch figures}
     GET  /metrics                      open: Prometheus text format (queue depth, running rows, TTFT / ITL, ...)
-    GET  /v1/models, /v1/models/{id}   the adapters, by name (OpenAI's model list)
+    GET  /v1/models, /v1/models/{id}   the adapters, by name (OpenAI's model list; each with its value_decimals)
     POST /v1/completions               prompt (a text or a list), OpenAI's fields + mode, levels
     POST /v1/chat/completions          messages, rendered with the chat template and its generation prompt
     POST /v1/predict                   {"model", "prompts" | "messages", "levels"} -> {"data": rows of `predict`};
-                                       with "horizon", "paths", "continuations", "seed": `predict --horizon`'s rows
+                                       with "horizon", "paths", "continuations", "seed": `predict --horizon`'s rows,
+                                       each step also "calibrated" / "intervals" (`horizon.step_intervals`)
     POST /v1/load_lora_adapter         vLLM's {"lora_name", "lora_path"} (with --runtime-adapter-root only)
     POST /v1/unload_lora_adapter       vLLM's {"lora_name"}
 
@@ -341,13 +342,15 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [schemas.model_card(e.name, e.created, e.path, registry.base_name,
-                                                              registry.max_model_len) for e in registry.entries()]}
+                                                              registry.max_model_len, e.value_decimals)
+                                           for e in registry.entries()]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
         registry.check(name)
         e = next(e for e in registry.entries() if e.name == name)
-        return schemas.model_card(e.name, e.created, e.path, registry.base_name, registry.max_model_len)
+        return schemas.model_card(e.name, e.created, e.path, registry.base_name, registry.max_model_len,
+                                  e.value_decimals)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
@@ -455,7 +458,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
                 model.load_adapter(str(path), name, tokenizer=engine.tokenizer, local_files_only=True)
             except (OSError, ValueError) as e:
                 raise RequestError(400, f"cannot load {body.lora_path!r}: {e}", param="lora_path") from None
-            registry.add(name, path)
+            registry.add(name, path, model.causal_configs[name].value_decimals)
             log.info("loaded adapter %r from %s", name, path)
 
         await result(submit(Job("call", CallSpec(load))), request)

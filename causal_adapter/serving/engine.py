@@ -35,7 +35,7 @@ from ..modeling.generation.prepare import Group, make_generator
 from ..modeling.generation.record import Row
 from ..modeling.generation.stream import decode_text, first_stop, streamable
 from ..modeling.intervals import interval
-from ..modeling.horizon import predict_horizon
+from ..modeling.horizon import predict_horizon, step_intervals
 from ..modeling.prediction import level_name, predict_values
 from ..numbers import NumberTokenizer
 from .logprobs import completion_logprobs
@@ -446,6 +446,11 @@ class Engine:
                     rows = predict_horizon(self.model, prompts, tokenizer=self.ntok, horizon=spec.horizon,
                                            paths=spec.paths, levels=spec.levels, continuations=spec.continuations,
                                            seed=spec.seed, batch_size=PREDICT_BATCH_SIZE)
+                    # each step says how its intervals were made (the rule predict's stderr note follows)
+                    kinds = step_intervals(self.model.causal_config, spec.horizon)
+                    for r in rows:
+                        for s, kind in zip(r["horizon"], kinds):
+                            s.update(calibrated=kind == "calibrated", intervals=kind)
             except ValueError as e:
                 raise RequestError(400, str(e), param=field) from None
         except RequestError as e:

@@ -24,6 +24,7 @@ class Entry:
     name: str
     path: str
     created: int
+    value_decimals: int | None = None  # the adapter's (`CausalAdapterConfig.value_decimals`): /v1/models reports it
 
 
 class Registry:
@@ -34,9 +35,9 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, path: str | os.PathLike) -> None:
+    def add(self, name: str, path: str | os.PathLike, value_decimals: int | None = None) -> None:
         with self._lock:
-            self._entries[name] = Entry(name, str(path), int(time.time()))
+            self._entries[name] = Entry(name, str(path), int(time.time()), value_decimals)
 
     def remove(self, name: str) -> None:
         with self._lock:

@@ -162,9 +162,12 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def model_card(name: str, created: int, root: str, parent: str | None, max_model_len: int | None) -> dict:
+def model_card(name: str, created: int, root: str, parent: str | None, max_model_len: int | None,
+               value_decimals: int | None = None) -> dict:
+    """OpenAI's model object, with vLLM's root / parent / max_model_len and the adapter's ``value_decimals`` (the
+    decimals its data writes values with, as generated values are written; null: 6 significant digits)."""
     return {"id": name, "object": "model", "created": created, "owned_by": "causal_adapter", "root": root,
-            "parent": parent, "max_model_len": max_model_len}
+            "parent": parent, "max_model_len": max_model_len, "value_decimals": value_decimals}
 
 
 def value_entry(number: dict, intervals: dict[str, tuple[float, float]], raw: dict[str, tuple[float, float]]) -> dict:

@@ -6,7 +6,9 @@
 * ``deterministic``: token = argmax_k P_k, P_k = P(S_k > C_k) the OvR probability (`scoring.OvRScorer`, exact with
   pruning); value = loc_Y.
 * ``causal``: an individual u = loc_U + scale_U' tan(pi (eps - 1/2)), eps ~ U(0,1)^C, then the noiseless action:
-  token = argmax_k (W_cls u + b_cls - C)_k, value = the head's decision value on u (`ActionHead.decision_scores`).
+  token = argmax_k (W_cls u + b_cls - C)_k (`ActionHead.decision_scores`), value = the value head's own
+  Cauchy(loc_Y, scale_Y) at the quantile the same u gives it (`ActionHead.individual_value`, as the horizon's paths):
+  repeated draws spread as the head's raw interval (SPEC 4, amended).
 
 Every value written is the value head's location mapped to the value (`value_transform.ValueMap.to_value`: itself,
 or exp of it for a head on log y); one that is not finite, or outside a log head's bounds, is not written
@@ -89,15 +91,13 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     `approximate_product(g)`)."""
     s = g.settings
     h = done if done is not None else heads(model, g, z, recent)
-    if recent is not None:
-        recent = recent[:, :s.recent_k].to(g.vdtype)
     early = None
     if s.opts.min_new_tokens and s.eos and steps is not None:
         early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)
     eps = None
     if s.opts.mode == "causal":
         eps = shared_eps if s.opts.shared_individual else _eps(g, z.shape[0], slots)
-        tok, val, prob = _choose_causal(model, s, h.loc_U, h.scale_Up, eps, recent, early)
+        tok, val, prob = _choose_causal(model, s, h, eps, early)
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
     tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
@@ -123,16 +123,16 @@ def _mask_eos(scores: Tensor, s: Settings, early: Tensor | None) -> None:
         scores[rows.unsqueeze(1), s.eos_t.unsqueeze(0)] = -math.inf  # as MinNewTokensLengthLogitsProcessor
 
 
-def _choose_causal(model, s: Settings, loc_U: Tensor, scale_Up: Tensor, eps: Tensor, recent: Tensor | None,
-                   early: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """causal mode: an individual u [n, C] drawn from eps, then the noiseless action on u."""
+def _choose_causal(model, s: Settings, h: Heads, eps: Tensor, early: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """causal mode: an individual u [n, C] drawn from eps, then the noiseless action on u: its token, and its value
+    in the head's own Cauchy (on the head's scale)."""
     scorer = s.scorer
-    u = cauchy_icdf(eps, loc_U, scale_Up).to(s.hdtype)
-    decision, y = model.action.decision_scores(u, scorer.W_cls, recent)
+    u = cauchy_icdf(eps, h.loc_U, h.scale_Up).to(s.hdtype)
+    decision = model.action.decision_scores(u, scorer.W_cls)
     _mask_eos(decision, s, early)
     tok = decision.argmax(-1)
-    prob = scorer.row_probability(tok, scorer.row_locations(loc_U, tok), scale_Up)
-    return tok, y, prob
+    prob = scorer.row_probability(tok, scorer.row_locations(h.loc_U, tok), h.scale_Up)
+    return tok, model.action.individual_value(h.loc_Y, h.scale_Y, eps, h.scale_Up), prob
 
 
 def _choose_by_scores(g: Group, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, early: Tensor | None,
