@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import IGNORE_INDEX
 from ..numbers import to_list
-from .pipeline import batch_length, padded_features
+from .collator import batch_length, padded_features
 
 __all__ = ["PACKED_COLUMNS", "PackedCollator", "pack_dataset", "pack_rows"]
 

@@ -1,13 +1,14 @@
 """Datasets pipeline for number-aware training (SPEC sections 1 and 6).
 
-* `load_text_dataset`: local jsonl / json / csv / tsv / parquet / txt files through
-  `datasets.load_dataset` (map-style or streaming), with errors that name the file and line.
+* `load_text_dataset` (`data.loading`, re-exported here): local jsonl / json / csv / tsv / parquet / txt files
+  through `datasets.load_dataset` (map-style or streaming), with errors that name the file and line.
 * `tokenize_dataset`: rows -> features ``input_ids``, ``numeric_values``, ``labels``,
   ``label_values`` with a `NumberTokenizer`. A ``text`` column (loss on every token),
   ``prompt`` + ``completion`` columns (loss on the completion only) or TRL's conversations
   (``messages``, or conversational prompt/completion: rendered with the chat template, loss on the
   assistant turns; `data.conversations`).
-* `NumericCollator`: pads the four features (and builds ``attention_mask``) on either side.
+* `NumericCollator` (`data.collator`, re-exported here): pads the four features (and builds ``attention_mask``) on
+  either side.
 * The offline numeric corpora live in `causal_adapter.data.corpora`.
 
 Conventions (fixed; the model is written against them):
@@ -25,14 +26,13 @@ Conventions (fixed; the model is written against them):
 """
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..config import IGNORE_INDEX
-from ..numbers import NUMBER_RE, NumberTokenizer, to_list
+from ..numbers import NUMBER_RE, NumberTokenizer
+from .collator import FEATURE_COLUMNS, NumericCollator  # noqa: F401 - importable from here as before
+from .loading import load_text_dataset  # noqa: F401 - importable from here as before
 from .conversations import CONVERSATION_FORMATS, check_chat_template, detect_format, encode_conversations
 
 __all__ = [
@@ -43,230 +43,9 @@ __all__ = [
     "tokenize_dataset",
 ]
 
-FEATURE_COLUMNS = ("input_ids", "numeric_values", "labels", "label_values")
 #: a column the tokenising map adds (was the row cut at max_length?), counted for the warning, then removed
 TRUNCATED_COLUMN = "__truncated__"
 logger = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------- loading
-_EXT_TYPES = {
-    ".jsonl": "json", ".json": "json", ".ndjson": "json",
-    ".csv": "csv", ".tsv": "csv",
-    ".parquet": "parquet", ".pq": "parquet",
-    ".txt": "text",
-}
-
-
-def _file_list(data_files) -> list[str]:
-    if isinstance(data_files, (str, os.PathLike)):
-        return [os.fspath(data_files)]
-    if isinstance(data_files, Mapping):
-        out = []
-        for v in data_files.values():
-            out.extend(_file_list(v))
-        return out
-    if isinstance(data_files, (list, tuple)):
-        out = []
-        for v in data_files:
-            out.extend(_file_list(v))
-        return out
-    raise ValueError(f"data_files must be a path, a list of paths or a dict split -> paths, got {data_files!r:.200}")
-
-
-def _infer_type(path: str) -> str:
-    name = path.lower()
-    for comp in (".gz", ".bz2", ".xz", ".zst", ".zip"):
-        if name.endswith(comp):
-            name = name[: -len(comp)]
-    ext = os.path.splitext(name)[1]
-    if ext not in _EXT_TYPES:
-        raise ValueError(
-            f"cannot infer the file type of {path!r} from its extension {ext!r}; pass file_type= one of "
-            "'json', 'csv', 'parquet', 'text' (known extensions: " + ", ".join(sorted(_EXT_TYPES)) + ")"
-        )
-    return _EXT_TYPES[ext]
-
-
-def _check_files(files: list[str]) -> list[str]:
-    """Local files exist (glob patterns are expanded); return the concrete paths."""
-    out = []
-    for f in files:
-        if "://" in f:  # remote / fsspec URL: left to datasets
-            out.append(f)
-            continue
-        if any(c in f for c in "*?["):
-            hits = sorted(glob.glob(f))
-            if not hits:
-                raise FileNotFoundError(f"no file matches the pattern {f!r}")
-            out.extend(hits)
-        elif not os.path.isfile(f):
-            raise FileNotFoundError(f"data file not found: {f!r} (cwd {os.getcwd()!r})")
-        else:
-            out.append(f)
-    return out
-
-
-def _open_text(path: str):
-    if path.endswith(".gz"):
-        import gzip
-        return gzip.open(path, "rt", encoding="utf-8")
-    if path.endswith(".bz2"):
-        import bz2
-        return bz2.open(path, "rt", encoding="utf-8")
-    if path.endswith(".xz"):
-        import lzma
-        return lzma.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _locate_json_error(paths: Sequence[str]) -> ValueError | None:
-    """The first line of a JSON-lines file that is not a JSON object, as a ValueError naming
-    the file and the line (None when every line parses: the error was something else).
-    When no file holds a single row, that is the error (datasets reports it as a bare StopIteration)."""
-    empty = []
-    for path in paths:
-        if "://" in path:
-            continue
-        rows = 0
-        try:
-            with _open_text(path) as fh:
-                first = fh.read(1)
-                while first and first.isspace():
-                    first = fh.read(1)
-                if first == "[":  # a JSON array file, not JSON lines
-                    fh.seek(0)
-                    try:
-                        rows = len(json.load(fh))
-                    except json.JSONDecodeError as e:
-                        return ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})")
-                    if not rows:
-                        empty.append(path)
-                    continue
-                fh.seek(0)
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        return ValueError(f"{path}: line {lineno}: not valid JSON ({e.msg}): {line.strip()[:120]!r}")
-                    if not isinstance(obj, dict):
-                        return ValueError(
-                            f"{path}: line {lineno}: expected a JSON object per line, got {type(obj).__name__}: "
-                            f"{line.strip()[:120]!r}"
-                        )
-                    rows += 1
-                if not rows:
-                    empty.append(path)
-        except UnicodeDecodeError as e:
-            return ValueError(f"{path}: not UTF-8 text ({e})")
-    if empty and len(empty) == len(paths):
-        return ValueError(f"{', '.join(empty)}: the file is empty (no JSON rows): nothing to load")
-    return None
-
-
-def _load_error(file_type: str, paths: Sequence[str], exc: BaseException) -> Exception:
-    if file_type == "json":
-        located = _locate_json_error(paths)
-        if located is not None:
-            return located
-    cause = exc.__cause__ or exc
-    return ValueError(f"could not load {list(paths)} as {file_type}: {type(cause).__name__}: {cause}")
-
-
-def _guarded_json_stream(paths: list[str], load_kwargs: dict):
-    """Generator behind the streaming JSON dataset: datasets' own json reader, file by file,
-    with a parse error turned into a ValueError naming the file and line."""
-    import datasets
-
-    for path in paths:
-        inner = datasets.load_dataset("json", data_files=path, split="train", streaming=True, **load_kwargs)
-        try:
-            yield from inner
-        except Exception as e:  # noqa: BLE001 - re-raised with the file and line
-            raise _load_error("json", [path], e) from e
-
-
-def load_text_dataset(
-    data_files,
-    file_type: str | None = None,
-    streaming: bool = False,
-    split: str | None = "train",
-    string_columns: Sequence[str] = ("text", "prompt", "completion"),
-    **load_kwargs,
-):
-    """Load local files with `datasets.load_dataset` (no hub access; works with
-    ``HF_DATASETS_OFFLINE=1``).
-
-    data_files: a path, a glob, a list of them, or a dict split -> paths (as in datasets).
-    file_type: "json" (also .jsonl), "csv" (.tsv -> tab separated), "parquet", "text";
-        None infers it from the extension of the first file.
-    streaming: True returns an `IterableDataset` that reads the files lazily (files bigger
-        than memory); a JSON error then surfaces during iteration, also naming file and line.
-    split: the split to return ("train" for plain file lists); None returns the DatasetDict.
-    string_columns: CSV/TSV columns read as text as written (``12.5`` stays the string "12.5",
-        a leading space is kept), whatever pandas would infer.
-
-    Errors: a missing file -> FileNotFoundError naming it; a jsonl line that is not JSON ->
-    ValueError naming the file and the line number; other parse errors -> ValueError naming
-    the files and the cause.
-    """
-    import datasets
-
-    files = _check_files(_file_list(data_files))
-    if not files:
-        raise ValueError("data_files is empty")
-    if file_type is None:
-        file_type = _infer_type(files[0])
-    if file_type == "jsonl":
-        file_type = "json"
-    if file_type not in ("json", "csv", "parquet", "text"):
-        raise ValueError(f"file_type must be 'json', 'csv', 'parquet' or 'text', got {file_type!r}")
-    if file_type == "csv" and "sep" not in load_kwargs and "delimiter" not in load_kwargs:
-        if all(f.lower().removesuffix(".gz").endswith(".tsv") for f in files):
-            load_kwargs["sep"] = "\t"
-    if file_type == "csv" and "converters" not in load_kwargs:
-        load_kwargs["converters"] = {c: str for c in string_columns}
-
-    if isinstance(data_files, Mapping):
-        spec = {k: _check_files(_file_list(v)) for k, v in data_files.items()}
-    else:
-        spec = files
-
-    if streaming and file_type == "json":
-        # datasets' streaming json reader raises pyarrow errors that name neither the file nor
-        # the line: wrap it (one shard per file, so split_dataset_by_node still shards by file).
-        def make(paths):
-            return datasets.IterableDataset.from_generator(
-                _guarded_json_stream, gen_kwargs={"paths": list(paths), "load_kwargs": dict(load_kwargs)}
-            )
-
-        if isinstance(spec, dict):
-            dd = datasets.IterableDatasetDict({k: make(v) for k, v in spec.items()})
-            if split is None:
-                return dd
-            if split not in dd:
-                raise ValueError(f"split {split!r} not in data_files splits {list(dd)}")
-            return dd[split]
-        if split not in (None, "train"):
-            raise ValueError(f"split {split!r} not found: a plain file list is loaded as the 'train' split")
-        ds = make(spec)
-        return datasets.IterableDatasetDict({"train": ds}) if split is None else ds
-
-    import logging
-
-    json_log = logging.getLogger("datasets.packaged_modules.json.json")
-    level = json_log.level
-    json_log.setLevel(logging.CRITICAL)  # its "Failed to load JSON" log repeats what the ValueError below says
-    try:
-        return datasets.load_dataset(file_type, data_files=spec, split=split, streaming=streaming, **load_kwargs)
-    except (FileNotFoundError, ImportError):
-        raise
-    except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors do not name file and line
-        raise _load_error(file_type, files, e) from e
-    finally:
-        json_log.setLevel(level)
-
 
 # --------------------------------------------------------------------------- tokenising
 def _column_names(dataset) -> list[str]:
@@ -533,121 +312,6 @@ def _fingerprint(*parts) -> str:
     import hashlib
 
     return hashlib.sha256(repr(parts).encode("utf-8")).hexdigest()[:32]
-
-
-# --------------------------------------------------------------------------- collator
-def batch_length(lengths: Sequence[int], pad_to_multiple_of: int | None = None, minimum: int = 0) -> int:
-    """The padded length of a batch: its longest row (at least `minimum`), rounded up to a multiple when asked."""
-    length = max(minimum, max(lengths))
-    return -(-length // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else length
-
-
-def padded_features(b: int, length: int, pad_token_id: int, labels: bool = True) -> dict:
-    """[b, length] tensors of padding: input_ids = pad, numeric_values 0.0 (and labels -100, label_values 0.0)."""
-    import torch
-
-    out = {"input_ids": torch.full((b, length), pad_token_id, dtype=torch.long),
-           "numeric_values": torch.zeros((b, length), dtype=torch.float32)}
-    if labels:
-        out["labels"] = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
-        out["label_values"] = torch.zeros((b, length), dtype=torch.float32)
-    return out
-
-
-class NumericCollator:
-    """Pads a list of feature dicts into tensors (SPEC section 1 padding rules).
-
-    ``NumericCollator(pad_token_id, padding_side="right", max_length=None)``; ``pad_token_id``
-    may also be a `NumberTokenizer` (its ``pad_token_id`` is used). Each feature needs
-    ``input_ids``; ``numeric_values`` (default 0.0), ``labels`` and ``label_values`` (default:
-    ``numeric_values`` where labels != -100) are optional; ``attention_mask`` is built.
-    Sequences longer than ``max_length`` keep their first ``max_length`` positions.
-    Other keys holding plain numbers (``target``, ``previous``) are stacked into 1-D tensors
-    (int64 / float64 / bool); other keys (strings, lists, ...) are dropped.
-    Returns ``input_ids``/``attention_mask``/``labels`` (long), ``numeric_values``/``label_values``
-    (float32) of shape [B, S].
-    """
-
-    def __init__(self, pad_token_id, padding_side: str = "right", max_length: int | None = None,
-                 pad_to_multiple_of: int | None = None):
-        if hasattr(pad_token_id, "pad_token_id"):
-            pad_token_id = pad_token_id.pad_token_id
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
-        if padding_side not in ("right", "left"):
-            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
-        self.pad_token_id = pad_token_id
-        self.padding_side = padding_side
-        self.max_length = max_length
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __repr__(self) -> str:
-        return (f"NumericCollator(pad_token_id={self.pad_token_id}, padding_side={self.padding_side!r}, "
-                f"max_length={self.max_length})")
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict:
-        import torch
-
-        if not features:
-            raise ValueError("NumericCollator got an empty batch")
-        rows = []
-        has_labels = "labels" in features[0]
-        for i, f in enumerate(features):
-            if "input_ids" not in f:
-                raise ValueError(f"feature {i} has no 'input_ids' (keys: {sorted(f)})")
-            if ("labels" in f) != has_labels:
-                raise ValueError(f"feature {i}: 'labels' present in some features of the batch but not all")
-            ids = to_list(f["input_ids"])
-            n = len(ids)
-            vals = to_list(f.get("numeric_values")) if f.get("numeric_values") is not None else [0.0] * n
-            mask = to_list(f.get("attention_mask")) if f.get("attention_mask") is not None else [1] * n
-            labels = to_list(f["labels"]) if has_labels else None
-            lvals = to_list(f.get("label_values")) if f.get("label_values") is not None else None
-            for name, seq in (("numeric_values", vals), ("attention_mask", mask), ("labels", labels),
-                              ("label_values", lvals)):
-                if seq is not None and len(seq) != n:
-                    raise ValueError(f"feature {i}: {name} has length {len(seq)} but input_ids has {n}")
-            if has_labels and lvals is None:
-                lvals = [v if l != IGNORE_INDEX else 0.0 for v, l in zip(vals, labels)]
-            m = self.max_length
-            if m is not None and n > m:
-                ids, vals, mask = ids[:m], vals[:m], mask[:m]
-                if has_labels:
-                    labels, lvals = labels[:m], lvals[:m]
-            rows.append((ids, vals, mask, labels, lvals))
-
-        length = batch_length([len(r[0]) for r in rows], self.pad_to_multiple_of)
-        out = padded_features(len(rows), length, self.pad_token_id, labels=has_labels)
-        out["attention_mask"] = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, (ids, vals, mask, labels, lvals) in enumerate(rows):
-            k = len(ids)
-            if k == 0:
-                continue
-            sl = slice(0, k) if self.padding_side == "right" else slice(length - k, length)
-            out["input_ids"][i, sl] = torch.tensor(ids, dtype=torch.long)
-            out["numeric_values"][i, sl] = torch.tensor(vals, dtype=torch.float32)
-            out["attention_mask"][i, sl] = torch.tensor(mask, dtype=torch.long)
-            if has_labels:
-                out["labels"][i, sl] = torch.tensor(labels, dtype=torch.long)
-                out["label_values"][i, sl] = torch.tensor(lvals, dtype=torch.float32)
-        # plain numeric extras (target, previous, ...) stacked; anything else dropped
-        skip = set(FEATURE_COLUMNS) | {"attention_mask"}
-        for key in features[0]:
-            if key in skip:
-                continue
-            vals_k = [f.get(key) for f in features]
-            if all(isinstance(v, bool) for v in vals_k):
-                out[key] = torch.tensor(vals_k, dtype=torch.bool)
-            elif all(isinstance(v, int) and not isinstance(v, bool) for v in vals_k):
-                out[key] = torch.tensor(vals_k, dtype=torch.long)
-            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals_k):
-                out[key] = torch.tensor(vals_k, dtype=torch.float64)  # exact (not a model input)
-        return out
-
 
 
 def number_layout(dataset, num_token_id: int, tokenizer, max_rows: int = 20000,

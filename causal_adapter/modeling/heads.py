@@ -260,8 +260,7 @@ class ActionHead(nn.Module):
     @property
     def value_map(self) -> ValueMap:
         """The value's map (`set_value_map`); in per-row units ("last", "median") without a log head's bounds: they are
-        absolute, and a per-row head is scale-equivariant (a row multiplied by c gives values multiplied by c, at any c), so it
-        keeps only the dtype's clamp of its exp and the step loop's end of a row whose value is not finite."""
+        absolute and a per-row head is scale-equivariant (a row times c gives values times c, at any c)."""
         vm = self._value_map
         if self.row_rule in (None, "fixed") or vm.bounds is None:  # "fixed": the adapter's units for every row
             return vm
@@ -466,13 +465,10 @@ class ActionHead(nn.Module):
 
 
 def individual_draw(act: ActionHead, eps: Tensor, scale_Up: Tensor) -> Tensor:
-    """[...] the standard Cauchy deviate that individuals u = loc_U + scale_U' tan(pi (eps - 1/2)) (eps, scale_U'
-    [..., C]) give the value head: w_reg . (u - loc_U) / (|w_reg| . scale_U'). The head's location is linear in u
-    through w_reg alone (per-row units: times the row's unit), so this is exactly where u puts the value in its own
-    Cauchy. A head that does not read u (w_reg = 0: a per-row head on the row's numbers alone) has a width that is all
-    exogenous noise (|b_noise_Y|): the individual's first coordinate's deviate tan(pi (eps_0 - 1/2)) draws it, so
-    repeated draws still spread (else every draw would be loc_Y). The value at u itself (loc_Y with u for loc_U) has
-    the width |w_reg| . scale_U', which nothing fits to the values (27,000x scale_Y on a trained adapter)."""
+    """[...] the standard Cauchy deviate w_reg . (u - loc_U) / (|w_reg| . scale_U') of individuals u = loc_U + scale_U'
+    tan(pi (eps - 1/2)) (eps, scale_U' [..., C]): the head is linear in u through w_reg, so this is where u puts the
+    value in the head's own Cauchy. With w_reg = 0 (a head on the row's numbers alone) the first coordinate's deviate
+    draws the width (else every draw would be loc_Y). loc_Y at u itself is 27,000x scale_Y wide on a trained adapter."""
     w = act.w_reg.to(scale_Up.dtype)
     deviates = cauchy_icdf(eps.to(scale_Up.dtype))
     dev = scale_Up * deviates  # u - loc_U
