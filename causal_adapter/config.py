@@ -22,10 +22,12 @@ MAX_RECENT_VALUES = 256
 MAX_RECENT_WINDOW = 4 * MAX_RECENT_VALUES
 #: the most members, or hidden units, of the value head's nonlinear correction (`value_row_net`)
 MAX_ROW_NET = 1024
+#: what a series' values may be (`modeling.series.SUPPORTS`, `CausalAdapterConfig.value_series`)
+SERIES_SUPPORTS = ("positive", "nonneg", "signed")
 #: the scales the value's Cauchy can live on (`CausalAdapterConfig.value_transform`, `modeling.value_transform`)
 VALUE_TRANSFORMS = ("identity", "log")
 #: the rules of per-row value units (`CausalAdapterConfig.value_row_units`, `modeling.row_units`)
-ROW_UNIT_RULES = ("last", "median")
+ROW_UNIT_RULES = ("last", "median", "season")
 #: the rules a saved head may carry: the per-row rules and "fixed", the per-row head's form (its nonlinear
 #: correction and log-width) in the adapter's own units for every row, which `train()` keeps only where the
 #: correction beats the linear head in the adapter's units (docs/values.md)
@@ -154,6 +156,11 @@ class CausalAdapterConfig:
         on log y widened by its width on each side (`modeling.value_transform.log_bounds`): a position it was never
         fitted at writes the nearest bound, not an exp that overflows. None (adapters written before the field): the
         dtype's limit alone.
+    value_series: the series the training and validation files held (`modeling.series`): {key: {"support":
+        "positive" | "nonneg" | "signed", "rows": values seen, "name": its title as training read it, "scale": its
+        width factor (absent: 1)}}, set by `train()`. A positive or nonneg series never gets a value or a bound
+        below 0, whatever the others hold. None (adapters written before the field): the adapter-wide
+        `value_positive` alone.
     value_calibration: the split-conformal calibration map of the value intervals
         (`causal_adapter.modeling.intervals`: {"n": n, "scores": sorted |y - loc_Y| / scale_Y on validation});
         None = the raw Cauchy intervals.
@@ -245,6 +252,7 @@ class CausalAdapterConfig:
     value_log_units: list[float] | None = None
     value_positive: bool = False
     value_range: list[float] | None = None
+    value_series: dict | None = None
     horizon_calibration: dict | None = None
 
     def __post_init__(self) -> None:
@@ -360,6 +368,8 @@ class CausalAdapterConfig:
                     or r[0] > r[1]):
                 raise ValueError(f"value_range must be [min, max] of finite numbers with min <= max, got {r!r}")
             self.value_range = [float(r[0]), float(r[1])]
+        if self.value_series is not None:
+            _validate_series(self.value_series)
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise ValueError(f"autocast_adapter_dtype must be True or False, got {self.autocast_adapter_dtype!r}")
         if not isinstance(self.seed, int):
@@ -388,6 +398,21 @@ class CausalAdapterConfig:
     @classmethod
     def from_json(cls, text: str) -> "CausalAdapterConfig":
         return cls.from_dict(json.loads(text))
+
+
+def _validate_series(table: Any) -> None:
+    """{key: {"support": one of SERIES_SUPPORTS, "rows": int >= 0, "name": str, "scale": finite > 0 (optional)}}."""
+    if not isinstance(table, dict):
+        raise ValueError(f"value_series must be a dict of series, got {type(table).__name__}")
+    for key, entry in table.items():
+        ok = (isinstance(key, str) and isinstance(entry, dict) and entry.get("support") in SERIES_SUPPORTS
+              and set(entry) <= {"support", "rows", "name", "scale"}
+              and isinstance(entry.get("rows", 0), int) and isinstance(entry.get("name", ""), str))
+        scale = entry.get("scale", 1.0) if isinstance(entry, dict) else None
+        if not ok or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ValueError(f"value_series[{key!r}] must be {{'support': one of {SERIES_SUPPORTS}, 'rows': n, "
+                             f"'name': title, 'scale': > 0}}, got {str(entry)[:120]}")
 
 
 def _validate_horizon_calibration(calibration: Any) -> None:

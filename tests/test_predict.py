@@ -93,13 +93,15 @@ def test_predict_command_jsonl_with_bad_rows_equals_the_python_api(tmp_path, sav
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["row"] for r in got] == [0, 2, 4]
     assert list(got[0]) == ["row", "value", "scale", "p_num", "lower_50", "upper_50", "raw_lower_50", "raw_upper_50",
-                            "lower_90", "upper_90", "raw_lower_90", "raw_upper_90"]
+                            "lower_90", "upper_90", "raw_lower_90", "raw_upper_90", "series", "support", "transform"]
     # the completion's text before its number is part of the prompt (where eval reads the value)
     api = model.predict_values([PROMPTS[0] + " ", PROMPTS[1] + " ", PROMPTS[2]], tokenizer=qwen_tokenizer)
     for g, a, row in zip(got, api, (0, 2, 4)):
         assert g["row"] == row
         for k in a:
-            if k != "row":
+            if isinstance(a[k], str):  # series, support, transform
+                assert g[k] == a[k], k
+            elif k != "row":
                 assert g[k] == pytest.approx(a[k], rel=1e-5, abs=1e-4), k
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
@@ -114,7 +116,8 @@ def test_predict_command_csv_levels_and_stdout(tmp_path, saved, qwen_tokenizer, 
     with open(out, newline="") as fh:
         got = list(csv.DictReader(fh))
     assert list(got[0]) == ["row", "value", "scale", "p_num", "lower_80", "upper_80", "raw_lower_80",
-                            "raw_upper_80", "lower_95", "upper_95", "raw_lower_95", "raw_upper_95"]
+                            "raw_upper_80", "lower_95", "upper_95", "raw_lower_95", "raw_upper_95", "series", "support",
+                            "transform"]
     api = model.predict_values(PROMPTS, tokenizer=qwen_tokenizer, levels=(0.8, 0.95))
     for g, a in zip(got, api):
         assert int(g["row"]) == a["row"]

@@ -481,7 +481,7 @@ def test_predict_equals_the_predict_command(url, adapters, local, qwen_tokenizer
     assert r.json()["data"] == local["b"].predict_values(prompts, tokenizer=qwen_tokenizer, levels=[0.9])
     assert r.json()["data"][0]["upper_90"] == float("inf")  # 8 calibration rows cannot bound 90%: JSON's Infinity
     assert list(r.json()["data"][0]) == ["row", "value", "scale", "p_num", "lower_90", "upper_90", "raw_lower_90",
-                                         "raw_upper_90"]
+                                         "raw_upper_90", "series", "support", "transform"]
 
 
 # --------------------------------------------------------------------------- bad input

@@ -225,7 +225,7 @@ class CausalModel(nn.Module):
         return self.action.value_map
 
     def set_row_units(self, rule: str | None, width_power: float = 0.0) -> None:
-        """Per-row value units by `rule` ("last", "median"; `modeling.row_units`) or None (the adapter's units),
+        """Per-row value units by `rule` ("last", "median", "season"; `modeling.row_units`) or None (the adapter's units),
         the width's exponent `width_power` (`row_units.row_width`). Stored in the config, hence in the saved
         adapter."""
         self.action.set_row_units(rule, width_power)

@@ -259,7 +259,7 @@ class ActionHead(nn.Module):
 
     @property
     def value_map(self) -> ValueMap:
-        """The value's map (`set_value_map`); in per-row units ("last", "median") without a log head's bounds: they are
+        """The value's map (`set_value_map`); in per-row units ("last", "median", "season") without a log head's bounds: they are
         absolute and a per-row head is scale-equivariant (a row times c gives values times c, at any c)."""
         vm = self._value_map
         if self.row_rule in (None, "fixed") or vm.bounds is None:  # "fixed": the adapter's units for every row

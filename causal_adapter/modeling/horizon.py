@@ -39,6 +39,7 @@ sqrt(h / H_v) (`widened_multiplier`); an adapter with no horizon map gives the m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -55,7 +56,8 @@ from .generation.options import DecodingOptions
 from .generation.prepare import Group, prepare, text_prompts_tokenizer
 from .heads import full_precision, individual_draw, recent_values
 from .intervals import conformal_multiplier
-from .prediction import (DEFAULT_LEVELS, check_levels, encoded_batches, level_name, predict_forward,
+from .value_transform import ValueMap
+from .prediction import (DEFAULT_LEVELS, batch_series, check_levels, encoded_batches, level_name, predict_forward,
                          prediction_rows)
 
 #: the longest horizon `predict_horizon` accepts
@@ -206,9 +208,10 @@ def _draw(gen, n: int, C: int, like: Tensor) -> Tensor:
 @torch.no_grad()
 def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continuation: list | None, horizon: int,
               paths: int, gen: torch.Generator | None, individual: str = DEFAULT_INDIVIDUAL,
-              groups: tuple[Group, Group] | None = None) -> Paths:
+              groups: tuple[Group, Group] | None = None, floored: bool = False) -> Paths:
     """The 1 + `paths` lanes of prompt `row` of a prefill `out` (`predict_forward` with use_cache; `pad` its left
-    padding, ids / vals [B, S] its inputs), `horizon` values each. `continuation`: (ids, values) of the text before
+    padding, ids / vals [B, S] its inputs), `horizon` values each; `floored`: the row's series never goes below 0
+    (`series.RowSeries.floored`), so no lane writes (or feeds back) a value below it. `continuation`: (ids, values) of the text before
     values 2..H (`continuation_tokens`), or None (the lanes write it, with `groups`: `text_groups`)."""
     n = 1 + paths
     cache = _lane_cache(model, out, row, pad, n, ids, vals)
@@ -224,7 +227,7 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
     dev = loc_U.device
     value = torch.full((n, horizon), math.nan, dtype=torch.float64, device=dev)
     locs, scales = value.clone(), value.clone()
-    vm, decimals = model.value_map, model.causal_config.value_decimals
+    vm, decimals = row_value_map(model, floored), model.causal_config.value_decimals
     C = loc_U.shape[-1]
     eps_path = _draw(gen, paths, C, loc_U) if individual == "path" and paths else None
 
@@ -277,7 +280,8 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
         raise ValueError("a prompt without continuations needs the decoding groups (`text_groups`)")
     context = (int(ids[row, -2]) if ids.shape[1] - pad >= 2 else -1, int(ids[row, -1]))
     return _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, forward,
-                            (loc_U, scale_U, loc_Y, scale_Y, recent, z), value, locs, scales, draw_values, fed, context)
+                            (loc_U, scale_U, loc_Y, scale_Y, recent, z), value, locs, scales, draw_values, fed, context,
+                            vm)
 
 
 def text_groups(model, ntok, gen: torch.Generator | None, individual: str) -> tuple[Group, Group]:
@@ -298,7 +302,7 @@ def text_groups(model, ntok, gen: torch.Generator | None, individual: str) -> tu
 
 
 def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, forward, state, value, locs,
-                     scales, draw_values, fed, context: tuple[int, int]) -> Paths:
+                     scales, draw_values, fed, context: tuple[int, int], vm: ValueMap) -> Paths:
     """`run_paths` without continuations: each lane writes its own text between the values (module docstring). A
     number the lane writes after `context`, the two tokens the prompt ends with (``": "``), is its next value; any
     other number it writes (a label's year) is text: written and fed back, not a step."""
@@ -311,7 +315,7 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
     if paths:
         eps = eps_path if eps_path is not None else _draw(gen, paths, loc_U.shape[-1], loc_U)
         head[1:] = draw_values(loc_U[1:], scale_U[1:], loc_Y[1:], scale_Y[1:], eps)
-    value[:, 0], locs[:, 0], scales[:, 0] = model.value_map.to_value(head), loc_Y.double(), scale_Y.double()
+    value[:, 0], locs[:, 0], scales[:, 0] = vm.to_value(head), loc_Y.double(), scale_Y.double()
     if horizon == 1:
         return Paths(value, locs, scales)
 
@@ -346,6 +350,8 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
             tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
             # the causal lanes' value: the head's own Cauchy where the lane's u puts it (`heads.individual_draw`)
             val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
+        if vm.positive:  # the row's series never goes below 0 (`row_value_map`)
+            val = val.clamp_min(0.0)
         is_num = tok == num
         is_val = is_num & (prev2 == context[0]) & (prev == context[1])  # written where value 1 was
         prev2, prev, pending = prev, tok, pend
@@ -427,6 +433,12 @@ def widened_multiplier(steps: list[dict], h: int, level: float) -> tuple[float, 
     return conformal_multiplier(steps[-1], level) * math.sqrt(h / last), False
 
 
+def row_value_map(model, floored: bool) -> ValueMap:
+    """The adapter's `ValueMap`, floored at 0 (positive) for a row whose series never goes below it."""
+    vm = model.value_map
+    return dataclasses.replace(vm, positive=True) if floored and not vm.positive else vm
+
+
 def step_intervals(config, horizon: int) -> list[str]:
     """How the intervals of steps 1..`horizon` are made, by an adapter's `config`: "calibrated" (a map fitted on
     validation: `value_calibration` for step 1, `horizon_calibration`'s own map of step h >= 2), "widened" (beyond the
@@ -439,11 +451,12 @@ def step_intervals(config, horizon: int) -> list[str]:
     return out
 
 
-def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...], calibration: dict | None
-                  ) -> list[dict]:
+def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...], calibration: dict | None,
+                  floored: bool = False) -> list[dict]:
     """The `horizon` list of one prompt: step 1 is the one-step prediction `first` (`predict_values`' row) as it is;
-    steps 2..H the deterministic path's value with the intervals of the module docstring."""
-    vm = model.value_map
+    steps 2..H the deterministic path's value with the intervals of the module docstring (floored at 0 for a
+    `floored` row, as `run_paths`)."""
+    vm = row_value_map(model, floored)
     out = [{"step": 1, "value": first["value"],
             **{k: first[f"{k}"] for q in levels for k in (f"lower_{level_name(q)}", f"upper_{level_name(q)}")}}]
     if p is None or p.value.shape[1] == 1:
@@ -521,8 +534,10 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
     try:
         for start, enc in encoded_batches(model, ntok, prompts, batch_size):
             loc, scale, p_num, fwd = predict_forward(model, enc, use_cache=True)
-            firsts = prediction_rows(model, loc, scale, p_num, levels or DEFAULT_LEVELS, start)
+            series = batch_series(model, enc, fwd)
+            firsts = prediction_rows(model, loc, scale, p_num, levels or DEFAULT_LEVELS, start, series)
             pads = (enc["attention_mask"] == 0).sum(-1).tolist()
+            floored = series.floored.tolist()
             if groups is None and any(texts[i] is None for i in range(start, start + len(firsts))) and horizon > 1:
                 groups = text_groups(model, ntok, gen, individual)
             ids, vals = enc["input_ids"].to(model.input_device), enc["numeric_values"].to(model.input_device)
@@ -530,7 +545,7 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
                 i = start + b
                 row = first if want else {k: first[k] for k in ("row", "value", "scale", "p_num")}
                 if horizon == 1:  # predict's row alone: no path to run
-                    row["horizon"] = horizon_steps(model, first, None, levels, calibration) if want else \
+                    row["horizon"] = horizon_steps(model, first, None, levels, calibration, floored[b]) if want else \
                         [{"step": 1, "value": first["value"]}]
                     out.append(row)
                     if progress is not None:
@@ -539,11 +554,11 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
                 cont = None if texts[i] is None else continuation_tokens(model, ntok, texts[i])
                 try:
                     p = run_paths(model, fwd, b, int(pads[b]), ids, vals, cont, horizon, paths, gen, individual,
-                                  groups)
+                                  groups, floored[b])
                 except ValueError as e:
                     raise ValueError(f"row {i}: {e}") from None
                 if want:
-                    row["horizon"] = horizon_steps(model, first, p, levels, calibration)
+                    row["horizon"] = horizon_steps(model, first, p, levels, calibration, floored[b])
                 else:
                     row["horizon"] = [{"step": h + 1, "value": float(p.value[0, h]) if h else first["value"]}
                                       for h in range(horizon)]

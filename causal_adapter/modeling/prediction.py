@@ -26,6 +26,7 @@ from .generation import text_prompts_tokenizer
 from .heads import full_precision
 from .intervals import check_level
 from .loss import num_probability
+from .series import RowSeries, prompt_series
 
 DEFAULT_LEVELS = (0.5, 0.9)
 
@@ -55,7 +56,7 @@ def prediction_columns(levels: Sequence[float]) -> list[str]:
     for q in check_levels(levels):
         n = level_name(q)
         cols += [f"lower_{n}", f"upper_{n}", f"raw_lower_{n}", f"raw_upper_{n}"]
-    return cols
+    return cols + ["series", "support", "transform"]
 
 
 def encode_prompts(model, ntok, prompts: Sequence[str]) -> dict:
@@ -108,17 +109,53 @@ def predict_forward(model, enc: dict, use_cache: bool = False) -> tuple[torch.Te
     return out.loc_Y[:, -1].double(), out.scale_Y[:, -1].double(), p_num.double(), out
 
 
+def batch_series(model, enc: dict, out) -> RowSeries:
+    """The `series.RowSeries` of a batch of prompts (`encode_prompts`) whose forward is `out`: each row's series
+    found by its text, its support and width factor (`CausalAdapterConfig.value_series`)."""
+    recent = None if out.recent is None else out.recent[:, -1]
+    return prompt_series(enc["input_ids"], enc.get("attention_mask"), recent, model.num_token_id,
+                         model.causal_config.value_series, out.loc_Y[:, -1].double())
+
+
 def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
-          start: int) -> list[dict[str, Any]]:
-    value = model.value_map.to_value(loc)  # the median: loc_Y itself, or exp(loc_Y) on log y
-    cols: dict[str, list[float]] = {"value": value.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
+                    start: int, series: RowSeries | None = None) -> list[dict[str, Any]]:
+    """`predict_values`' dicts of rows start.. from the heads at their last position, loc / scale / p_num [n];
+    `series` (`batch_series`): each row's width factor multiplies scale_Y (the calibrated intervals'), and a
+    positive or nonneg series' value and bounds are floored at 0."""
+    raw_scale = scale
+    floored = torch.zeros_like(loc, dtype=torch.bool)
+    if series is not None:
+        scale, floored = scale * series.scale.to(scale), series.floored.to(loc.device)
+
+    def floor(v: torch.Tensor) -> torch.Tensor:
+        return torch.where(floored & (v < 0), torch.zeros_like(v), v)
+
+    value = floor(model.value_map.to_value(loc))  # the median: loc_Y itself, or exp(loc_Y) on log y
+    cols: dict[str, list] = {"value": value.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
     for q in levels:
         n = level_name(q)
         for prefix, calibrated in (("", True), ("raw_", False)):
-            lo, hi = model.value_interval(loc, scale, q, calibrated=calibrated)
-            cols[f"{prefix}lower_{n}"], cols[f"{prefix}upper_{n}"] = lo.tolist(), hi.tolist()
+            lo, hi = model.value_interval(loc, scale if calibrated else raw_scale, q, calibrated=calibrated)
+            cols[f"{prefix}lower_{n}"], cols[f"{prefix}upper_{n}"] = floor(lo).tolist(), floor(hi).tolist()
+    n_rows = loc.numel()
+    cols["series"] = series.names if series is not None else [""] * n_rows
+    cols["support"] = [row_support(model, floored[i], series.supports[i] if series is not None else None)
+                       for i in range(n_rows)]
+    cols["transform"] = [model.value_map.transform] * n_rows
     names = prediction_columns(levels)[1:]
-    return [{"row": start + i, **{k: float(cols[k][i]) for k in names}} for i in range(loc.numel())]
+    return [{"row": start + i, **{k: _cell(cols[k][i]) for k in names}} for i in range(n_rows)]
+
+
+def _cell(v):
+    return v if isinstance(v, str) else float(v)
+
+
+def row_support(model, floored, support: str | None) -> str:
+    """What a row's values may be, as `predict` says it: its series' support, else the adapter's ("positive" when
+    training saw only positive values, "signed" otherwise)."""
+    if support is not None:
+        return support
+    return "positive" if model.value_map.positive or model.value_map.log else "signed"
 
 
 def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: Sequence[float] = DEFAULT_LEVELS,
@@ -138,7 +175,10 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     on log y, `CausalModel.value_map`), ``scale`` (scale_Y, on the head's scale), ``p_num`` (the OvR probability that the next token is <NUM>), and per level
     ``lower_<L>`` / ``upper_<L>`` (L = 100 * level: the calibrated interval of `value_interval`,
     the raw Cauchy one when the adapter has no calibration map) and ``raw_lower_<L>`` /
-    ``raw_upper_<L>`` (the raw Cauchy interval, for comparison).
+    ``raw_upper_<L>`` (the raw Cauchy interval, for comparison), and what the row got (`modeling.series`):
+    ``series`` (the title of the training series its text names, "" for one training never saw), ``support``
+    ("positive" / "nonneg": its value and bounds never below 0; "signed") and ``transform`` (the scale of the
+    head's Cauchy: "identity" or "log").
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -154,8 +194,8 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     out: list[dict[str, Any]] = []
     try:
         for start, enc in encoded_batches(model, ntok, prompts, batch_size):
-            loc, scale, p_num = predict_batch(model, enc)
-            out += prediction_rows(model, loc, scale, p_num, levels, start)
+            loc, scale, p_num, fwd = predict_forward(model, enc)
+            out += prediction_rows(model, loc, scale, p_num, levels, start, batch_series(model, enc, fwd))
             if progress is not None:
                 progress(len(loc))
     finally:

@@ -13,7 +13,12 @@ already reads.
 From those same-kind numbers S (newest first), a rule gives the location m and scale s:
 
 * ``"last"``: m = S[0], s = mean |S[i] - S[i+1]| (the window's own one-step naive error, as MASE scales);
-* ``"median"``: m = median(S), s = mean |S - m|.
+* ``"median"``: m = median(S), s = mean |S - m|;
+* ``"season"``: as "last", but a row whose window shows a season is located at its seasonal anchor: the value one
+  cycle before, moved by the window's mean change over a cycle (on log y when the window is positive, where a
+  season multiplies with the level). The cycle P is read from the records' labels (a year over its quarters:
+  `row_season`), the season from the window's own numbers (`seasonal_anchor`); a row whose window shows no season,
+  or fewer than two cycles' changes, keeps "last"'s m.
 
 s is floored at `RELATIVE_FLOOR` x mean |S| (a flat window). The value's width is s |b_noise_Y| (c / s)^a
 (`row_width`; times the head's fitted log-width, `heads.ActionHead.row_log_scale`): c = the window's mean
@@ -41,6 +46,9 @@ MIN_CONTEXT = 3
 SEPARATED = 0.5
 #: among the periods that separate, the shortest whose ratio is within this factor of the least (2 against 4)
 PERIOD_TOLERANCE = 1.5
+#: a row's window shows its season when the seasonal anchor's errors within it are below this fraction of its
+#: one-step changes (`seasonal_anchor`: a random walk's cycle changes spread twice its steps, a season's far less)
+SEASON_GAIN = 0.75
 #: s is at least this fraction of the window's mean |value| (a window of equal values)
 RELATIVE_FLOOR = 1e-4
 
@@ -156,12 +164,16 @@ def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_
         own = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
         return (values, torch.full_like(values[..., 0], fallback_loc), torch.full_like(values[..., 0], fallback_scale),
                 own)
-    values = same_role(recent, row_period(recent))[..., :keep]
-    recent = recent[..., :keep]
+    period = row_period(recent)
+    values = same_role(recent, period)[..., :keep]
+    recent_raw, recent = recent, recent[..., :keep]
     if log_space:
         values, recent = _log(values), _log(recent)
     if rule == "last":
         loc, scale = values[..., 0], _mean_step(values)
+    elif rule == "season":  # "last", but a row whose window shows a season is located at its seasonal anchor
+        anchor, usable = seasonal_anchor(values, row_season(recent_raw, period), log_space)
+        loc, scale = torch.where(usable, anchor, values[..., 0]), _mean_step(values)
     elif rule == "median":
         loc = values.nanmedian(-1).values
         scale = mean_abs(values - loc.unsqueeze(-1))
@@ -173,6 +185,55 @@ def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_
     scale = torch.where(own, scale, fallback_scale)
     values = torch.where(own.unsqueeze(-1), values, recent)
     return values, loc, scale, own
+
+
+def row_season(recent: Tensor, period: Tensor) -> Tensor:
+    """recent [..., W] raw (most recent first, NaN = none), period [...] (`row_period`) -> [...] long: P, the records
+    of one cycle of the row's labels: how many records lie between two changes of the label furthest from the
+    value (a year over its quarters: ``1990 Q4: 5; 1991 Q1: 6`` -> 4; over its months: 12). The labels read are the
+    record to come's and those of the records before it. 0 where the records carry no label (p = 1), the labels
+    change fewer than twice in the window, their changes are not evenly spaced, or P < 2 (a yearly series)."""
+    W = recent.shape[-1]
+    slots = torch.arange(W // 2 + 1, device=recent.device)
+    p = period.unsqueeze(-1)
+    labels = _at_lags(recent, slots * p + (p - 2).clamp_min(0))  # the record to come's label, then each record's
+    labels = torch.where(p >= 2, labels, torch.full_like(labels, math.nan))
+    change = (labels[..., :-1] != labels[..., 1:]) & ~torch.isnan(labels[..., :-1]) & ~torch.isnan(labels[..., 1:])
+    count = change.long().cumsum(-1)
+    at = torch.arange(change.shape[-1], device=recent.device).expand_as(change)
+
+    def nth(k: int) -> Tensor:  # the position of the k-th change (0 without one)
+        return torch.where(change & (count == k), at, 0).amax(-1)
+
+    first, second, third = nth(1), nth(2), nth(3)
+    P = second - first
+    n = count[..., -1] if change.shape[-1] else torch.zeros_like(period)
+    even = (n < 3) | (third - second == P)
+    return torch.where((n >= 2) & even & (P >= 2), P, torch.zeros_like(P))
+
+
+def seasonal_anchor(values: Tensor, season: Tensor, log_space: bool = False) -> tuple[Tensor, Tensor]:
+    """values [..., K] same-kind numbers (newest first, NaN = none), season [...] (`row_season`) -> (anchor [...],
+    usable [...] bool). The anchor is the value one cycle before the one to come moved by the window's mean change
+    over a cycle, S[P - 1] + mean_i (S[i] - S[i + P]); on log y (`log_space`, or a window of positive numbers, whose
+    season multiplies with the level) S[P - 1] times the geometric mean ratio S[i] / S[i + P]. Usable where the
+    window holds two cycles' changes and its own numbers say the season is there: the anchor's errors within the
+    window, |S[i] - S[i + P] - the mean change|, below `SEASON_GAIN` times its one-step changes."""
+    K = values.shape[-1]
+    P = season.clamp(1, max(K - 1, 1))
+    present = ~torch.isnan(values)
+    positive = (torch.where(present, values, 1.0) > 0).all(-1) & ~torch.tensor(log_space)
+    work = torch.where(positive.unsqueeze(-1), _log(values), values)
+    i = torch.arange(K, device=values.device)
+    change = work - _at_lags(work, i + P.unsqueeze(-1))  # S[i] - S[i + P], NaN past the window
+    mean_change = change.nansum(-1) / _count(change).clamp_min(1)
+    base = work.gather(-1, (P - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    anchor = base + mean_change
+    anchor = torch.where(positive, anchor.clamp(max=709.0).exp(), anchor)
+    seasonal_error = mean_abs(change - mean_change.unsqueeze(-1))
+    step_error = _mean_step(work)
+    usable = (season >= 2) & (_count(change) >= 2) & torch.isfinite(anchor) & (seasonal_error < SEASON_GAIN * step_error)
+    return anchor, usable
 
 
 def _log(values: Tensor) -> Tensor:

@@ -185,6 +185,7 @@ def load_checkpoint(path: Path, inner, optimizer, scheduler, state: TrainState, 
         inner.set_value_units(saved["value_loc"], saved["value_scale"], saved.get("value_decimals"))
         inner.set_value_transform(saved.get("value_transform", "identity"), saved.get("value_log_units"),
                                   bool(saved.get("value_positive", False)), saved.get("value_range"))
+        inner.causal_config.value_series = saved.get("value_series")
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     mismatch = {k: (ts.get(k), v) for k, v in (
         ("num_processes", world), ("per_device_train_batch_size", config.per_device_train_batch_size),

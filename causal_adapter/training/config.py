@@ -119,7 +119,7 @@ class TrainConfig:
                           "'auto' = the rule ('last': the last value and the mean step; 'median': the median and "
                           "the mean deviation) or the adapter's one unit system, whichever predicts the validation "
                           "rows better, each error divided by its row's own scale; 'off' = the adapter's units; "
-                          "'last' / 'median' = that rule (docs/values.md)", choices=["auto", "off", *ROW_UNIT_RULES])
+                          "'last' / 'median' / 'season' = that rule (docs/values.md)", choices=["auto", "off", *ROW_UNIT_RULES])
     value_transform: str = flag("auto", "the scale the value's Cauchy lives on: 'log' = log y (a positive quantity: "
                                 "the value exp(loc), intervals exp of the log ones, never below 0), 'identity' = "
                                 "the value itself, 'auto' = log where every training target (and, in dated rows, "

@@ -277,7 +277,8 @@ def _build_model_and_data(run: Run, model, tokenizer, train_dataset, eval_datase
     if run.resumed_from is None:  # a resumed run takes the units and heads from its checkpoint
         with engines.inference_precision(model):  # the features the saved adapter will see (no autocast)
             fit_before_training(model, config, run.train_ds, run.collator, run.accelerator.device,
-                                verbose=run.is_main, eval_ds=run.eval_ds)
+                                verbose=run.is_main, eval_ds=run.eval_ds,
+                                decode=None if ntok is None else ntok.tokenizer.decode)
 
 
 def _training_rows(run: Run) -> None:

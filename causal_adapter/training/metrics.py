@@ -42,10 +42,11 @@ from torch import Tensor
 from ..config import IGNORE_INDEX, METRIC_LABELS
 from ..data.pipeline import NumericCollator
 from ..modeling.cauchy import ovr_probability
-from ..modeling.heads import full_precision
+from ..modeling.heads import full_precision, packed_row_starts
 from ..modeling.adaptive import adaptive_interval
 from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss
+from ..modeling.series import position_keys
 from ..modeling.value_transform import ValueMap
 from ..records import value_targets
 from ..saving.fsdp import whole_root_parameters
@@ -85,6 +86,7 @@ class MetricAccumulator:
         self.y_true: list[float] = []
         self.y_loc: list[float] = []
         self.y_scale: list[float] = []
+        self.y_series: list[str] = []  # the series key of each (`modeling.series.position_keys`)
         # per row with baseline columns: target, previous value
         self.targets: list[float] = []
         self.previous: list[float] = []
@@ -130,6 +132,7 @@ class MetricAccumulator:
             self.y_true += y_true.tolist()
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
+            self.y_series += _target_keys(batch, ids, at, self.num_token_id)
         if "target" in batch and "previous" in batch:
             self.targets += [float(v) for v in batch["target"].tolist()]
             self.previous += [float(v) for v in batch["previous"].tolist()]
@@ -163,7 +166,7 @@ class MetricAccumulator:
         for s in states:
             for k in ("n_tokens", "n_num_labels", "sum_cls", "sum_reg", "correct", "tp", "fp", "fn", "softmax_nll"):
                 setattr(self, k, getattr(self, k) + s[k])
-            for k in ("y_true", "y_loc", "y_scale", "targets", "previous"):
+            for k in ("y_true", "y_loc", "y_scale", "y_series", "targets", "previous"):
                 getattr(self, k).extend(s[k])
         return self
 
@@ -218,7 +221,19 @@ class MetricAccumulator:
         """Per <NUM> label: true value, loc_Y, scale_Y (on the head's scale) and the point value (in evaluation
         order)."""
         return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale),
-                "value": self._values()}
+                "value": self._values(), "series": list(self.y_series)}
+
+
+def _target_keys(batch: Mapping[str, Any], ids: Tensor, at: Tensor, num_token_id: int) -> list[str]:
+    """The series key (`modeling.series.position_keys`) of each value target `at` [B, S - 1] (targets of positions
+    1..S - 1), read at the position that predicts it; a packed batch's segments are rows of their own."""
+    before = torch.zeros_like(ids, dtype=torch.bool)
+    before[:, :-1] = at
+    mask = batch.get("attention_mask")
+    starts = None
+    if mask is None and batch.get("position_ids") is not None:
+        starts = packed_row_starts(batch["position_ids"]).expand(ids.shape).cpu()
+    return position_keys(ids.cpu(), num_token_id, before.cpu(), None if mask is None else mask.cpu(), starts)
 
 
 def coverage_metrics(y_true: Sequence[float], loc: Sequence[float], scale: Sequence[float],

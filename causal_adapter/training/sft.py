@@ -167,7 +167,8 @@ class CausalSFTTrainer(CausalTrainer, SFTTrainer):
         if not resume_from_checkpoint:  # a resumed run takes the units and heads from its checkpoint
             with inference_precision(inner):  # the features the saved adapter will see
                 fit_before_training(inner, self.value_fit, self.unpacked_train_dataset, self.row_collator,
-                                    self.args.device, verbose=self.is_world_process_zero(), eval_ds=self._eval_rows())
+                                    self.args.device, verbose=self.is_world_process_zero(), eval_ds=self._eval_rows(),
+                                    decode=getattr(self.processing_class, "decode", None))
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.fit_value_head_after_training()
         return output

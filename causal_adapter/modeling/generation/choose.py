@@ -82,13 +82,14 @@ def approximate_product(g: Group) -> bool:
 def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
            steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
            history: Callable[[], Tensor] | None = None, done: Heads | None = None,
-           vocab: Tensor | None = None) -> Choice:
+           vocab: Tensor | None = None, floored: Tensor | None = None) -> Choice:
     """The group's rows: z [n, H] (its adapter active, unless `done` holds its heads and the mode reads W_cls loc_U:
     then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
     head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
     [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them); vocab [n, V] W_cls
     loc_U computed with other groups' rows (one pass over W_cls for a step; the bf16 one where
-    `approximate_product(g)`)."""
+    `approximate_product(g)`); floored [n] bool: rows whose series never goes below 0 (`record.Row.floored`): the
+    value they write is floored there."""
     s = g.settings
     h = done if done is not None else heads(model, g, z, recent)
     early = None
@@ -101,7 +102,10 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
     tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
-    return Choice(tok, s.value_map.to_value(val), prob, h.loc_Y, h.scale_Y, pending, s.value_map.writable(val), eps)
+    value = s.value_map.to_value(val)
+    if floored is not None:
+        value = torch.where(floored.to(value.device) & (value < 0), torch.zeros_like(value), value)
+    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, s.value_map.writable(val), eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

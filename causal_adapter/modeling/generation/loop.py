@@ -39,6 +39,7 @@ from torch import Tensor
 from ..._compat import cache_kwargs, output_cache
 from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
+from ..series import prompt_support
 from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
 from .cache import PrefixCache, cache_from, key_value_only, left_pad, merge_rows, movable, select_rows, trim_left
 from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
@@ -185,6 +186,9 @@ class StepLoop:
                                 position_ids=position_ids, use_cache=True,
                                 **({} if cache is None else cache_kwargs(model.decoder, cache)))
         new_cache = output_cache(out)
+        for r in rows:
+            s = r.group.settings
+            r.floored, r.series_scale = prompt_support(r.ids, r.values, s.num_id, s.value_series, max(s.recent_k, 1))
         self.prefills += 1
         self.prefill_tokens += sum(len(r.ids) - n for r, (n, _) in zip(rows, hits))
         self.reused_tokens += sum(n for n, _ in hits)
@@ -340,7 +344,7 @@ class StepLoop:
                            steps=torch.tensor([len(r.tokens) for r in mine]) if g.opts.min_new_tokens else None,
                            slots=torch.tensor([r.slot for r in mine], device=hdev) if g.fixed_slots else None,
                            shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
-                           vocab=vocab.get(g))
+                           vocab=vocab.get(g), floored=torch.tensor([r.floored for r in mine], device=hdev))
             exact, written = written_values(g, c.tok, c.val)
             fault = faults(take(g, self.z), c.tok, written.to(feed_dtype), c.writable, g.settings.num_id)
             at_t = slice(None) if index[g] is None else index[g]

@@ -150,6 +150,7 @@ class Settings:
     value_map: ValueMap = ValueMap()  # the scale of the value head's Cauchy: the value written is to_value(loc_Y)
     prefix_id: int | None = None  # the number layout of training (`place.place_number`)
     contexts: Tensor | None = None  # [n] ids that precede a number in training, on hdev
+    value_series: dict | None = None  # the adapter's series and their supports (`modeling.series`, `Row.floored`)
 
 
 @dataclass(eq=False)
@@ -197,7 +198,8 @@ def prepare(model, g: Group, scorers: dict | None = None) -> Settings:
         scorer=scorer, warpers=warpers, reads_history=_reads_history(warpers), decimals=cfg.value_decimals,
         C=model.abduction.loc.weight.shape[0], recent_k=int(model.action.recent_window or 0),
         value_map=model.action.value_map, prefix_id=cfg.number_prefix_id,
-        contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev))
+        contexts=None if cfg.number_prefix_id is None else torch.tensor(cfg.number_contexts, device=hdev),
+        value_series=getattr(cfg, "value_series", None))
 
 
 def _warpers(opts: DecodingOptions, num_id: int):

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ...config import DEFAULT_SCALE_FLOOR
 from ...modeling.intervals import choose_scale_exponent, fit_calibration
+from .series import series_scale_factors
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Calibration:
     scale_exponent: float | None = None
     interval_scores: dict[float, float] = field(default_factory=dict)
     exact_rows: str | None = None
+    series_scaled: int | None = None
 
     def log_items(self) -> dict[str, object]:
         """The items of the log line ``value scale: ...`` (only what was done)."""
@@ -34,6 +36,8 @@ class Calibration:
             items.update({f"interval_score_a{k:g}": round(v, 6) for k, v in self.interval_scores.items()})
         if self.exact_rows is not None:
             items["exact_rows"] = self.exact_rows
+        if self.series_scaled is not None:
+            items["series_with_own_width"] = self.series_scaled
         return items
 
 
@@ -80,9 +84,12 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     value_y, y = y, vm.to_head(y)
     ok = torch.isfinite(y)  # a value with no place on the head's scale (<= 0 for a log head) calibrates nothing
     base = None if base_scale is None or len(base_scale) != len(scale) else torch.tensor(base_scale, dtype=torch.float64)
+    keys = predictions.get("series")
+    keys = keys if keys is not None and len(keys) == len(y) else None
     if not bool(ok.all()):
         value_y, y, loc, scale = value_y[ok], y[ok], loc[ok], scale[ok]
         base = None if base is None else base[ok]
+        keys = None if keys is None else [k for k, keep in zip(keys, ok.tolist()) if keep]
     info = Calibration()
     part = act.per_row_log_scale()
     if base is not None and part is not None:
@@ -109,7 +116,12 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
         new = max(float(act.b_noise_Y.abs().max()) * factor, DEFAULT_SCALE_FLOOR)
         act.b_noise_Y.fill_(new)
     floored_loc = torch.where(resid < resolution, y - resolution, loc)  # |y - loc| at least the resolution
-    inner.causal_config.value_calibration = fit_calibration(y, floored_loc, (scale * factor).clamp_min(act.scale_floor))
+    scale = scale * factor
+    table = inner.causal_config.value_series
+    if keys is not None and table:  # each series' own width (`series.series_scale_factors`), then one shared map
+        scale = scale * series_scale_factors(keys, resid.clamp_min(resolution) / scale, table)
+        info.series_scaled = sum("scale" in e for e in table.values())
+    inner.causal_config.value_calibration = fit_calibration(y, floored_loc, scale.clamp_min(act.scale_floor))
     if exact:
         info.exact_rows = f"{exact}/{len(y)} (residual below the written resolution: counted at it)"
     return info

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ...config import BF16_MAX_SHIFT, ROW_UNIT_RULES
+from ...config import BF16_MAX_SHIFT, ROW_UNIT_RULES, SERIES_SUPPORTS
 from ...records import value_label_mask
 from ...saving.unwrap import unwrap_causal_model
 from ..config import TrainConfig
@@ -28,6 +28,7 @@ from .calibration import Calibration, base_scale, calibrate_regression_scale
 from .horizon import fit_horizon_calibration
 from .choice import beats_by_one_se
 from .linear import LOSSES, WARM_START_LOSSES
+from .series import series_table
 from .warm_start import WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
 
 
@@ -38,14 +39,16 @@ def features_trained(inner) -> bool:
 
 
 def fit_before_training(model, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
-                        max_rows: int = 8192, eval_ds=None, final: bool | None = None) -> dict:
+                        max_rows: int = 8192, eval_ds=None, final: bool | None = None,
+                        decode: Callable[[list[int]], str] | None = None) -> dict:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets when the adapter
     has none, then, with ``regression_init='ridge'``, the warm start of the regression head
     (`warm_start.ridge_warm_start`). Every process computes the same from the same rows. `model`: the
     CausalModel, or the module whose forward runs it (an FSDP1 root unit). `final`: no gradient training follows
     this head (default: when nothing moves the features), so `value_loss='auto'` chooses among all of `LOSSES`
     and the per-row head its nonlinear correction; else among `WARM_START_LOSSES`, without the correction.
-    Returns the summary the log prints."""
+    A fresh run also records the series of the training and validation files with their supports
+    (`series.series_table`; `decode`: the tokenizer's, to name them). Returns the summary the log prints."""
     inner = unwrap_causal_model(model)
     summary: dict = {}
     num_id = inner.num_token_id
@@ -60,8 +63,11 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         inner.set_value_units(loc, scale, value_decimals(values))
         positive = all(v > 0 for v in values)
         inner.set_value_transform("identity", positive=positive, value_range=(min(values), max(values)))
+        table = series_table([train_ds, eval_ds], num_id, decode)
+        inner.causal_config.value_series = table
         summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals,
-                       value_positive=positive)
+                       value_positive=positive, series=len(table),
+                       **{f"series_{k}": sum(e["support"] == k for e in table.values()) for k in SERIES_SUPPORTS})
         if config.value_transform == "log":
             _set_log_units(inner, values)
     if config.regression_init == "ridge":

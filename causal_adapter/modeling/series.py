@@ -1,0 +1,155 @@
+"""The series a row belongs to, and what each series' values may be: one file may mix series of any support.
+
+A training file can hold many series side by side: counts that can be 0, rates that go below zero, positive
+quantities from 0.4 to 17,000. One choice for the whole adapter would let one series with a 0 take the positive
+floor away from every other series (issue 66), so the choice is made per series.
+
+How a row finds its series: by its own text. The tokens before its first number name it (the title of a
+`data.corpora.series_rows` row: ``Yearly sunspot numbers 1700: 5; 1701: 11; ...`` -> ``Yearly sunspot numbers``;
+a chat row's template and question up to the first number), hashed into a key (`row_key`, 16 hex digits). Two
+series with the same title share one key, and so the more permissive of their supports. A packed row's key is
+its packed segment's. Padding is not part of the text.
+
+What each series seen in the training and validation files gets (`CausalAdapterConfig.value_series`, written by
+`train()`, `training.value_head.series`):
+
+    support  "positive": every value there > 0; "nonneg": every value >= 0, some 0; "signed": some value < 0.
+             A positive or nonneg series never gets a value or an interval bound below 0 (`RowSeries.floored`).
+    scale    the series' own width factor: the median normalised residual |y - loc_Y| / scale_Y of its
+             validation rows over the panel's (a quiet series narrows, a noisy one widens); absent (1) for a
+             series with fewer than `MIN_SERIES_ROWS` validation rows, which keeps the panel's width.
+
+A row whose key is not in the table (a series training never saw, a title written differently) gets its support
+from its own numbers of the value's kind (`row_units.same_role`): "signed" when one of them is < 0, else
+"nonneg" (floored at 0); without such numbers, none (the adapter's own `value_positive` alone). Its width factor
+is 1. An adapter without a table (saved before it) floors by its `value_positive` alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .row_units import row_period, same_role
+
+#: validation rows a series needs before its width gets a factor of its own
+MIN_SERIES_ROWS = 20
+
+
+def row_key(title_ids: Sequence[int]) -> str:
+    """The key of a series from the token ids that name it (16 hex digits, the same on every machine)."""
+    return hashlib.blake2b(np.asarray(list(title_ids), dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+def title_ids(ids: Sequence[int], num_token_id: int, end: int | None = None) -> list[int]:
+    """The ids before the first <NUM> of `ids[:end]` (all of them without one)."""
+    ids = list(ids[:end] if end is not None else ids)
+    return ids[:ids.index(num_token_id)] if num_token_id in ids else ids
+
+
+def position_keys(input_ids: Tensor, num_token_id: int, at: Tensor, attention_mask: Tensor | None = None,
+                  row_starts: Tensor | None = None) -> list[str]:
+    """input_ids, at [B, S] (at: bool) -> the series key of each position in `at`, in `input_ids[at]` order. A
+    position's key names its row (packed: its segment, `row_starts` [B, S] True where one begins) by the tokens
+    before the row's first <NUM>, up to the position itself (the position before the first number reads the
+    title, as a prompt without numbers does). `attention_mask` [B, S]: its 0s (padding) are not text."""
+    keys: list[str] = []
+    at = at.bool()
+    for b in at.any(-1).nonzero().flatten().tolist():
+        ids = input_ids[b].tolist()
+        keep = [True] * len(ids) if attention_mask is None else attention_mask[b].bool().tolist()
+        starts = [0] if row_starts is None else sorted({0, *row_starts[b].nonzero().flatten().tolist()})
+        cache: dict[tuple[int, int], str] = {}
+        for p in at[b].nonzero().flatten().tolist():
+            start = max(s for s in starts if s <= p)
+            seg = [t for t, k in zip(ids[start:p + 1], keep[start:p + 1]) if k]
+            title = title_ids(seg, num_token_id)
+            if (start, len(title)) not in cache:
+                cache[(start, len(title))] = row_key(title)
+            keys.append(cache[(start, len(title))])
+    return keys
+
+
+def last_keys(input_ids: Tensor, num_token_id: int, attention_mask: Tensor | None = None) -> list[str]:
+    """[B, S] -> the key of each row at its last position (a prompt's: `prediction`, generation)."""
+    at = torch.zeros_like(input_ids, dtype=torch.bool)
+    at[:, -1] = True
+    return position_keys(input_ids, num_token_id, at, attention_mask)
+
+
+def own_support(recent: Tensor | None) -> list[str | None]:
+    """recent [n, W] raw numbers (most recent first, NaN = none) -> per row "signed" when a number of the value's
+    kind (`row_units.same_role`) is < 0, "nonneg" when it has such numbers and none is, None without any."""
+    if recent is None:
+        return []
+    recent = recent.double().cpu()
+    same = same_role(recent, row_period(recent))
+    present = ~torch.isnan(same)
+    negative = (torch.where(present, same, 0.0) < 0).any(-1)
+    out: list[str | None] = []
+    for has, neg in zip(present.any(-1).tolist(), negative.tolist()):
+        out.append(None if not has else ("signed" if neg else "nonneg"))
+    return out
+
+
+def row_supports(keys: Sequence[str], table: dict | None, recent: Tensor | None = None) -> list[str | None]:
+    """Per row: its series' support from `table` (`CausalAdapterConfig.value_series`), else `own_support` of its
+    recent numbers [n, W] (module docstring); None: nothing known. An adapter without a table (saved before it, or
+    never trained) gets None for every row: its `value_positive` alone, as before."""
+    if table is None:
+        return [None] * len(keys)
+    fallback = own_support(recent) if recent is not None else [None] * len(keys)
+    return [table[k]["support"] if k in table else f for k, f in zip(keys, fallback)]
+
+
+def series_scales(keys: Sequence[str], table: dict | None, like: Tensor) -> Tensor:
+    """[n] each row's width factor: its series' `scale` in `table`, 1 where it has none."""
+    table = table or {}
+    return torch.tensor([float(table.get(k, {}).get("scale", 1.0)) for k in keys], dtype=like.dtype,
+                        device=like.device)
+
+
+def series_of(keys: Sequence[str], table: dict | None) -> list[str]:
+    """Per row the name of its series in `table` (its title, as training read it), or "" for one it never saw."""
+    table = table or {}
+    return [table[k].get("name", k) if k in table else "" for k in keys]
+
+
+@dataclass
+class RowSeries:
+    """What each of n prompt rows gets: names [n] (its series' title, "" when unseen), supports [n] (`row_supports`),
+    scale [n] (its width factor, `series_scales`)."""
+    names: list[str]
+    supports: list[str | None]
+    scale: Tensor
+
+    @property
+    def floored(self) -> Tensor:
+        """[n] bool: the rows whose values and bounds are floored at 0 (a positive or nonneg series)."""
+        return torch.tensor([s in ("positive", "nonneg") for s in self.supports], dtype=torch.bool,
+                            device=self.scale.device)
+
+
+def prompt_series(input_ids: Tensor, attention_mask: Tensor | None, recent: Tensor | None, num_token_id: int,
+                  table: dict | None, like: Tensor) -> RowSeries:
+    """The `RowSeries` of left-padded prompts [n, S] read at their last position, `recent` [n, W] its recent
+    numbers (None: the head reads none), `like`: the dtype and device of the width factors."""
+    keys = last_keys(input_ids.cpu(), num_token_id, None if attention_mask is None else attention_mask.cpu())
+    return RowSeries(series_of(keys, table), row_supports(keys, table, recent), series_scales(keys, table, like))
+
+
+def prompt_support(ids: Sequence[int], values: Sequence[float], num_token_id: int, table: dict | None,
+                   window: int = 16) -> tuple[bool, float]:
+    """One prompt (ids and values, no padding) -> (whether its series never goes below 0, its width factor): what
+    generation floors the values a row writes by and widens its intervals by (`row_supports`, the fallback reading
+    its `window` most recent numbers; `series_scales`)."""
+    numbers = [float(v) for t, v in zip(ids, values) if t == num_token_id][::-1][:window]
+    recent = torch.tensor([numbers + [math.nan] * (window - len(numbers))], dtype=torch.float64)
+    key = row_key(title_ids(ids, num_token_id))
+    floored = row_supports([key], table, recent)[0] in ("positive", "nonneg")
+    return floored, float(series_scales([key], table, recent[0])[0])
