@@ -50,13 +50,13 @@ NUM_TOKEN_ID = 151_665  # len(Qwen2.5 / Qwen3 tokenizer): the first reserved emb
 VARIANTS = ("frozen", "lora", "lora_ckpt", "direction", "direction_ckpt")
 
 
-def status_kib(field: str) -> int:
+def status_kib(name: str) -> int:
     """A ``kB`` field of /proc/self/status (VmHWM: peak resident set, VmRSS: current)."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith(field + ":"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+    raise RuntimeError(f"{name} not in /proc/self/status (Linux only)")
 
 
 def reset_peak() -> bool:
