@@ -1,7 +1,7 @@
 """Code the benchmark scripts share (not a benchmark itself): `import common` / `from common import ...`.
 
 A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and a sibling
-script: scales_holdout.py imports scales.py, value_fit_ablation.py imports numeric_quality.py) imports as is;
+script: scales_holdout.py imports scales.py) imports as is;
 a test that imports a script puts benchmarks/ on sys.path itself. Sections:
 
 * output: `log`, `fmt`, `write_report` (the tables, the JSON beside them, the RESULT line last);

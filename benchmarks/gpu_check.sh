@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one run (repo root; wheels for an offline box in .whl/, docs/benchmarks.md):
-#   bash benchmarks/gpu_check.sh                       # every part, in this order (~7-8 min on an H200)
+#   bash benchmarks/gpu_check.sh                       # every part, in this order (~5 min on an H200)
 #   bash benchmarks/gpu_check.sh ovr_loss train_step   # only these parts
 #   bash benchmarks/gpu_check.sh serving               # the serving benchmark (its own call: ~3-5 min)
-# Parts: precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat (the default), blocks, serving
+# Parts: ovr_loss train_step corpora_sunspots corpora_chat inference (the default), serving
 # (the server needs fastapi, uvicorn, prometheus-client, pydantic, its load generator aiohttp: their py3.12 wheels are
 # in .whl/ too). Each runs under `timeout`
 # (its own limit, cut to what is left of BENCH_BUDGET seconds, default 540), its output tee'd to
@@ -68,26 +68,24 @@ run_part() {  # name, own limit (s), command...
 
 # BENCH_SMOKE=1: the same parts on the CPU at toy sizes (checks this script and every code path it calls).
 # (ARGS_*: a plain CC would overwrite the C compiler Triton builds its launchers with: it did, on the H200.)
-DEV=cuda ARGS_A="" ARGS_O="" ARGS_T="" ARGS_B="--steps 120" ARGS_CS="--steps 300" ARGS_CC="--steps 200"
+DEV=cuda ARGS_O="" ARGS_T="" ARGS_CS="--steps 300" ARGS_CC="--steps 200"
 ARGS_S="--hidden-size 896 --layers 8 --rounds 2"  # docs/serving.md's GPU shape
 if [[ ${BENCH_SMOKE:-0} == 1 ]]; then
-  DEV=cpu ARGS_A="--rows 24 --vocab 300" ARGS_O="--vocab 600 --sizes 48 --repeats 1 --warmup 1"
+  DEV=cpu ARGS_O="--vocab 600 --sizes 48 --repeats 1 --warmup 1"
   export TRITON_INTERPRET=1  # Liger and the Triton sweep on CPU tensors (Liger's RMSNorm / SwiGLU fail there: FLCE only)
   ARGS_T="--layers 1 --batch 1 --seq 16 --steps 1 --warmup 1 --liger-kernels fused_linear_cross_entropy"
-  ARGS_B="--steps 4 --log-every 2" ARGS_CS="--steps 2" ARGS_CC="--steps 1"
+  ARGS_CS="--steps 2" ARGS_CC="--steps 1"
   ARGS_S="--hidden-size 32 --layers 1 --requests 1 --rounds 1 --poisson-requests 8 --burst-requests 8 --chat-requests 8"
 fi
 PARTS=("$@")
-(( ${#PARTS[@]} )) || PARTS=(precision_a ovr_loss train_step precision_b corpora_sunspots corpora_chat)
+(( ${#PARTS[@]} )) || PARTS=(ovr_loss train_step corpora_sunspots corpora_chat inference)
 for part in "${PARTS[@]}"; do
   case $part in
-    blocks) run_part blocks 60 python3 benchmarks/ovr_blocks.py ;;
-    precision_a) run_part precision_a 75 python3 benchmarks/loss_precision.py --device $DEV --part a $ARGS_A ;;
     ovr_loss) run_part ovr_loss 110 python3 benchmarks/ovr_loss.py --device $DEV --w-dtype bf16 $ARGS_O ;;
     train_step) run_part train_step 190 python3 benchmarks/train_step.py --device $DEV --dtype bf16 --mode-timeout 90 $ARGS_T ;;
-    precision_b) run_part precision_b 90 python3 benchmarks/loss_precision.py --device $DEV --part b $ARGS_B ;;
-    corpora_sunspots) run_part corpora_sunspots 70 python3 benchmarks/bf16_corpora.py --corpora sunspots --device $DEV $ARGS_CS ;;
-    corpora_chat) run_part corpora_chat 110 python3 benchmarks/bf16_corpora.py --corpora chat --device $DEV $ARGS_CC ;;
+    corpora_sunspots) run_part corpora_sunspots 70 python3 benchmarks/mixed_precision.py --corpora sunspots --device $DEV $ARGS_CS ;;
+    corpora_chat) run_part corpora_chat 110 python3 benchmarks/mixed_precision.py --corpora chat --device $DEV $ARGS_CC ;;
+    inference) run_part inference 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_inference.py ;;  # skips without CUDA
     serving) run_part serving 420 python3 benchmarks/serving.py --device $DEV $ARGS_S ;;
     *) echo "unknown part $part" | tee -a "$SUMMARY" ;;
   esac

@@ -1,48 +1,43 @@
-"""Mixed precision on CPU, the way a GPU run computes (docs/mixed_precision.md).
+"""bf16 against fp32: does mixed precision keep the adapter's gradients, loc_Y and the CLI recipe's test MAE?
 
-    python benchmarks/mixed_precision.py              # 60 steps per training run (~6 min on 2 cores)
-    python benchmarks/mixed_precision.py --steps 20   # quicker, noisier
+    python benchmarks/mixed_precision.py                      # the three checks below, sunspots, 60 steps (~6 min)
+    python benchmarks/mixed_precision.py --corpora sunspots,co2,macro --steps 300 [--device cuda] [--variants fp16,bf16-base]
 
-Three measurements, each against its own baseline in the same run:
+Default: three measurements on CPU, each against its own baseline in the same run (docs/mixed_precision.md):
 
 * ``grads``: a bf16 tiny Qwen (vocab 320, LoRA r 4) under ``torch.autocast('cpu', bfloat16)`` against the
   same model without autocast: the worst cosine over the adapter gradients and max |loc_Y| difference
   / value_scale. Baseline: the same with autocast reaching the heads and losses (the code before
   `heads.full_precision`, simulated by switching that context off).
-* ``sunspots``: benchmarks/bf16_corpora.py's measurement (`common.bf16_against_fp32`) on sunspots: the
-  CLI's default recipe (`causal-adapter train`: embedded tiny Qwen, sunspots, ridge warm start, ...) for
-  ``--steps`` optimizer steps, ``mixed_precision="no"`` against ``"bf16"`` (accelerate's CPU autocast); the
-  saved adapters are scored on the TEST split as `causal-adapter eval` does (a fresh float32 model, no
-  autocast: how the adapter is used), and the bf16 run again under bf16 autocast (a use the head is not
-  fitted for: `train` fits it on the features inference computes, `engines.inference_precision`). Also the
-  value fit's summary of each run (penalty, |w|, leave-one-out MAE). Other corpora, a GPU, fp16 and a bf16
-  base: benchmarks/bf16_corpora.py.
-* ``gemm``: benchmarks/loss_precision.py's part (a) (`common.gemm_errors`: `fused_ovr_loss` with
-  ``gemm_precision`` fp32 / tf32 / bf16, tf32 and bf16 emulated by operand rounding on CPU, against
-  `reference_ovr_loss` in float64) on the tiny Qwen's own inputs at the real vocabulary (its lm_head's
-  151,936 rows, 128 positions; W frozen): loss relative error and worst gradient cosine; and the bf16-W
-  product `heads.linear_in_dtype` (W upcast by chunks) against the old x-cast-down product. Synthetic
-  shapes, both regimes, W trained and the Triton backend: benchmarks/loss_precision.py.
+* ``sunspots``: the CLI's default recipe (`common.bf16_against_fp32`) for ``--steps`` steps,
+  ``mixed_precision="no"`` against ``"bf16"``; the saved adapters scored on the TEST split as `causal-adapter
+  eval` does (a fresh float32 model, no autocast), and the bf16 run again under bf16 autocast.
+* ``gemm``: `common.gemm_errors` (`fused_ovr_loss` with ``gemm_precision`` fp32 / tf32 / bf16, emulated by
+  operand rounding on CPU, against `reference_ovr_loss` in float64) on the tiny Qwen's own inputs at the real
+  vocabulary (151,936 rows, 128 positions; W frozen); and the bf16-W product `heads.linear_in_dtype` against
+  the x-cast-down product.
 
-Ends with ONE line ``RESULT key=value ...``: ``bf16_vs_fp32_value_mae`` (test MAE of the bf16 run as
-`causal-adapter eval` scores it / the fp32 run's; the goal <= 1.15),
-``bf16_vs_fp32_value_mae_autocast_eval`` (the bf16 run scored under bf16 autocast), ``worst_grad_cos``,
-``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``, and
-``fsdp_accelerate_wrap`` (`benchmarks/fsdp_wrap.py` run as a subprocess; ``--no-fsdp`` skips it).
+One ``RESULT`` line: ``bf16_vs_fp32_value_mae`` (goal <= 1.15), ``bf16_vs_fp32_value_mae_autocast_eval``,
+``worst_grad_cos``, ``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``.
+
+``--corpora A,B``: the recipe per corpus instead (the second question): ``--mixed-precision no`` then ``bf16``
+in this process, validation MAE and test MAE as `eval` computes it; ``--device cuda`` trains on the GPU
+(CUDA autocast) and scores the test split again there under bf16 autocast (``gpu_autocast_ratio``);
+``--variants fp16,bf16-base``: more runs against the same fp32 one (fp16 mixed precision: accelerate's
+GradScaler on a GPU; a base held in bf16 under bf16 mixed precision, scored on a bf16 base). One ``RESULT
+corpus=... test_ratio=... val_ratio=...`` line per corpus (and per variant).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from common import GEMMS, bf16_against_fp32, bf16_lora_model_and_batch, cosine, gemm_errors
+from common import (GEMMS, bf16_against_fp32, bf16_lora_model_and_batch, cosine, gemm_errors, offline, test_mae,
+                    train_run)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -98,20 +93,41 @@ def gemm_accuracy(rows: int = 128) -> dict:
     return res
 
 
-def fsdp_wrap_result() -> str:
-    """`benchmarks/fsdp_wrap.py` (accelerate's FSDP1 wrap for fsdp.yaml, 2 gloo processes): "ok" or "failed"."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fsdp_wrap.py"))], capture_output=True,
-                          text=True, timeout=900)
-    found = re.search(r"RESULT fsdp_accelerate_wrap=(\S+)", proc.stdout)
-    print(f"fsdp: {proc.stdout.strip().splitlines()[-2] if proc.stdout.strip().count(chr(10)) else proc.stderr[-300:]}")
-    return found.group(1) if found else "failed"
+def corpora_main(args) -> None:
+    """The recipe per corpus, fp32 against bf16 (and --variants), one RESULT line each."""
+    overrides = {} if args.recent_values is None else {"recent_values": args.recent_values}
+    for corpus in args.corpora.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = bf16_against_fp32(corpus, args.steps, Path(tmp), args.device, args.device != "cpu", **overrides)
+            val = {mp: r["val_mae"] for mp, r in runs.items()}
+            test = {mp: r["test_mae"] for mp, r in runs.items()}
+            amp = {mp: r["device_test_mae"] for mp, r in runs.items() if "device_test_mae" in r}
+            for variant in filter(None, args.variants.split(",")):
+                mp, dtype = {"fp16": ("fp16", "float32"), "bf16-base": ("bf16", "bfloat16")}[variant]
+                run = train_run(mp, args.steps, Path(tmp) / variant, corpus, args.device, torch_dtype=dtype, **overrides)
+                v_test = test_mae(run["adapter"], False, corpus, args.device, base_dtype=dtype)
+                print(f"{corpus} {variant}: {run['seconds']:.0f} s, value fit {run['ridge']}, validation MAE "
+                      f"{run['val_mae']:.4g}, test MAE {v_test:.4g} (base {dtype})", flush=True)
+                print(f"RESULT corpus={corpus} variant={variant} device={args.device} test_ratio={v_test / test['no']:.4g} "
+                      f"val_ratio={run['val_mae'] / val['no']:.4g}", flush=True)
+        gpu = f" gpu_autocast_ratio={amp['bf16'] / amp['no']:.4g}" if amp else ""
+        k = "" if args.recent_values is None else f" recent_values={args.recent_values}"
+        print(f"RESULT corpus={corpus} steps={args.steps} device={args.device}{k} test_ratio={test['bf16'] / test['no']:.4g} "
+              f"val_ratio={val['bf16'] / val['no']:.4g}{gpu}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
-    parser.add_argument("--no-fsdp", action="store_true", help="skip benchmarks/fsdp_wrap.py (2 processes, ~45 s)")
+    parser.add_argument("--corpora", default=None, help="comma-separated: the recipe per corpus instead (see above)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="with --corpora")
+    parser.add_argument("--variants", default="", help="with --corpora, comma-separated: fp16, bf16-base")
+    parser.add_argument("--recent-values", type=int, default=None,
+                        help="with --corpora: TrainConfig.recent_values (default: train's; 0: the head reads loc_U alone)")
     args = parser.parse_args()
+    offline()
+    if args.corpora:
+        return corpora_main(args)
     torch.set_num_threads(2)
 
     before, after = grad_check(heads_in_autocast=True), grad_check(heads_in_autocast=False)
@@ -144,8 +160,6 @@ def main() -> None:
         **{f"gemm_{p}_loss_rel_err": gemm[p]["loss_rel_err"] for p in GEMMS},
         **{f"gemm_{p}_grad_cos": gemm[p]["grad_cos"] for p in GEMMS},
     }
-    if not args.no_fsdp:
-        result["fsdp_accelerate_wrap"] = fsdp_wrap_result()
     print("RESULT " + " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
 

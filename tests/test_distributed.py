@@ -20,9 +20,8 @@ CONFIGS = REPO / "examples" / "accelerate_configs"
 
 
 def run_fsdp_wrap(config: Path, dtype: str, out: Path) -> dict:
-    """benchmarks/fsdp_wrap.py's check, called here (the script's launching process would only import what this one
-    has): `accelerate launch --config_file <config>` (its CPU copy) of 2 workers that prepare, train 4 steps and save
-    the adapter, then its verdict on their files; returns the rank-0 result."""
+    """tests/fsdp_wrap_worker.py's check: `accelerate launch --config_file <config>` (its CPU copy) of 2 workers
+    that prepare, train 4 steps and save the adapter, then its verdict on their files; the rank-0 result."""
     ok, why = _fsdp_wrap().check(config, dtype, out)
     assert ok, why
     return json.loads((out / "result.json").read_text())
@@ -40,11 +39,9 @@ def check_replicas_and_reload(out: Path, dtype: torch.dtype) -> None:
 
 
 def _fsdp_wrap():
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-    import fsdp_wrap
+    import fsdp_wrap_worker
 
-    return fsdp_wrap
+    return fsdp_wrap_worker
 
 
 def _fsdp_base(dtype):

@@ -1,4 +1,4 @@
-"""benchmarks/memory_plan.py counts per-GPU memory from a model built on the meta device: its counts must
+"""benchmarks/memory.py plan counts per-GPU memory from a model built on the meta device: its counts must
 be the real model's (built on CPU with storage, independently summed), and its FSDP shard must be 1/N."""
 import importlib.util
 import math
@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
 from causal_adapter.saving.fsdp import fsdp_ignored_modules
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_plan.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
 # tied (as Qwen2.5-0.5B): the embedding and lm_head are one parameter, which must be counted once
 SMALL = dict(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1003, tie_word_embeddings=True)
@@ -19,7 +19,7 @@ N = 3  # does not divide the row counts: FSDP pads
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("memory_plan", BENCH)
+    spec = importlib.util.spec_from_file_location("memory_bench", BENCH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
     spec.loader.exec_module(mod)

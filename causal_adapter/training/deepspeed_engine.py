@@ -11,7 +11,7 @@ examples/accelerate_configs/deepspeed_zero{2,3}.yaml): its setup, its backward a
   ``action.regression``), so `prepare` registers them as external parameters of the CausalModel
   (``deepspeed.zero.register_external_parameter``): DeepSpeed gathers them for its whole forward and
   backward. Outside a forward (the value-head fits, the calibration, the adapter's save) `whole_heads`
-  gathers them (``deepspeed.zero.GatheredParameters``; what it costs: benchmarks/deepspeed_gather.py).
+  gathers them (``deepspeed.zero.GatheredParameters``; what it costs: docs/distributed.md).
 * Every ZeRO-3 forward is a collective (the layers are all-gathered): the evaluation pads the shorter
   shards as under FSDP (`fsdp_engine.pad_forwards`); the value-head fits use the same rows on every process.
 * Checkpoints: DeepSpeed's own sharded ones (``pytorch_model/``: the trainable weights,

@@ -74,14 +74,14 @@ def describe_base(base_model, base: str | None) -> str:
 
 
 #: what the demo sets beyond `TrainConfig`'s defaults: nothing. The token-side settings it used to set (gamma0
-#: 0.1, threshold 1, W_loc trained, EOS after every completion; docs/predict.md, chosen on the validation split by
-#: benchmarks/generation_quality.py) are `train`'s defaults (docs/predict.md, "The number layout"): one recipe
+#: 0.1, threshold 1, W_loc trained, EOS after every completion; docs/predict.md, chosen on the validation split,
+#: docs/design-notes/predict.md) are `train`'s defaults (docs/predict.md, "The number layout"): one recipe
 DEMO_RECIPE: dict = {}
 
 
 def demo_train_config(output_dir: str, steps: int = 200, *, base: str | None = None, arch: str = "qwen2",
                       seed: int = 42, batch_size: int = 16, learning_rate: float = 1e-2, lora: bool = False, **kw):
-    """The demo's training recipe (also what benchmarks/generation_quality.py measures); `kw`: other
+    """The demo's training recipe (docs/design-notes/predict.md measured it); `kw`: other
     TrainConfig fields (they override `DEMO_RECIPE`)."""
     return TrainConfig(base_model=base, tiny_arch=arch, output_dir=output_dir, max_steps=steps,
                        per_device_train_batch_size=batch_size, learning_rate=learning_rate, lora=lora, seed=seed,

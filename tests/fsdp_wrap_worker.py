@@ -1,23 +1,17 @@
-"""Does accelerate's FSDP wrap of an accelerate config work for a CausalModel? (2 gloo processes on CPU)
+"""accelerate's own FSDP wrap of an accelerate config for a CausalModel in 2 gloo processes on CPU: the worker
+and the check tests/test_distributed.py runs (was benchmarks/fsdp_wrap.py).
 
-    python benchmarks/fsdp_wrap.py                                   # fsdp.yaml (FSDP1), bf16 base
-    python benchmarks/fsdp_wrap.py --config examples/accelerate_configs/fsdp2.yaml
-    python benchmarks/fsdp_wrap.py --dtype float32 --out /tmp/fsdp   # keep the files
-    python benchmarks/fsdp_wrap.py --lora fp32                       # LoRA too (weights in fp32)
+`check(config, dtype, out, lora)` runs `accelerate launch --config_file <CPU copy of config>` of this file: 2
+processes, each builds a tiny random Qwen2 (base in `dtype`, heads fp32), calls `accelerator.prepare(model,
+optimizer)` (accelerate's own FSDP1 `FullyShardedDataParallel(...)` / FSDP2 `fully_shard` calls, from the FSDP_*
+settings `accelerate launch` read from the config), then `saving.fsdp.finish_fsdp_wrap`, trains 4 steps, gathers
+the adapter (`full_adapter_state_dict`) and saves it (`save_fsdp_adapter`). The launching process then checks: the
+loss went down, both replicas hold the same adapter, the saved adapter reloads onto a fresh base with those
+tensors, the heads are fp32 and the values reached `forward` in fp32.
 
-`accelerate launch --config_file <config>` starts 2 processes running this file with `--worker`.
-Each builds a tiny random Qwen2 (base in `--dtype`, heads fp32), calls `accelerator.prepare(model,
-optimizer)` (accelerate's own FSDP1 `FullyShardedDataParallel(...)` / FSDP2 `fully_shard` calls,
-from the FSDP_* settings `accelerate launch` read from the config), then
-`saving.fsdp.finish_fsdp_wrap`, trains 4 steps, gathers the adapter (`full_adapter_state_dict`) and
-saves it (`save_fsdp_adapter`). The launching process then checks: the loss went down, both
-replicas hold the same adapter, the saved adapter reloads onto a fresh base with those tensors,
-the heads are fp32 and the values reached `forward` in fp32.
-
-On CPU two settings differ from the file: accelerate 1.15 selects FSDP only on an accelerator
-(state.py), so the worker sets the three state fields a GPU launch sets (distributed type, plugin,
-device; `use_fsdp_on_cpu`), and `fsdp_sync_module_states` / `fsdp_cpu_ram_efficient_loading` are
-false (they need a GPU). Prints `RESULT fsdp_accelerate_wrap=ok` (or `failed`, with the reason).
+On CPU two settings differ from the file: accelerate selects FSDP only on an accelerator (state.py), so the
+worker sets the three state fields a GPU launch sets (distributed type, plugin, device; `use_fsdp_on_cpu`), and
+`fsdp_sync_module_states` / `fsdp_cpu_ram_efficient_loading` are false (they need a GPU).
 """
 from __future__ import annotations
 
@@ -27,7 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -134,7 +127,7 @@ def launch(config: Path, dtype: str, out: Path, lora: str = "none", timeout: flo
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(config, out)),
-           "--main_process_port", str(port), __file__, "--worker", "--dtype", dtype, "--out", str(out), "--lora", lora]
+           "--main_process_port", str(port), __file__, "--dtype", dtype, "--out", str(out), "--lora", lora]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -170,25 +163,10 @@ def check(config: Path, dtype: str, out: Path, lora: str = "none") -> tuple[bool
     return not bad, ", ".join(bad) or f"{res['wrapper']} fsdp_version={res['fsdp_version']} losses={res['losses']}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=REPO / "examples/accelerate_configs/fsdp.yaml")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the base's dtype")
-    ap.add_argument("--out", type=Path, default=None, help="keep the run's files here")
-    ap.add_argument("--lora", default="none", choices=["none", "base-dtype", "fp32"],
-                    help="LoRA r=4 on q_proj/v_proj, its weights in the base's dtype or in fp32")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+if __name__ == "__main__":  # the worker, as `accelerate launch` starts it
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--lora", default="none", choices=["none", "base-dtype", "fp32"])
     args = ap.parse_args()
-    if args.worker:
-        return worker(args.out, getattr(torch, args.dtype), args.lora)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or Path(tmp)
-        out.mkdir(parents=True, exist_ok=True)
-        ok, why = check(args.config, args.dtype, out, args.lora)
-    print(f"{args.config.name} base={args.dtype} lora={args.lora}: {why}")
-    print(f"RESULT fsdp_accelerate_wrap={'ok' if ok else 'failed'}")
-    sys.exit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-    main()
+    worker(args.out, getattr(torch, args.dtype), args.lora)
