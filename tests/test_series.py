@@ -112,18 +112,41 @@ def test_the_horizon_of_a_non_negative_series_stays_above_zero(panel, qwen_token
     assert min(lows) >= 0
 
 
-def test_keys_name_the_row_by_its_text_before_the_first_number():
+def test_keys_name_the_row_by_its_text_up_to_its_first_record():
     num = 7
     ids = torch.tensor([[0, 0, 5, 6, num, 9, num, 3],   # left padding (0) is not text
                         [5, 6, num, 9, num, 3, 1, 1]])
+    vals = torch.zeros(2, 8)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
-    a, b = last_keys(ids, num, mask)
+    a, b = last_keys(ids, vals, num, mask)
     assert a == b == row_key([5, 6])
     # packed: each segment is a row of its own; the position before the first number reads the title so far
     packed = torch.tensor([[5, 6, num, 9, 8, num, 2]])
     starts = torch.tensor([[True, False, False, False, True, False, False]])
     at = torch.tensor([[False, True, True, False, True, False, True]])
-    assert position_keys(packed, num, at, row_starts=starts) == [row_key([5, 6])] * 2 + [row_key([8])] * 2
+    assert position_keys(packed, torch.zeros(1, 7), num, at, row_starts=starts) == [row_key([5, 6])] * 2 + \
+        [row_key([8])] * 2
+
+
+def test_a_number_in_the_title_names_the_series(qwen_tokenizer):
+    """``Series 7. 1990: 5; ...`` and ``Series 8. ...``: the title's number is part of the name (the records, a year
+    and a value, start after it), so the two are two series; the records' numbers are not."""
+    from causal_adapter.numbers import NumberTokenizer
+    from causal_adapter.modeling.series import text_key, title_numbers
+
+    ntok = NumberTokenizer(qwen_tokenizer)
+
+    def key(text):
+        e = ntok.encode_batch([text], return_offsets=False)[0]
+        return text_key(e.input_ids, e.numeric_values, ntok.num_token_id)
+
+    rows = {s: "; ".join(f"{1990 + i}: {v}" for i, v in enumerate(vals))
+            for s, vals in (("a", [5, 6, 7, 6, 8]), ("b", [50, 61, 57, 66, 80]))}
+    assert title_numbers([7, 1990, 5, 1991, 6, 1992, 7, 1993, 6, 1994]) == 1
+    assert title_numbers([1990, 5, 1991, 6, 1992, 7, 1993, 6, 1994]) == 0
+    assert key(f"Series 7. {rows['a']}; 1995:") == key(f"Series 7. {rows['b']}; 1995:")  # the same series
+    assert key(f"Series 7. {rows['a']}; 1995:") != key(f"Series 8. {rows['a']}; 1995:")
+    assert key(f"Yearly sunspots {rows['a']}; 1995:") == key(f"Yearly sunspots {rows['b']}; 1995:")
 
 
 def test_each_series_gets_its_own_width_and_one_shared_map():

@@ -113,8 +113,8 @@ def batch_series(model, enc: dict, out) -> RowSeries:
     """The `series.RowSeries` of a batch of prompts (`encode_prompts`) whose forward is `out`: each row's series
     found by its text, its support and width factor (`CausalAdapterConfig.value_series`)."""
     recent = None if out.recent is None else out.recent[:, -1]
-    return prompt_series(enc["input_ids"], enc.get("attention_mask"), recent, model.num_token_id,
-                         model.causal_config.value_series, out.loc_Y[:, -1].double())
+    return prompt_series(enc["input_ids"], enc["numeric_values"], enc.get("attention_mask"), recent,
+                         model.num_token_id, model.causal_config.value_series, out.loc_Y[:, -1].double())
 
 
 def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],

@@ -4,11 +4,13 @@ A training file can hold many series side by side: counts that can be 0, rates t
 quantities from 0.4 to 17,000. One choice for the whole adapter would let one series with a 0 take the positive
 floor away from every other series (issue 66), so the choice is made per series.
 
-How a row finds its series: by its own text. The tokens before its first number name it (the title of a
+How a row finds its series: by its own text. Its text up to its first record names it (the title of a
 `data.corpora.series_rows` row: ``Yearly sunspot numbers 1700: 5; 1701: 11; ...`` -> ``Yearly sunspot numbers``;
-a chat row's template and question up to the first number), hashed into a key (`row_key`, 16 hex digits). Two
-series with the same title share one key, and so the more permissive of their supports. A packed row's key is
-its packed segment's. Padding is not part of the text.
+``Series 7. 1990: 5; ...`` -> ``Series 7.``, the title's numbers with their values; a chat row's template and
+question up to the first record), hashed into a key (`row_key`, 16 hex digits). The records are found as the value
+head finds them (`row_units.same_role`: the numbers in records of a label and a value), so the numbers before the
+first whole record are the title's (`title_numbers`). Two series with the same title share one key, and so the
+more permissive of their supports. A packed row's key is its packed segment's. Padding is not part of the text.
 
 What each series seen in the training and validation files gets (`CausalAdapterConfig.value_series`, written by
 `train()`, `training.value_head.series`):
@@ -41,45 +43,68 @@ from .row_units import row_period, same_role
 MIN_SERIES_ROWS = 20
 
 
-def row_key(title_ids: Sequence[int]) -> str:
-    """The key of a series from the token ids that name it (16 hex digits, the same on every machine)."""
-    return hashlib.blake2b(np.asarray(list(title_ids), dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+def row_key(title_ids: Sequence[int], title_values: Sequence[float] = ()) -> str:
+    """The key of a series from the token ids that name it and the values of its title's numbers (16 hex digits, the
+    same on every machine)."""
+    digest = hashlib.blake2b(np.asarray(list(title_ids), dtype=np.int64).tobytes(), digest_size=8)
+    digest.update(np.asarray(list(title_values), dtype=np.float64).tobytes())
+    return digest.hexdigest()
 
 
-def title_ids(ids: Sequence[int], num_token_id: int, end: int | None = None) -> list[int]:
-    """The ids before the first <NUM> of `ids[:end]` (all of them without one)."""
-    ids = list(ids[:end] if end is not None else ids)
-    return ids[:ids.index(num_token_id)] if num_token_id in ids else ids
+def title_numbers(values: Sequence[float]) -> int:
+    """How many of a text's numbers (in text order, up to the number to come) belong to its title, not to its
+    records: those before its first whole record (`row_units.same_role`). ``Series 7. 1990: 5; 1991: 6; ...; 1999:``
+    -> 1; ``Yearly sunspot numbers 1700: 5; ...`` -> 0; 0 when the numbers come in no records (p = 1)."""
+    if len(values) < 2:
+        return 0
+    recent = torch.tensor([list(values)[::-1]], dtype=torch.float64)
+    period = row_period(recent)
+    p = int(period)
+    if p < 2:
+        return 0
+    records = int((~torch.isnan(same_role(recent, period))).sum())
+    return max(len(values) - (records + 1) * p + 1, 0)
 
 
-def position_keys(input_ids: Tensor, num_token_id: int, at: Tensor, attention_mask: Tensor | None = None,
-                  row_starts: Tensor | None = None) -> list[str]:
-    """input_ids, at [B, S] (at: bool) -> the series key of each position in `at`, in `input_ids[at]` order. A
-    position's key names its row (packed: its segment, `row_starts` [B, S] True where one begins) by the tokens
-    before the row's first <NUM>, up to the position itself (the position before the first number reads the
-    title, as a prompt without numbers does). `attention_mask` [B, S]: its 0s (padding) are not text."""
+def series_title(ids: Sequence[int], values: Sequence[float], num_token_id: int) -> tuple[list[int], list[float]]:
+    """What names a text's series: its tokens up to its first record (`title_numbers`), and the values of the
+    numbers among them. `ids` / `values`: the text up to the position that reads it (no padding)."""
+    nums = [i for i, t in enumerate(ids) if t == num_token_id]
+    n_title = title_numbers([values[i] for i in nums])
+    end = nums[n_title] if n_title < len(nums) else len(ids)
+    return list(ids[:end]), [float(values[i]) for i in nums[:n_title]]
+
+
+def text_key(ids: Sequence[int], values: Sequence[float], num_token_id: int) -> str:
+    """The series key of a text (`series_title`, `row_key`)."""
+    return row_key(*series_title(ids, values, num_token_id))
+
+
+def position_keys(input_ids: Tensor, numeric_values: Tensor, num_token_id: int, at: Tensor,
+                  attention_mask: Tensor | None = None, row_starts: Tensor | None = None) -> list[str]:
+    """input_ids, numeric_values, at [B, S] (at: bool) -> the series key of each position in `at`, in
+    `input_ids[at]` order: its row's text up to it (packed: its segment's, `row_starts` [B, S] True where one
+    begins) named by `series_title` (the position before the first number reads the title, as a prompt without
+    numbers does). `attention_mask` [B, S]: its 0s (padding) are not text."""
     keys: list[str] = []
     at = at.bool()
     for b in at.any(-1).nonzero().flatten().tolist():
-        ids = input_ids[b].tolist()
+        ids, vals = input_ids[b].tolist(), numeric_values[b].tolist()
         keep = [True] * len(ids) if attention_mask is None else attention_mask[b].bool().tolist()
         starts = [0] if row_starts is None else sorted({0, *row_starts[b].nonzero().flatten().tolist()})
-        cache: dict[tuple[int, int], str] = {}
         for p in at[b].nonzero().flatten().tolist():
             start = max(s for s in starts if s <= p)
-            seg = [t for t, k in zip(ids[start:p + 1], keep[start:p + 1]) if k]
-            title = title_ids(seg, num_token_id)
-            if (start, len(title)) not in cache:
-                cache[(start, len(title))] = row_key(title)
-            keys.append(cache[(start, len(title))])
+            text = [(t, v) for t, v, k in zip(ids[start:p + 1], vals[start:p + 1], keep[start:p + 1]) if k]
+            keys.append(text_key([t for t, _ in text], [v for _, v in text], num_token_id))
     return keys
 
 
-def last_keys(input_ids: Tensor, num_token_id: int, attention_mask: Tensor | None = None) -> list[str]:
+def last_keys(input_ids: Tensor, numeric_values: Tensor, num_token_id: int, attention_mask: Tensor | None = None
+              ) -> list[str]:
     """[B, S] -> the key of each row at its last position (a prompt's: `prediction`, generation)."""
     at = torch.zeros_like(input_ids, dtype=torch.bool)
     at[:, -1] = True
-    return position_keys(input_ids, num_token_id, at, attention_mask)
+    return position_keys(input_ids, numeric_values, num_token_id, at, attention_mask)
 
 
 def own_support(recent: Tensor | None) -> list[str | None]:
@@ -135,11 +160,12 @@ class RowSeries:
                             device=self.scale.device)
 
 
-def prompt_series(input_ids: Tensor, attention_mask: Tensor | None, recent: Tensor | None, num_token_id: int,
-                  table: dict | None, like: Tensor) -> RowSeries:
+def prompt_series(input_ids: Tensor, numeric_values: Tensor, attention_mask: Tensor | None, recent: Tensor | None,
+                  num_token_id: int, table: dict | None, like: Tensor) -> RowSeries:
     """The `RowSeries` of left-padded prompts [n, S] read at their last position, `recent` [n, W] its recent
     numbers (None: the head reads none), `like`: the dtype and device of the width factors."""
-    keys = last_keys(input_ids.cpu(), num_token_id, None if attention_mask is None else attention_mask.cpu())
+    keys = last_keys(input_ids.cpu(), numeric_values.cpu(), num_token_id,
+                     None if attention_mask is None else attention_mask.cpu())
     return RowSeries(series_of(keys, table), row_supports(keys, table, recent), series_scales(keys, table, like))
 
 
@@ -150,6 +176,6 @@ def prompt_support(ids: Sequence[int], values: Sequence[float], num_token_id: in
     its `window` most recent numbers; `series_scales`)."""
     numbers = [float(v) for t, v in zip(ids, values) if t == num_token_id][::-1][:window]
     recent = torch.tensor([numbers + [math.nan] * (window - len(numbers))], dtype=torch.float64)
-    key = row_key(title_ids(ids, num_token_id))
+    key = text_key(list(ids), list(values), num_token_id)
     floored = row_supports([key], table, recent)[0] in ("positive", "nonneg")
     return floored, float(series_scales([key], table, recent[0])[0])

@@ -132,7 +132,7 @@ class MetricAccumulator:
             self.y_true += y_true.tolist()
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
-            self.y_series += _target_keys(batch, ids, at, self.num_token_id)
+            self.y_series += _target_keys(batch, ids, values, at, self.num_token_id)
         if "target" in batch and "previous" in batch:
             self.targets += [float(v) for v in batch["target"].tolist()]
             self.previous += [float(v) for v in batch["previous"].tolist()]
@@ -224,7 +224,7 @@ class MetricAccumulator:
                 "value": self._values(), "series": list(self.y_series)}
 
 
-def _target_keys(batch: Mapping[str, Any], ids: Tensor, at: Tensor, num_token_id: int) -> list[str]:
+def _target_keys(batch: Mapping[str, Any], ids: Tensor, values: Tensor, at: Tensor, num_token_id: int) -> list[str]:
     """The series key (`modeling.series.position_keys`) of each value target `at` [B, S - 1] (targets of positions
     1..S - 1), read at the position that predicts it; a packed batch's segments are rows of their own."""
     before = torch.zeros_like(ids, dtype=torch.bool)
@@ -233,7 +233,8 @@ def _target_keys(batch: Mapping[str, Any], ids: Tensor, at: Tensor, num_token_id
     starts = None
     if mask is None and batch.get("position_ids") is not None:
         starts = packed_row_starts(batch["position_ids"]).expand(ids.shape).cpu()
-    return position_keys(ids.cpu(), num_token_id, before.cpu(), None if mask is None else mask.cpu(), starts)
+    return position_keys(ids.cpu(), batch["numeric_values"].cpu(), num_token_id, before.cpu(),
+                         None if mask is None else mask.cpu(), starts)
 
 
 def coverage_metrics(y_true: Sequence[float], loc: Sequence[float], scale: Sequence[float],

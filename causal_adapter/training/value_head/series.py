@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...modeling.series import MIN_SERIES_ROWS, row_key, title_ids
+from ...modeling.series import MIN_SERIES_ROWS, row_key, series_title
+from ...number_grammar import format_number
 from ...records import value_label_mask
 
 
@@ -19,23 +20,25 @@ def _support(values: Sequence[float]) -> str:
     return "nonneg" if all(v >= 0 for v in values) else "signed"
 
 
-def series_values(datasets, num_token_id: int) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    """({key: the values of its series}, {key: the ids that name it}) over the rows of `datasets` (tokenised:
+def series_values(datasets, num_token_id: int) -> tuple[dict[str, list[float]], dict[str, tuple[list, list]]]:
+    """({key: the values of its series}, {key: the (ids, title numbers' values) that name it}) over the rows of `datasets` (tokenised:
     input_ids, labels, numeric_values and maybe label_values): each completion value (`records.value_label_mask`)
-    goes to the series its row's text names (`modeling.series.position_keys`, unpacked rows)."""
+    goes to the series its row's text before its first value names (`modeling.series.series_title`, unpacked
+    rows)."""
     values: dict[str, list[float]] = defaultdict(list)
-    titles: dict[str, list[int]] = {}
+    titles: dict[str, tuple[list, list]] = {}
     for ds in datasets:
         if ds is None or not len(ds):
             continue
         column = "label_values" if "label_values" in ds.column_names else "numeric_values"
-        for ids, labels, vals in zip(ds["input_ids"], ds["labels"], ds[column]):
+        for ids, labels, numbers, vals in zip(ds["input_ids"], ds["labels"], ds["numeric_values"], ds[column]):
             mask = value_label_mask(ids, labels, num_token_id)
             if not any(mask):
                 continue
-            title = title_ids(ids, num_token_id)
-            key = row_key(title)
-            titles.setdefault(key, title)
+            first = mask.index(True)  # the text before the row's first value names it, as a prompt does
+            title, title_values = series_title(ids[:first], numbers[:first], num_token_id)
+            key = row_key(title, title_values)
+            titles.setdefault(key, (title, title_values))
             values[key] += [float(v) for v, m in zip(vals, mask) if m]
     return dict(values), titles
 
@@ -46,8 +49,20 @@ def series_table(datasets, num_token_id: int, decode: Callable[[list[int]], str]
     name (its title, decoded by `decode`; else its key)."""
     values, titles = series_values(datasets, num_token_id)
     return {key: {"support": _support(v), "rows": len(v),
-                  "name": decode(titles[key]).strip() if decode is not None else key}
+                  "name": _title_text(*titles[key], num_token_id, decode) if decode is not None else key}
             for key, v in values.items()}
+
+
+def _title_text(ids: list[int], values: list[float], num_token_id: int, decode: Callable[[list[int]], str]) -> str:
+    """The title as text: its tokens decoded, each <NUM> written as its value."""
+    pieces, run, numbers = [], [], iter(values)
+    for t in ids:
+        if t == num_token_id:
+            pieces += [decode(run), format_number(next(numbers))]
+            run = []
+        else:
+            run.append(t)
+    return "".join(pieces + [decode(run)]).strip()
 
 
 def series_scale_factors(keys: Sequence[str], normalised: Tensor, table: dict) -> Tensor:
