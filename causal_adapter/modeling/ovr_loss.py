@@ -63,7 +63,6 @@ def _as_threshold(thresholds: Tensor | float, dtype: torch.dtype, device) -> Ten
     return torch.tensor(float(thresholds), dtype=dtype, device=device)
 
 
-
 # --------------------------------------------------------------------------- reference
 def reference_ovr_loss(
     loc_U: Tensor,
@@ -101,6 +100,7 @@ def reference_ovr_loss(
     return per_row.sum() / max(1, y.numel())
 
 
+# --------------------------------------------------------------------------- fused (its sweep: `ovr_fused`)
 def _override_correction(lu, su, W, b, thr, y, idx, rows, floor, dt) -> Tensor:
     """Sum over rows of [loss terms of columns idx with `rows`] - [same with base W rows].
 
