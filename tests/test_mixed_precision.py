@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-from causal_adapter.modeling import ovr_loss as loss_module
+from causal_adapter.modeling import ovr_backends as loss_module  # the compiled kernel's state lives there
 from causal_adapter.modeling.heads import linear_in_dtype
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss

@@ -336,6 +336,7 @@ def test_model_loss_with_the_compiled_kernel_equals_eager(monkeypatch):
     """CAUSAL_ADAPTER_COMPILE_LOSS=1 (what a GPU gets by default for batches with N x V >= 2^24)
     routes the model's loss through the torch.compile'd block kernel; loss and head gradients
     equal the eager kernel's."""
+    from causal_adapter.modeling import ovr_fused  # the sweep that calls the compiled kernel
     from causal_adapter.modeling import ovr_loss as loss_module
 
     monkeypatch.setenv(loss_module.COMPILE_ENV, "1")
@@ -351,8 +352,8 @@ def test_model_loss_with_the_compiled_kernel_equals_eager(monkeypatch):
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()}
 
     calls = []
-    monkeypatch.setattr(loss_module, "_run_compiled_kernel",
-                        lambda *a, _f=loss_module._run_compiled_kernel: calls.append(1) or _f(*a))
+    monkeypatch.setattr(ovr_fused, "_run_compiled_kernel",
+                        lambda *a, _f=ovr_fused._run_compiled_kernel: calls.append(1) or _f(*a))
     compiled_loss, compiled_grads = run()
     assert calls and not loss_module._compile_error
     monkeypatch.setenv(loss_module.COMPILE_ENV, "0")

@@ -162,7 +162,7 @@ def test_page_is_open_relative_and_holds_no_key(server):
     assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API itself still needs it
 
 
-#: The page's whole Content-Security-Policy: its own origin only (app.PAGE_HEADERS says why).
+#: The page's whole Content-Security-Policy: its own origin only (routes_playground.PAGE_HEADERS says why).
 CSP = {
     "default-src": {"'none'"},
     "script-src": {"'unsafe-inline'"},
