@@ -18,12 +18,12 @@ import torch
 
 from causal_adapter import get_causal_model
 from causal_adapter.data.corpora import build_corpus
-from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
-from causal_adapter.numbers import NumberTokenizer
 from causal_adapter.saving.assets import load_base
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.value_head.linear import fit_linear_head
-from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
+from causal_adapter.training.value_head.warm_start import fit_value_units
+
+from common import num_features
 
 SPLITS = ("train", "validation", "test")
 
@@ -41,16 +41,12 @@ def features(corpus: str, qk_scale: float, direction_norm: float | None):
     dd = build_corpus(corpus)
     acfg.value_loc, acfg.value_scale = fit_value_units([float(v) for v in dd["train"]["target"]])
     model = get_causal_model(base, acfg, tokenizer=tok)
-    ntok = NumberTokenizer(tok, model.num_token_id)
-    collate = NumericCollator(ntok.pad_token_id)
     X, t = {}, {}
     for precision in ("fp32", "bf16"):
         X[precision] = {}
         for split in SPLITS:
-            ds = tokenize_dataset(dd[split], ntok, add_eos_token=config.add_eos_token)
-            batches = (collate([ds[j] for j in range(i, min(i + 16, len(ds)))]) for i in range(0, len(ds), 16))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                X[precision][split], y, _ = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
+                X[precision][split], y, _ = num_features(model, dd[split], tok, 16, config.add_eos_token)
             t[split] = (y - acfg.value_loc) / acfg.value_scale
     mu = X["fp32"]["train"].mean(0)
     return {p: {s: x - mu for s, x in X[p].items()} for p in X}, t, acfg.value_scale

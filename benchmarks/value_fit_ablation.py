@@ -9,36 +9,29 @@ fraction of the training targets shuffled (the anchor experiment).
 import os
 import sys
 
-import torch
 from causal_adapter import CausalAdapterConfig, get_causal_model
-from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
-from causal_adapter.numbers import NumberTokenizer
 from causal_adapter.training.value_head.linear import LOSSES, fit_linear_head
-from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
+from causal_adapter.training.value_head.warm_start import fit_value_units
 from causal_adapter.data.corpora import build_corpus
-from causal_adapter.saving.assets import load_qwen_tokenizer
+from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
 
-import numeric_quality as nq  # the benchmark's tiny base, its settings and label shuffling (a sibling script)
+from common import num_features, shuffle_labels
+
+SEED = 42  # numeric_quality.py's defaults: --seed 42, the tiny base qwen2 64 hidden x 2 layers, --base-seed 0
 
 
 def features(corpus: str, noise: float):
     """(value units, {split: centred loc_U [n, C]}, {split: standardised targets [n]}) of the benchmark's base."""
     tok = load_qwen_tokenizer()
-    args = nq.parse_args([])
     dd = build_corpus(corpus)
     splits = {k: dd[k] for k in ("train", "validation", "test")}
     if noise:
-        splits["train"] = nq.shuffle_labels(splits["train"], noise, args.seed)
+        splits["train"] = shuffle_labels(splits["train"], noise, SEED)
     loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
-    model = get_causal_model(nq._base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale),
+    model = get_causal_model(build_tiny_qwen("qwen2", hidden_size=64, num_layers=2, seed=0),
+                             CausalAdapterConfig(seed=SEED, value_loc=loc, value_scale=scale),
                              tokenizer=tok)
-    ntok = NumberTokenizer(tok, model.num_token_id)
-    collate = NumericCollator(ntok.pad_token_id)
-    F = {}
-    for k in splits:
-        ds = tokenize_dataset(splits[k], ntok, add_eos_token=True)
-        batches = (collate([ds[j] for j in range(i, min(i + 32, len(ds)))]) for i in range(0, len(ds), 32))
-        F[k] = num_label_features(model, batches, torch.device("cpu"), 10 ** 9)
+    F = {k: num_features(model, splits[k], tok) for k in splits}
     mu = F["train"][0].mean(0)
     sd = F["train"][0].std(0)
     print(f"loc_U at the training <NUM> targets: mean |loc_U| {float(F['train'][0].abs().mean()):.3g}, "
