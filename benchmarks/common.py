@@ -1,11 +1,15 @@
 """Code the benchmark scripts share (not a benchmark itself): `import common` / `from common import ...`.
 
-A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and a sibling
-script: scales_holdout.py imports scales.py) imports as is;
-a test that imports a script puts benchmarks/ on sys.path itself. Sections:
+A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and baselines.py, the
+series, baselines and scoring of the series benchmarks) imports as is; no script imports another script. A test
+that imports a script puts benchmarks/ on sys.path itself. Sections:
 
 * output: `log`, `fmt`, `write_report` (the tables, the JSON beside them, the RESULT line last);
-* least squares: `ridge_fit`, `ridge_predict` (AR(p) and the linear baselines);
+* least squares: `ridge_fit`, `ridge_predict` (AR(p) and the linear baselines); `num_features` (the value head's
+  input features at the <NUM> targets of a dataset);
+* the CLI recipe, train then predict: `train_and_predict` (one adapter from the rows, the test rows predicted as
+  ``causal-adapter predict`` does), `write_jsonl`, `run_arguments` / `check_run_arguments` (their flags),
+  `code_state` (the commit the run measured), `shuffle_labels` (the anchor experiment's shuffled training targets);
 * models: `build_base` (random weights at the Qwen2.5-0.5B shape), `bf16_lora_model_and_batch` (the set-up of
   tests/test_mixed_precision.py: a bf16 tiny Qwen with LoRA and a numeric batch);
 * training runs: `train_run` (the CLI's default recipe), `test_mae` (a saved adapter's test MAE as
@@ -18,6 +22,7 @@ a test that imports a script puts benchmarks/ on sys.path itself. Sections:
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 import contextlib
@@ -27,6 +32,7 @@ import io
 import json
 import math
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -81,6 +87,128 @@ def ridge_fit(X: torch.Tensor, t: torch.Tensor, lam: float) -> torch.Tensor:
 
 def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return X @ w[:-1] + w[-1]
+
+
+def num_features(model, dataset, tokenizer, batch: int = 32, add_eos_token: bool = True) -> tuple:
+    """`num_label_features` (loc_U [n, C], targets [n], ...) at every <NUM> target of the raw `dataset`, on the CPU,
+    `batch` rows at a time: the value head's input features (the ridge probes' and the value-fit ablations')."""
+    from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
+    from causal_adapter.numbers import NumberTokenizer
+    from causal_adapter.training.value_head.warm_start import num_label_features
+
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
+    ds, collate = tokenize_dataset(dataset, ntok, add_eos_token=add_eos_token), NumericCollator(ntok.pad_token_id)
+    batches = (collate([ds[j] for j in range(i, min(i + batch, len(ds)))]) for i in range(0, len(ds), batch))
+    return num_label_features(model, batches, torch.device("cpu"), max_rows=10 ** 9)
+
+
+# ----------------------------------------------------------------------------- the CLI recipe, train then predict
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[dict], test_rows: list[dict],
+                      work: Path, levels=(0.5, 0.9), **predict) -> tuple[list[dict], dict]:
+    """Train one adapter on the rows as ``causal-adapter train --train-file T --validation-file V`` does (the
+    default TrainConfig: the embedded tiny Qwen and the real tokenizer; `args.tiny`, ``args.steps`` and
+    ``args.recent_values`` override), load it back with `CausalModel.from_pretrained` and predict the test rows
+    as ``causal-adapter predict ADAPTER --data-file TEST`` does (`predict_files` at `levels`, `predict`: its other
+    keywords, e.g. horizon / paths); (prediction rows in test order, run info)."""
+    from causal_adapter import CausalModel
+    from causal_adapter.commands.predict import predict_files
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import load_base_and_tokenizer, train
+
+    work.mkdir(parents=True, exist_ok=True)
+    files = {k: work / f"{name}_{k}.jsonl" for k in ("train", "validation", "test")}
+    for k, rows in zip(files, (train_rows, val_rows, test_rows)):
+        write_jsonl(files[k], rows)
+    recent = getattr(args, "recent_values", None)
+    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps}),
+                 **({} if recent is None else {"recent_values": recent})}
+    # output and display only (no plot file, no progress bar); every training setting is the default
+    config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
+                         output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)
+    t0 = time.perf_counter()
+    result = train(None, config)
+    train_seconds = time.perf_counter() - t0
+    base, tokenizer = load_base_and_tokenizer(config)  # what `predict` loads with no --base flag
+    model = CausalModel.from_pretrained(base, str(result.adapter_dir), tokenizer=tokenizer)
+    pred_path = work / f"{name}_pred.jsonl"
+    t1 = time.perf_counter()
+    counts = predict_files(model, tokenizer, [str(files["test"])], output=str(pred_path), levels=levels,
+                           progress=False, **predict)
+    predict_seconds = time.perf_counter() - t1
+    preds = {}
+    for line in pred_path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        preds[r["row"]] = r
+    if counts["skipped"] or len(preds) != len(test_rows):
+        raise RuntimeError(f"set {name}: predict skipped {counts['skipped']} of {len(test_rows)} test rows")
+    info = {"steps": result.global_step, "train_rows": len(train_rows), "validation_rows": len(val_rows),
+            "test_rows": len(test_rows), "train_seconds": train_seconds, "predict_seconds": predict_seconds,
+            "calibrated": model.causal_config.value_calibration is not None,
+            "validation_value_mae": (result.eval_metrics or {}).get("value_mae"),
+            "adapter": str(result.adapter_dir)}
+    if predict.get("horizon"):  # the per-step maps fitted on the validation rows: u per row or per step, steps
+        cal = model.causal_config.horizon_calibration
+        info.update(individual=None if cal is None else cal["individual"],
+                    calibrated_steps=1 + (0 if cal is None else len(cal["steps"])))
+    return [preds[i] for i in range(len(test_rows))], info
+
+
+def shuffle_labels(ds, fraction: float, seed: int):
+    """The anchor experiment's corruption: `fraction` of the rows (seeded choice) get their completion and
+    target permuted among themselves (a random permutation of the chosen rows)."""
+    n = len(ds)
+    k = int(round(fraction * n))
+    if k < 2:
+        return ds
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n, generator=g)[:k].tolist()
+    perm = torch.randperm(k, generator=g).tolist()
+    comp, tgt = list(ds["completion"]), list(ds["target"])
+    new_comp, new_tgt = list(comp), list(tgt)
+    for i, j in zip(rows, perm):
+        new_comp[i], new_tgt[i] = comp[rows[j]], tgt[rows[j]]
+    ds = ds.remove_columns(["completion", "target"])
+    return ds.add_column("completion", new_comp).add_column("target", new_tgt)
+
+def run_arguments(doc: str, output: str, seed_help: str, rows: bool = True) -> argparse.ArgumentParser:
+    """The parser of a script that trains with `train_and_predict`: --steps, --max-train-rows / --max-val-rows
+    (`rows`), --output, --seed (`seed_help`); `check_run_arguments` checks them."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps per adapter (default: TrainConfig's, max_steps -1: num_train_epochs 3)")
+    if rows:
+        ap.add_argument("--max-train-rows", type=int, default=None,
+                        help="keep only the last N training rows of each series (default all)")
+        ap.add_argument("--max-val-rows", type=int, default=None,
+                        help="keep only the last N validation rows of each series in the adapter's validation file "
+                        "(default all; the baselines are always chosen on every validation target)")
+    ap.add_argument("--output", default=output, help="markdown tables; the JSON goes beside it (.json)")
+    ap.add_argument("--seed", type=int, default=42, help=seed_help)
+    return ap
+
+
+def check_run_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """--steps, --max-train-rows, --max-val-rows: each >= 1 where given."""
+    for k in ("steps", "max_train_rows", "max_val_rows"):
+        if getattr(args, k, None) is not None and getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+
+
+def code_state() -> dict:
+    """The commit and the files changed since it (the benchmark measures the working tree as it is)."""
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+    try:
+        return {"commit": run("rev-parse", "HEAD"), "changed": run("status", "--short").splitlines()}
+    except OSError:
+        return {}
 
 
 # ----------------------------------------------------------------------------- models

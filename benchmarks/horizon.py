@@ -10,7 +10,7 @@ synthetic panel. Each series is cut as a user writes a forecasting file: the pro
 "time: value" pairs, ending with the next label), the completion the next H values with their labels,
 ``" 33.2; 2016-08: 32.9; 2016-09: 30.4"``. A row is a training row when its last value lies in the series' training
 part, a validation row when all its values lie in the validation part, a test row when they lie in the test part
-(`scales.split_bounds`). One adapter per set, trained as ``causal-adapter train --train-file --validation-file`` does
+(`baselines.split_bounds`). One adapter per set, trained as ``causal-adapter train --train-file --validation-file`` does
 (the default `TrainConfig`, no other flag: the per-step maps are fitted on the validation rows), then every test row
 predicted as ``causal-adapter predict --horizon H --paths N`` with its ``continuations`` (the known labels).
 
@@ -30,9 +30,6 @@ Output: markdown tables and JSON at ``--output`` (default /tmp/horizon.md and .j
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import sys
 import tempfile
 import time
@@ -41,8 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import scales
-from common import fmt, log, offline, ridge_fit, ridge_predict, write_report
+from baselines import (BUNDLED, CHAT_SEASON, SCALES, SYNTHETIC_LENGTHS, SYNTHETIC_WINDOW, bundled_values,
+                       choose_ar, gmean, iterated, last_rows, ratio, series_entry, set_a, synthetic_panel)
+from common import fmt, log, offline, run_arguments, train_and_predict, write_report
 
 SETS = ("a", "b", "c")
 HORIZON = 12
@@ -57,20 +55,16 @@ QUICK = dict(steps=2, a_series=("macro/unemp",), a_scales=(1e-1, 1.0, 1e3), chat
 
 # ----------------------------------------------------------------------------- data
 def entries(args, name: str) -> list[dict]:
-    """The set's series (`scales.py`'s entries: y, window, season, train_end, val_end, rows with prompts)."""
+    """The set's series (`baselines.py`'s entries: y, window, season, train_end, val_end, rows with prompts)."""
     if name == "a":
-        return scales.set_a(args)
+        return set_a(args)
     if name == "c":
-        return scales.synthetic_panel(args.synthetic_series, args.synthetic_lengths, args.seed,
+        return synthetic_panel(args.synthetic_series, args.synthetic_lengths, args.seed,
                                       args.synthetic_window)
     from causal_adapter.data.corpora import CHAT_SERIES
 
-    out = []
-    for s in args.chat_series:
-        loader, title, _ = CHAT_SERIES[s]
-        times, values = loader("chat")
-        out.append(scales.series_entry(s, title + ".", times, values, 12, scales.CHAT_SEASON.get(s)))
-    return out
+    return [series_entry(s, CHAT_SERIES[s][1] + ".", *CHAT_SERIES[s][0]("chat"), 12, CHAT_SEASON.get(s))
+            for s in args.chat_series]
 
 
 def forecast_rows(entry: dict, H: int) -> dict[str, list[dict]]:
@@ -94,86 +88,16 @@ def forecast_rows(entry: dict, H: int) -> dict[str, list[dict]]:
     return out
 
 
-# ----------------------------------------------------------------------------- baselines
-def ar_fit(y: np.ndarray, train_end: int, p: int):
-    """AR(p) with intercept by least squares on the standardised training part: (weights, mu, sd)."""
-    z, mu, sd = scales._standardise(y, train_end)
-    idx = np.arange(p, train_end)
-    X = torch.tensor(np.stack([z[idx - j] for j in range(1, p + 1)], 1), dtype=torch.float64)
-    try:
-        w = ridge_fit(X, torch.tensor(z[idx], dtype=torch.float64), 0.0)
-    except RuntimeError:
-        w = ridge_fit(X, torch.tensor(z[idx], dtype=torch.float64), 1e-8)
-    return w, mu, sd
-
-
-def iterated(entry: dict, first: int, H: int, ar=None) -> dict[str, np.ndarray]:
-    """Each baseline's H forecasts from the row's window (values before `first`), iterated on its own forecasts."""
-    y, w, season = entry["y"], entry["window"], entry["season"]
-    hist = y[first - w:first]
-    out = {"persistence": np.full(H, hist[-1])}
-    if season and season <= w:
-        out["seasonal_naive"] = np.array([hist[len(hist) - season + (h % season)] for h in range(H)])
-    if w >= 2:
-        out["window_drift"] = hist[-1] + (hist[-1] - hist[0]) / (w - 1) * np.arange(1, H + 1)
-    if ar is not None:
-        wts, mu, sd, p = ar
-        z = list((y[first - p:first] - mu) / sd)
-        f = []
-        for _ in range(H):
-            x = torch.tensor([z[-j] for j in range(1, p + 1)], dtype=torch.float64).unsqueeze(0)
-            nxt = float(ridge_predict(wts, x)[0])
-            z.append(nxt)
-            f.append(mu + sd * nxt)
-        out["ar"] = np.array(f)
-    return out
-
-
-def choose_ar(entry: dict, val_rows: list[dict], H: int):
-    """The AR order (1..min(12, window)) with the smallest validation MAE of its iterated forecasts."""
-    y, te = entry["y"], entry["train_end"]
-    best = None
-    for p in range(1, min(scales.AR_MAX_P, entry["window"], (te - 2) // 3) + 1):
-        fit = (*ar_fit(y, te, p), p)
-        err = [abs(iterated(entry, r["first"], H, fit)["ar"] - y[r["first"]:r["first"] + H]).mean() for r in val_rows]
-        score = float(np.mean(err)) if err else math.inf
-        if best is None or score < best[0]:
-            best = (score, fit)
-    return None if best is None else best[1]
-
-
 # ----------------------------------------------------------------------------- the adapter
 def train_and_forecast(args, name: str, split: dict, work: Path) -> tuple[list[dict], dict]:
-    """Train one adapter on the set's files (default TrainConfig), predict every test row with --horizon; (the
+    """Train one adapter on the set's files (default TrainConfig, `common.train_and_predict`), predict every test
+    row with --horizon (the test file also carries the known labels: predict --horizon reads them); (the
     prediction rows in test order, run info)."""
-    from causal_adapter import CausalModel
-    from causal_adapter.commands.predict import predict_files
-    from causal_adapter.training.config import TrainConfig
-    from causal_adapter.training.loop import load_base_and_tokenizer, train
-
-    work.mkdir(parents=True, exist_ok=True)
-    files = {k: work / f"{name}_{k}.jsonl" for k in split}
-    for k, rows in split.items():  # the test file also carries the known labels: predict --horizon reads them
-        cols = ("prompt", "completion") + (("continuations",) if k == "test" else ())
-        scales.write_jsonl(files[k], [{c: r[c] for c in cols} for r in rows])
-    overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps})}
-    config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
-                         output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)
-    t0 = time.perf_counter()
-    result = train(None, config)
-    train_seconds = time.perf_counter() - t0
-    base, tokenizer = load_base_and_tokenizer(config)
-    model = CausalModel.from_pretrained(base, str(result.adapter_dir), tokenizer=tokenizer)
-    out = work / f"{name}_pred.jsonl"
-    t1 = time.perf_counter()
-    predict_files(model, tokenizer, [str(files["test"])], output=str(out), levels=LEVELS, progress=False,
-                  horizon=args.horizon, paths=args.paths, seed=args.seed)
-    preds = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    cal = model.causal_config.horizon_calibration
-    info = {"train_seconds": train_seconds, "predict_seconds": time.perf_counter() - t1,
-            "rows": {k: len(v) for k, v in split.items()}, "steps": result.global_step,
-            "individual": None if cal is None else cal["individual"],
-            "calibrated_steps": 1 + (0 if cal is None else len(cal["steps"])), "adapter": str(result.adapter_dir)}
+    cols = {k: ("prompt", "completion") + (("continuations",) if k == "test" else ()) for k in split}
+    rows = [[{c: r[c] for c in cols[k]} for r in split[k]] for k in ("train", "validation", "test")]
+    preds, info = train_and_predict(args, name, *rows, work, levels=LEVELS, horizon=args.horizon, paths=args.paths,
+                                    seed=args.seed)
+    info["rows"] = {k: len(v) for k, v in split.items()}
     return preds, info
 
 
@@ -219,10 +143,10 @@ def score_set(entries_: list[dict], splits: dict[str, dict], preds: list[dict], 
                     cov[q].append(s[f"lower_{n}"] <= t <= s[f"upper_{n}"])
                 lo, hi = s["lower_90"], s["upper_90"]
                 wink.append(((hi - lo) + 20.0 * (max(lo - t, 0.0) + max(t - hi, 0.0))) / scale)
-            ratios_best.append(scales.ratio(np.mean(err), np.mean(err_best)))
-            ratios_pers.append(scales.ratio(np.mean(err), np.mean(err_pers)))
-        per_step.append({"step": h + 1, "gm_vs_best_window": scales.gmean(ratios_best),
-                         "gm_vs_persistence": scales.gmean(ratios_pers),
+            ratios_best.append(ratio(np.mean(err), np.mean(err_best)))
+            ratios_pers.append(ratio(np.mean(err), np.mean(err_pers)))
+        per_step.append({"step": h + 1, "gm_vs_best_window": gmean(ratios_best),
+                         "gm_vs_persistence": gmean(ratios_pers),
                          "cov50": float(np.mean(cov[0.5])), "cov90": float(np.mean(cov[0.9])),
                          "winkler90_scaled": float(np.mean(wink)), "n_rows": len(cov[0.5])})
     return {"per_step": per_step}
@@ -234,8 +158,8 @@ def run_set(args, name: str, work: Path) -> dict:
     splits = {}
     for e in ents:
         s = forecast_rows(e, args.horizon)
-        s["train"] = scales.last_rows(s["train"], args.max_train_rows)
-        s["validation"] = scales.last_rows(s["validation"], args.max_val_rows)
+        s["train"] = last_rows(s["train"], args.max_train_rows)
+        s["validation"] = last_rows(s["validation"], args.max_val_rows)
         splits[e["name"]] = s
     split = {k: [r for e in ents for r in splits[e["name"]][k]] for k in ("train", "validation", "test")}
     preds, info = train_and_forecast(args, name, split, work)
@@ -277,7 +201,7 @@ def speed(args, adapter: str | None = None) -> dict:
         model = get_causal_model(base, tokenizer=tok)
         model.set_value_units(39.0, 38.0, 1)
     model.eval()
-    e = scales.series_entry("sunspots", "Yearly sunspot numbers.", *scales.bundled_values("sunspots"), 10, None)
+    e = series_entry("sunspots", "Yearly sunspot numbers.", *bundled_values("sunspots"), 10, None)
     row = forecast_rows(e, HORIZON)["test"][0]
     kw = dict(tokenizer=tok, horizon=HORIZON, continuations=[row["continuations"]], seed=0)
     prompt = [row["prompt"] + " "]
@@ -327,24 +251,19 @@ def result_line(results: dict, sp: dict | None) -> str:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = run_arguments(__doc__, "/tmp/horizon.md", "TrainConfig.seed, the paths' draws, the chat corpus, the panel")
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated subset of a,b,c")
     ap.add_argument("--speed", action="store_true", help="the path-sampling time alone")
     ap.add_argument("--quick", action="store_true", help="toy size: few short series, 2 steps, H = 4, 20 paths")
     ap.add_argument("--horizon", type=int, default=HORIZON)
     ap.add_argument("--paths", type=int, default=PATHS)
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: TrainConfig's epochs)")
-    ap.add_argument("--max-train-rows", type=int, default=None)
-    ap.add_argument("--max-val-rows", type=int, default=None)
     ap.add_argument("--synthetic-series", type=int, default=50)
-    ap.add_argument("--synthetic-lengths", default=",".join(map(str, scales.SYNTHETIC_LENGTHS)))
-    ap.add_argument("--synthetic-window", type=int, default=scales.SYNTHETIC_WINDOW)
-    ap.add_argument("--output", default="/tmp/horizon.md")
-    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--synthetic-lengths", default=",".join(map(str, SYNTHETIC_LENGTHS)))
+    ap.add_argument("--synthetic-window", type=int, default=SYNTHETIC_WINDOW)
     args = ap.parse_args(argv)
     args.sets = [s for s in args.sets.split(",") if s]
     args.synthetic_lengths = tuple(int(x) for x in str(args.synthetic_lengths).split(","))
-    args.a_series, args.a_scales = tuple(scales.BUNDLED), scales.SCALES
+    args.a_series, args.a_scales = tuple(BUNDLED), SCALES
     args.chat_series = ("sunspots", "nile", "co2", "elnino", "macro/unemp", "macro/infl", "macro/realgdp")
     args.tiny = {}
     if args.quick:

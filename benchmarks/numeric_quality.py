@@ -65,7 +65,8 @@ from pathlib import Path
 
 import torch
 
-from common import fmt, log, offline, ridge_fit, ridge_predict, write_report
+from baselines import window_ar
+from common import fmt, log, num_features, offline, ridge_fit, ridge_predict, shuffle_labels, write_report
 
 CORPORA = ("sunspots", "nile", "co2", "elnino", "macro", "diabetes", "engel", "heteroscedastic")
 TABULAR = ("diabetes", "engel", "heteroscedastic")  # not series: the linear baseline is ridge on the prompt's numbers
@@ -159,14 +160,14 @@ def quantile_scores(y, quantile) -> dict:
     """Coverage of the central intervals [quantile((1 - q) / 2), quantile((1 + q) / 2)] at `LEVELS`, their
     Winkler scores at 50% / 90%, the mean 90% width and the mean pinball loss over `PINBALL_LEVELS`, where
     `quantile(tau)` gives the predicted tau-quantile of every row ([n] float64)."""
+    from causal_adapter.modeling.intervals import winkler
+
     out = {}
     for q in LEVELS:
         lo, hi = quantile(round((1 - q) / 2, 6)), quantile(round((1 + q) / 2, 6))
         out[f"coverage_{round(100 * q)}"] = float(((y >= lo) & (y <= hi)).double().mean())
         if q in (0.5, 0.9):
-            a = 1 - q
-            w = (hi - lo) + (2 / a) * ((lo - y).clamp_min(0) + (y - hi).clamp_min(0))
-            out[f"winkler_{round(100 * q)}"] = float(w.mean())
+            out[f"winkler_{round(100 * q)}"] = float(winkler(y, lo, hi, q).mean())
         if q == 0.9:
             out["width_90"] = float((hi - lo).mean())
     losses = []
@@ -255,15 +256,7 @@ def run_simple(corpus: str, splits, constant: float) -> dict:
     season = SEASON.get(corpus)
     if season and all(len(h) >= season for h in hist["test"]):
         out["seasonal_naive"] = {k: score([h[-season] for h in hist[k]], y[k]) for k in ("validation", "test")}
-    window = min(len(h) for h in hist["train"])
-    best = None
-    for p in range(1, window + 1):
-        X = {k: torch.tensor([h[-p:] for h in hist[k]], dtype=torch.float64) for k in hist}
-        w = ridge_fit(X["train"], torch.tensor(y["train"], dtype=torch.float64), 0.0)
-        val = float((ridge_predict(w, X["validation"]) - torch.tensor(y["validation"], dtype=torch.float64)).abs().mean())
-        if best is None or val < best[0]:
-            best = (val, p, w, X)
-    _, p, w, X = best
+    p, w, X = window_ar(hist, y, min(len(h) for h in hist["train"]))
     out["linear"] = {k: score(ridge_predict(w, X[k]).tolist(), y[k]) for k in ("validation", "test")}
     out["linear"]["choice"] = f"AR({p})"
     wh = huber_fit(X["train"], tt["train"], 0.0)
@@ -277,20 +270,12 @@ def run_probe(args, splits, tokenizer, **input_path) -> dict:
     """Ridge on the frozen base's features (the causal adapter's loc_U at init, in its value units).
     `input_path`: CausalAdapterConfig overrides of the input side (the ``--input-ablation`` rows)."""
     from causal_adapter import CausalAdapterConfig, get_causal_model
-    from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
-    from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.training.value_head.warm_start import fit_value_units, num_label_features
+    from causal_adapter.training.value_head.warm_start import fit_value_units
 
     loc, scale = fit_value_units([float(v) for v in splits["train"]["target"]])
     model = get_causal_model(_base(args), CausalAdapterConfig(seed=args.seed, value_loc=loc, value_scale=scale,
                                                               **input_path), tokenizer=tokenizer)
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    collate = NumericCollator(ntok.pad_token_id)
-    feats = {}
-    for k in ("train", "validation", "test"):
-        ds = tokenize_dataset(splits[k], ntok, add_eos_token=True)
-        batches = (collate([ds[j] for j in range(i, min(i + 32, len(ds)))]) for i in range(0, len(ds), 32))
-        feats[k] = num_label_features(model, batches, torch.device("cpu"), max_rows=10 ** 9)
+    feats = {k: num_features(model, splits[k], tokenizer) for k in ("train", "validation", "test")}
     t = {k: (v[1] - loc) / scale for k, v in feats.items()}
     w, lam = choose_ridge(feats["train"][0], t["train"], feats["validation"][0], t["validation"])
     pred = {k: loc + scale * ridge_predict(w, feats[k][0]) for k in feats}
@@ -742,24 +727,6 @@ def parse_args(argv=None):
     if not (args.lr > 0 and args.lora_lr > 0):
         ap.error("--lr and --lora-lr must be > 0")
     return args
-
-
-def shuffle_labels(ds, fraction: float, seed: int):
-    """The anchor experiment's corruption: `fraction` of the rows (seeded choice) get their completion and
-    target permuted among themselves (a random permutation of the chosen rows)."""
-    n = len(ds)
-    k = int(round(fraction * n))
-    if k < 2:
-        return ds
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randperm(n, generator=g)[:k].tolist()
-    perm = torch.randperm(k, generator=g).tolist()
-    comp, tgt = list(ds["completion"]), list(ds["target"])
-    new_comp, new_tgt = list(comp), list(tgt)
-    for i, j in zip(rows, perm):
-        new_comp[i], new_tgt[i] = comp[rows[j]], tgt[rows[j]]
-    ds = ds.remove_columns(["completion", "target"])
-    return ds.add_column("completion", new_comp).add_column("target", new_tgt)
 
 
 def scale_spearman(scales, sds) -> float:

@@ -21,7 +21,7 @@ words as words, the target's question last, e.g. (Computers)
 
 Every target is positive and right-skewed. Each table is shuffled with a fixed seed (``--seed``) and split
 60 / 20 / 20 into training / validation / test rows (`SPLIT`; Computers capped at 2000 / 400 / 400, `CAPS`).
-ONE adapter per table, trained and predicted by `scales.train_and_predict`: `training.loop.train` with the
+ONE adapter per table, trained and predicted by `common.train_and_predict`: `training.loop.train` with the
 default `TrainConfig` (what `causal-adapter train --train-file T --validation-file V --output-dir D` does with
 no other flag: the embedded tiny Qwen and the real Qwen tokenizer), then `commands.predict.predict_files` on the
 adapter loaded back (`causal-adapter predict D --data-file TEST`), levels 0.5 and 0.9.
@@ -48,7 +48,6 @@ the pipeline, not of the figures.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -58,13 +57,12 @@ from pathlib import Path
 
 import numpy as np
 
-from common import fmt as _fmt, log as _log, offline, write_report
-from scales import code_state, train_and_predict
+from common import (check_run_arguments, code_state, fmt as _fmt, log as _log, offline, run_arguments,
+                    train_and_predict, write_report)
 
 SPLIT = (0.6, 0.2, 0.2)
 #: most training / validation / test rows per table (the rest of the shuffled table is left out)
 CAPS = {"computers": (2000, 400, 400)}
-LEVELS = (0.5, 0.9)
 BASELINES = ("logls_nums", "logls_words", "hgb")
 TARGETS = {"vs_logls_words": 1.0, "vs_hgb": 1.15, "cov90": (0.8, 0.97)}
 QUICK = dict(steps=2, caps=(60, 16, 30), tiny=dict(tiny_hidden_size=16, tiny_layers=1))
@@ -330,29 +328,22 @@ def result_line(results: dict) -> str:
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+    ap = run_arguments(__doc__, "/tmp/tabular.md", "the split's shuffle and TrainConfig.seed", rows=False)
     ap.add_argument("--sets", nargs="+", default=list(TABLES),
                     help=f"tables (space- or comma-separated) among {', '.join(TABLES)} (default all)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="optimizer steps per adapter (default: TrainConfig's, max_steps -1: num_train_epochs 3)")
     ap.add_argument("--quick", action="store_true",
                     help=f"toy size for a smoke test: {QUICK['caps']} rows per table, {QUICK['steps']} steps, "
                     "a smaller tiny base")
-    ap.add_argument("--output", default="/tmp/tabular.md", help="markdown tables; the JSON goes beside it (.json)")
-    ap.add_argument("--seed", type=int, default=42, help="the split's shuffle and TrainConfig.seed")
     args = ap.parse_args(argv)
     args.sets = [s.strip().lower() for item in args.sets for s in item.split(",") if s.strip()]
     if not args.sets or any(s not in TABLES for s in args.sets):
         ap.error(f"--sets: choose from {', '.join(TABLES)}")
     args.sets = list(dict.fromkeys(args.sets))
-    # what scales.train_and_predict reads: the tiny base's overrides and TrainConfig.recent_values (its default)
-    args.tiny, args.caps, args.recent_values = {}, None, None
+    args.tiny, args.caps = {}, None  # the tiny base's overrides (common.train_and_predict reads them)
     if args.quick:
         args.steps = QUICK["steps"] if args.steps is None else args.steps
         args.tiny, args.caps = QUICK["tiny"], QUICK["caps"]
-    if args.steps is not None and args.steps < 1:
-        ap.error("--steps must be >= 1")
+    check_run_arguments(ap, args)
     return args
 
 

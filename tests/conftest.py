@@ -153,7 +153,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module (its directory on sys.path: the scripts import common.py and scales.py)."""
+    """benchmarks/<name>.py as a module (its directory on sys.path: the scripts import common.py and baselines.py)."""
     import importlib.util
 
     if str(BENCHMARKS) not in sys.path:

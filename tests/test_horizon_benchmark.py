@@ -57,7 +57,7 @@ def test_baselines_iterate_and_rows_split_by_their_values(bench):
     entry = {"y": np.arange(40, dtype=float), "window": 8, "season": 4, "train_end": 28, "val_end": 34,
              "name": "s", "rows": [{"t_index": i, "prompt": f"p{i}", "completion": f" {i}", "time": f"t{i}"}
                                    for i in range(8, 40)]}
-    fc = bench.iterated(entry, 20, 3, (*bench.ar_fit(entry["y"], 28, 1), 1))
+    fc = bench.iterated(entry, 20, 3, (*load_benchmark("baselines").ar_fit(entry["y"], 28, 1), 1))
     assert fc["persistence"].tolist() == [19, 19, 19]
     assert fc["seasonal_naive"].tolist() == [16, 17, 18]
     assert fc["window_drift"].tolist() == pytest.approx([20, 21, 22])

@@ -3,7 +3,8 @@ the last printed line is the RESULT line with every headline key a finite number
 PASS / FAIL line, and the tables and the JSON are written. The figures themselves are not checked (2 steps).
 The coverage reference (what exact intervals would give on the same series) against binomial sums written out;
 the pieces of the targets against values computed by hand: the effective n of clustered misses, the moving-block
-bootstrap, the multiplicative series of set c, the best WINDOW baseline (never ETS)."""
+bootstrap, the multiplicative series of set c, the best WINDOW baseline (never ETS); those pieces live in
+benchmarks/baselines.py."""
 import json
 import math
 
@@ -63,14 +64,14 @@ def _binomial_outside(n: int, level: float, lo: float, hi: float) -> float:
 
 
 def test_coverage_reference_is_what_exact_intervals_give():
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # three series: one in both bands, one under at 90% (15 / 20 = 0.75 is inside, 14 / 20 is not), one with
     # 50 rows covering all of them at 90% (over the band) and 10 / 50 at 50% (under it, and off the level)
     rows = [{"n_test": 20, "cov50": 0.5, "cov90": 0.9}, {"n_test": 20, "cov50": 0.45, "cov90": 0.7},
             {"n_test": 50, "cov50": 0.2, "cov90": 1.0}]
-    ref = scales.coverage_reference(rows)
+    ref = bl.coverage_reference(rows)
     for q, level in (("50", 0.5), ("90", 0.9)):
-        lo, hi = scales.TARGETS[f"cov{q}"]
+        lo, hi = bl.COVERAGE_BANDS[q]
         p_out = [_binomial_outside(r["n_test"], level, lo, hi) for r in rows]
         assert math.isclose(ref[f"cov{q}_out_exact"], sum(p_out), rel_tol=1e-9)
         assert math.isclose(ref[f"cov{q}_all_in_exact"], math.prod(1 - p for p in p_out), rel_tol=1e-9)
@@ -84,31 +85,31 @@ def test_coverage_reference_is_what_exact_intervals_give():
 
 
 def test_effective_n_of_miss_sequences():
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # alternating misses: m = 1/2, the 19 lag-1 products are all -1/4, the squares sum to 20 / 4:
     # rho = -19 / 20, n (1 - rho) / (1 + rho) = 20 * 39 = 780: clamped to n
     alternating = [0, 1] * 10
-    assert math.isclose(scales.lag1_autocorrelation(alternating), -0.95, rel_tol=1e-12)
-    assert scales.effective_n(alternating) == 20
+    assert math.isclose(bl.lag1_autocorrelation(alternating), -0.95, rel_tol=1e-12)
+    assert bl.effective_n(alternating) == 20
     # ten misses in a row, then ten hits: 18 products +1/4, one -1/4: rho = 17 / 20,
     # n_eff = 20 * 0.15 / 1.85 = 1.62
     clustered = [1] * 10 + [0] * 10
-    assert math.isclose(scales.lag1_autocorrelation(clustered), 0.85, rel_tol=1e-12)
-    assert math.isclose(scales.effective_n(clustered), 20 * 0.15 / 1.85, rel_tol=1e-12)
+    assert math.isclose(bl.lag1_autocorrelation(clustered), 0.85, rel_tol=1e-12)
+    assert math.isclose(bl.effective_n(clustered), 20 * 0.15 / 1.85, rel_tol=1e-12)
     # runs of two: the products alternate +1/4, -1/4 (10 and 9 of them): rho = 1 / 20, n_eff = 20 * 0.95 / 1.05
-    assert math.isclose(scales.effective_n([1, 1, 0, 0] * 5), 20 * 0.95 / 1.05, rel_tol=1e-12)
+    assert math.isclose(bl.effective_n([1, 1, 0, 0] * 5), 20 * 0.95 / 1.05, rel_tol=1e-12)
     # no miss at all (no variance): rho 0, every row counts; one run of misses filling all but one row: >= 1
-    assert scales.effective_n([0] * 20) == 20
-    assert scales.effective_n([1] * 19 + [0]) >= 1
+    assert bl.effective_n([0] * 20) == 20
+    assert bl.effective_n([1] * 19 + [0]) >= 1
 
 
 def test_coverage_reference_counts_clustered_misses_once():
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # 20 test rows, the 90% interval missing ten in a row: 10 / 20 is far off the level as 20 independent rows
     # (p ~ 1e-5), but n_eff = 1.62 -> 2 rows, 1 of 2 covered: P(k <= 1 | Binomial(2, 0.9)) = 0.01 + 0.18, not off
     row = {"n_test": 20, "cov50": 0.5, "cov90": 0.5, "neff50": 20.0,
-           "neff90": scales.effective_n([1] * 10 + [0] * 10)}
-    ref = scales.coverage_reference([row])
+           "neff90": bl.effective_n([1] * 10 + [0] * 10)}
+    ref = bl.coverage_reference([row])
     assert ref["cov90_off_iid"] == 1 and ref["cov90_off"] == 0
     # 2 effective rows at 90%: off at 1% at most when 0 of 2 are covered (p-value P(0) = 0.01, at the threshold),
     # so exact intervals leave a series off with probability <= 0.01 and the 95th percentile of the count is 0;
@@ -117,37 +118,37 @@ def test_coverage_reference_counts_clustered_misses_once():
     assert math.isclose(ref["cov90_out_exact"], 1.0, rel_tol=1e-12)
     # the 95th percentile of a Poisson-binomial count, by hand: two fair coins -> P(<= 1) = 0.75, P(<= 2) = 1;
     # five series off with probability 0.01 each: P(0) = 0.99^5 = 0.951 >= 0.95
-    assert scales.poisson_binomial_quantile([0.5, 0.5], 0.95) == 2
-    assert scales.poisson_binomial_quantile([0.5, 0.5], 0.75) == 1
-    assert scales.poisson_binomial_quantile([0.01] * 5, 0.95) == 0
-    assert scales.poisson_binomial_quantile([0.01] * 6, 0.95) == 1  # 0.99^6 = 0.941
+    assert bl.poisson_binomial_quantile([0.5, 0.5], 0.95) == 2
+    assert bl.poisson_binomial_quantile([0.5, 0.5], 0.75) == 1
+    assert bl.poisson_binomial_quantile([0.01] * 5, 0.95) == 0
+    assert bl.poisson_binomial_quantile([0.01] * 6, 0.95) == 1  # 0.99^6 = 0.941
 
 
 def test_block_bootstrap_keeps_blocks_and_brackets_the_ratio():
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # 16 rows, blocks of sqrt(16) = 4: every 4 consecutive rows of a period-4 pattern hold one 4 and three 0s,
     # so EVERY block resample has ratio 16 / 16 = 1 exactly; resampling single rows would spread it (0.25..1.75)
     model = [0.0, 0.0, 0.0, 4.0] * 4
     pers = [1.0] * 16
-    assert scales.block_bootstrap_ratio(model, pers) == (1.0, 1.0)
-    lo, hi = scales.block_bootstrap_ratio(model, pers, block=1)
+    assert bl.block_bootstrap_ratio(model, pers) == (1.0, 1.0)
+    lo, hi = bl.block_bootstrap_ratio(model, pers, block=1)
     assert lo < 0.8 and hi > 1.2
     # a made-up series whose model error is 20..90% of persistence's on EVERY row: every resample's ratio is < 1,
     # so the interval lies below 1 and brackets the ratio on all rows; the same seed gives the same interval
     rng = np.random.default_rng(1)
     pers = rng.uniform(0.5, 2.0, 30)
     model = pers * rng.uniform(0.2, 0.9, 30)
-    lo, hi = scales.block_bootstrap_ratio(model, pers)
+    lo, hi = bl.block_bootstrap_ratio(model, pers)
     assert 0.2 < lo <= model.sum() / pers.sum() <= hi < 1.0
-    assert scales.block_bootstrap_ratio(model, pers) == (lo, hi)
+    assert bl.block_bootstrap_ratio(model, pers) == (lo, hi)
 
 
 def test_multiplicative_series_swing_with_their_level():
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # 20 years of months, the level growing e^1 = 2.7x, season amplitude 0.3 (phase 0: +1 at month 3, -1 at month 9
     # of each year), little noise: each year's swing (max - min) is ~2 * 0.3 = 0.6 of its mean, first year to last
     n, amp = 240, 0.3
-    y = scales.multiplicative_values(n, 100.0, growth=1.0, period=12, amplitude=amp, phase=0.0, phi=0.5, sd=0.005,
+    y = bl.multiplicative_values(n, 100.0, growth=1.0, period=12, amplitude=amp, phase=0.0, phi=0.5, sd=0.005,
                                      rng=np.random.default_rng(0))
     years = y.reshape(20, 12)
     swing, mean = years.max(1) - years.min(1), years.mean(1)
@@ -156,22 +157,22 @@ def test_multiplicative_series_swing_with_their_level():
     assert 0.85 < (swing[-1] / mean[-1]) / (swing[0] / mean[0]) < 1.15
 
     # the panel: round(0.4 n) series multiplicative (chosen by the seed), marked, with a season; every value > 0
-    panel = scales.synthetic_panel(10, (96, 144), seed=3)
+    panel = bl.synthetic_panel(10, (96, 144), seed=3)
     mult = [e for e in panel if e["multiplicative"]]
     assert len(mult) == 4 and all(e["period"] in (4, 12) and e["season"] == e["period"] for e in mult)
     assert all((e["y"] > 0).all() for e in panel)
-    assert [e["name"] for e in scales.synthetic_panel(10, (96, 144), seed=3) if e["multiplicative"]] == \
+    assert [e["name"] for e in bl.synthetic_panel(10, (96, 144), seed=3) if e["multiplicative"]] == \
         [e["name"] for e in mult]
 
 
 def test_best_window_baseline_is_never_ets(monkeypatch):
-    scales = load_benchmark("scales")
+    bl = load_benchmark("baselines")
     # ETS forecasting every value exactly: the best of all baselines on validation, never the best WINDOW one
-    monkeypatch.setattr(scales, "ets_forecasts", lambda y, train_end, season: np.asarray(y, dtype=float).copy())
+    monkeypatch.setattr(bl, "ets_forecasts", lambda y, train_end, season: np.asarray(y, dtype=float).copy())
     t = np.arange(60, dtype=float)
     y = 50 + 0.05 * t ** 2 + 3 * np.sin(2 * np.pi * t / 12)
     entry = {"y": y, "train_end": 42, "season": 12, "window": 4}
-    base = scales.baselines(entry, {"validation": np.arange(42, 51), "test": np.arange(51, 60)})
+    base = bl.one_step_baselines(entry, {"validation": np.arange(42, 51), "test": np.arange(51, 60)})
     assert base["best"] == "ets" and base["mae"]["ets"]["validation"] == 0
     # the season of 12 does not fit in a window of 4 values: seasonal naive is not a window candidate
     assert base["window_candidates"] == ["persistence", "window_drift", "ar"]
@@ -179,6 +180,6 @@ def test_best_window_baseline_is_never_ets(monkeypatch):
     # the window drift at t = 10 by hand: y[9] + (y[9] - y[6]) / 3
     assert math.isclose(base["forecasts"]["window_drift"][10], y[9] + (y[9] - y[6]) / 3, rel_tol=1e-12)
     entry["window"] = 12
-    base = scales.baselines(entry, {"validation": np.arange(42, 51), "test": np.arange(51, 60)})
+    base = bl.one_step_baselines(entry, {"validation": np.arange(42, 51), "test": np.arange(51, 60)})
     assert base["best"] == "ets" and base["best_window"] != "ets"
     assert base["window_candidates"] == ["persistence", "window_drift", "seasonal_naive", "ar"]
