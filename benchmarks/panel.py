@@ -57,6 +57,7 @@ The measured run above (587 / 144 / 208 rows): the adapter's 100 steps 468 s, pr
 from __future__ import annotations
 
 import math
+import json
 import sys
 import tempfile
 import time
@@ -201,6 +202,17 @@ def coverage_ok(r: dict, q: str) -> bool:
     return binomtest(round(r[f"cov{q}"] * ne), ne, int(q) / 100).pvalue >= COVERAGE_TEST_ALPHA
 
 
+def reused_lora(args) -> tuple[list, dict]:
+    """`lora_baseline`'s (values, summary) read back from the JSON of an earlier run (--lora-from) whose settings
+    give the same rows and the same LoRA (else an error)."""
+    old = json.loads(Path(args.lora_from).read_text())
+    keys = ("steps", "max_train_rows", "max_val_rows", "max_test_rows", "seed", "quick")
+    theirs, ours = ({k: d.get(k) for k in keys} for d in (old["settings"], vars(args)))
+    if theirs != ours:
+        raise SystemExit(f"--lora-from {args.lora_from}: its settings {theirs} are not this run's {ours}")
+    return [r["lora_value"] for s in old["series"] for r in s["rows"]], {**old["lora"], "from": args.lora_from}
+
+
 def score_panel(entries, parts, preds, lora_values) -> list[dict]:
     """Per series: `baselines.score_series` plus MAE / seasonal naive, window drift, AR(4), the LoRA, its failures,
     the coverage checks and the negatives on non-negative series."""
@@ -310,6 +322,8 @@ def parse_args(argv=None):
     ap = run_arguments(__doc__, "/tmp/panel.md", "TrainConfig.seed and the LoRA's")
     ap.add_argument("--max-test-rows", type=int, default=None, help="keep the first N test rows of each series")
     ap.add_argument("--quick", action="store_true", help="toy size: 2 steps, a smaller tiny base, few rows")
+    ap.add_argument("--lora-from", default=None, help="the LoRA baseline's test values from an earlier run's JSON "
+                    "with the same settings (it does not depend on the adapter: ~20 min saved)")
     args = ap.parse_args(argv)
     args.tiny = {}
     if args.quick:
@@ -343,7 +357,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="panel_") as tmp:
         preds, info = train_and_predict(args, "panel", *files, Path(tmp), levels=LEVELS)
         log(f"adapter: {info['steps']} steps in {info['train_seconds']:.0f} s; LoRA SFT baseline ...")
-        lora_values, lora = lora_baseline(args, files[0], files[2], Path(tmp))
+        lora_values, lora = reused_lora(args) if args.lora_from else lora_baseline(args, files[0], files[2], Path(tmp))
     rows = score_panel(entries, parts, preds, lora_values)
     summary = summarise_panel(rows)
     checks = check_targets(summary)

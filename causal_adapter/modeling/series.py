@@ -7,9 +7,9 @@ floor away from every other series (issue 66), so the choice is made per series.
 How a row finds its series: by its own text. Its text up to its first record names it (the title of a
 `data.corpora.series_rows` row: ``Yearly sunspot numbers 1700: 5; 1701: 11; ...`` -> ``Yearly sunspot numbers``;
 ``Series 7. 1990: 5; ...`` -> ``Series 7.``, the title's numbers with their values; a chat row's template and
-question up to the first record), hashed into a key (`row_key`, 16 hex digits). The records are found as the value
-head finds them (`row_units.same_role`: the numbers in records of a label and a value), so the numbers before the
-first whole record are the title's (`title_numbers`). Two series with the same title share one key, and so the
+question up to the first record), hashed into a key (`row_key`, 16 hex digits). Records repeat the text between
+their numbers (``": "``, ``"; "``, ...); the numbers before the first that breaks the repetition are the title's
+(`title_numbers`). Two series with the same title share one key, and so the
 more permissive of their supports. A packed row's key is its packed segment's. Padding is not part of the text.
 
 What each series seen in the training and validation files gets (`CausalAdapterConfig.value_series`, written by
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .row_units import row_period, same_role
+from .row_units import MAX_PERIOD, row_period, same_role
 
 #: validation rows a series needs before its width gets a factor of its own
 MIN_SERIES_ROWS = 20
@@ -51,26 +51,36 @@ def row_key(title_ids: Sequence[int], title_values: Sequence[float] = ()) -> str
     return digest.hexdigest()
 
 
-def title_numbers(values: Sequence[float]) -> int:
-    """How many of a text's numbers (in text order, up to the number to come) belong to its title, not to its
-    records: those before its first whole record (`row_units.same_role`). ``Series 7. 1990: 5; 1991: 6; ...; 1999:``
-    -> 1; ``Yearly sunspot numbers 1700: 5; ...`` -> 0; 0 when the numbers come in no records (p = 1)."""
-    if len(values) < 2:
+def _alike(a: tuple, b: tuple) -> bool:
+    """Two separators between numbers of records: the same tokens, but one in four may differ (a label's digit:
+    ``" Q1: "`` and ``" Q2: "``; ``". "`` and ``": "`` differ)."""
+    return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) <= len(a) // 4
+
+
+def title_numbers(ids: Sequence[int], num_token_id: int) -> int:
+    """How many of a text's numbers belong to its title, not to its records. Records repeat their separators (the
+    text between two numbers) with their period p: ``1990: 5; 1991: 6`` is ``": "``, ``"; "``, ``": "``, ...;
+    walking back from the text's end, the first number whose separator breaks that repetition and the numbers before
+    it are the title's: ``Series 7. 1990: 5; ...`` -> 1 (``". "``), ``Yearly sunspot numbers 1700: 5; ...`` -> 0."""
+    nums = [i for i, t in enumerate(ids) if t == num_token_id]
+    seps = [tuple(ids[a + 1:b]) for a, b in zip(nums, nums[1:])]
+    for p in range(1, MAX_PERIOD + 1):  # the shortest period the last separators repeat with
+        tail = range(max(len(seps) - 2 * p, 0), len(seps) - p)
+        if len(seps) > p and all(_alike(seps[i], seps[i + p]) for i in tail):
+            break
+    else:
         return 0
-    recent = torch.tensor([list(values)[::-1]], dtype=torch.float64)
-    period = row_period(recent)
-    p = int(period)
-    if p < 2:
-        return 0
-    records = int((~torch.isnan(same_role(recent, period))).sum())
-    return max(len(values) - (records + 1) * p + 1, 0)
+    for i in range(len(seps) - p - 1, -1, -1):
+        if not _alike(seps[i], seps[i + p]):
+            return i + 1
+    return 0
 
 
 def series_title(ids: Sequence[int], values: Sequence[float], num_token_id: int) -> tuple[list[int], list[float]]:
     """What names a text's series: its tokens up to its first record (`title_numbers`), and the values of the
     numbers among them. `ids` / `values`: the text up to the position that reads it (no padding)."""
     nums = [i for i, t in enumerate(ids) if t == num_token_id]
-    n_title = title_numbers([values[i] for i in nums])
+    n_title = title_numbers(ids, num_token_id)
     end = nums[n_title] if n_title < len(nums) else len(ids)
     return list(ids[:end]), [float(values[i]) for i in nums[:n_title]]
 
