@@ -206,7 +206,7 @@ def reused_lora(args) -> tuple[list, dict]:
     """`lora_baseline`'s (values, summary) read back from the JSON of an earlier run (--lora-from) whose settings
     give the same rows and the same LoRA (else an error)."""
     old = json.loads(Path(args.lora_from).read_text())
-    keys = ("steps", "max_train_rows", "max_val_rows", "max_test_rows", "seed", "quick")
+    keys = ("steps", "max_train_rows", "max_test_rows", "seed", "quick")  # the LoRA reads no validation row
     theirs, ours = ({k: d.get(k) for k in keys} for d in (old["settings"], vars(args)))
     if theirs != ours:
         raise SystemExit(f"--lora-from {args.lora_from}: its settings {theirs} are not this run's {ours}")
