@@ -3,6 +3,8 @@
     python benchmarks/numeric_quality.py                        # every corpus of CORPORA, 150 steps per trained variant
     python benchmarks/numeric_quality.py --corpora sunspots --steps 240
     python benchmarks/numeric_quality.py --quick                # toy size (CI smoke test)
+    python benchmarks/numeric_quality.py --ordered ...          # ACI vs split-conformal intervals (ORDERED_DOC)
+    python benchmarks/numeric_quality.py --chat ...             # conversations end to end (CHAT_DOC)
 
 For each corpus (sunspots, nile, co2, macro = US unemployment, diabetes), in ONE run, on the
 same split by time (diabetes: by a seeded permutation), with every choice made on the
@@ -56,13 +58,16 @@ frozen adapter / sampled digit intervals), ``<c>_digit_sample_parse_rate``, ``<c
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from baselines import window_ar
@@ -782,7 +787,289 @@ def run_corpus(args, corpus: str, tokenizer, work: Path, label_noise: float = 0.
     return results, constant
 
 
+
+# ----------------------------------------------------------------------------- --ordered
+ORDERED_DOC = """Intervals on ordered data (docs/predict.md, "Ordered data"): the CLI's default recipe, then `predict --targets-column`.
+
+    python benchmarks/numeric_quality.py --ordered --corpora co2 sunspots macro elnino --max-steps 300
+
+Per corpus, through the commands a user runs (`causal-adapter data`, `train --train-file --validation-file
+--max-steps N`, `predict`): the adapter's split-conformal intervals (no targets), the adaptive conformal ones
+(`--targets-column target`, modeling/adaptive.py) and, on the same points, a constant-width split-conformal
+interval (half-width = the conformal quantile of the validation |residuals|, the baseline).
+
+The ACI step size is chosen on VALIDATION only, one for all the corpora (`choose_gamma`): per corpus the map
+is fitted on the first half of the validation rows and ACI run on the second half, in order, for each gamma
+of `--gammas`. The TEST figures use the adapter's own map (fitted on all the validation rows) and that gamma
+(or `--gamma`). Last line: ``RESULT key=value ...``.
+"""
+
+ORDERED_LEVELS = (0.5, 0.9)
+
+
+def _pred_rows(path: Path) -> dict:
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return {k: torch.tensor([r[k] for r in rows], dtype=torch.float64) for k in ("target", "value", "scale")}
+
+
+def aci_scores(y, lo, hi, level) -> dict:
+    from causal_adapter.modeling.intervals import winkler
+
+    return {"cov": float(((y >= lo) & (y <= hi)).double().mean()), "winkler": float(winkler(y, lo, hi, level).mean())}
+
+
+def constant_width(val: dict, test: dict, level: float) -> tuple:
+    from causal_adapter.modeling.intervals import conformal_multiplier, fit_calibration
+
+    cal = fit_calibration(val["target"], val["value"], torch.ones_like(val["value"]))
+    c = conformal_multiplier(cal, level)
+    return test["value"] - c, test["value"] + c
+
+
+def validation_table(val: dict, gammas) -> dict:
+    """{gamma: {level: scores}} of ACI on the second half of the validation rows, in order (map: the first half)."""
+    from causal_adapter.modeling.adaptive import adaptive_interval
+    from causal_adapter.modeling.intervals import fit_calibration
+
+    h = len(val["target"]) // 2
+    first = {k: v[:h] for k, v in val.items()}
+    second = {k: v[h:] for k, v in val.items()}
+    cal = fit_calibration(first["target"], first["value"], first["scale"])
+    return {g: {q: aci_scores(second["target"], *adaptive_interval(second["target"], second["value"], second["scale"],
+                                                               q, cal, gamma=g), q) for q in ORDERED_LEVELS}
+            for g in gammas}
+
+
+def choose_gamma(tables: dict) -> tuple[float, dict]:
+    """One gamma for all corpora from their validation tables: the smallest mean over corpora of
+    (Winkler 50 + Winkler 90) / the same at the smallest gamma of the grid. The interval score is proper (its
+    expectation is smallest at the true quantiles), so it already charges a gamma for missing coverage; a
+    coverage filter on these halves (10 to 54 rows: a 50% coverage has a binomial sd of 0.07 to 0.16) would
+    choose on noise. Returns (gamma, {gamma: that mean})."""
+    gammas = sorted(next(iter(tables.values())))
+    wsum = lambda t, g: sum(t[g][q]["winkler"] for q in ORDERED_LEVELS)  # noqa: E731
+    crit = {g: sum(wsum(t, g) / wsum(t, gammas[0]) for t in tables.values()) / len(tables) for g in gammas}
+    return min(gammas, key=crit.get), crit
+
+
+def ordered_corpus(corpus: str, args, work: Path) -> dict:
+    """Train (the CLI's default recipe; reused when `work` holds the run) and predict; returns
+    {"validation": rows, "test": rows, "calibration": the adapter's map}."""
+    from causal_adapter.commands.main import main
+    from causal_adapter.saving.artifacts import CONFIG_NAME
+
+    data = work / "data"
+    main(["data", corpus, str(data)])
+    out = work / f"run_{corpus}"
+    if not (out / "adapter").is_dir():  # a finished run in --work-dir is reused
+        main(["train", "--train-file", str(data / f"{corpus}_train.jsonl"), "--validation-file",
+              str(data / f"{corpus}_validation.jsonl"), "--max-steps", str(args.max_steps), "--output-dir", str(out),
+              "--no-plot", *args.train_args])
+    adapter = str(out / "adapter")
+    preds = {}
+    for split in ("validation", "test"):
+        f = work / f"{corpus}_{split}_pred.jsonl"
+        main(["predict", adapter, "--data-file", str(data / f"{corpus}_{split}.jsonl"), "--output", str(f),
+              "--targets-column", "target"])  # the file's value / scale; the intervals are recomputed here
+        preds[split] = _pred_rows(f)
+    preds["calibration"] = json.loads((Path(adapter) / CONFIG_NAME).read_text())["adapter_config"]["value_calibration"]
+    return preds
+
+
+def test_scores(p: dict, gamma: float) -> dict:
+    from causal_adapter.modeling.adaptive import adaptive_interval
+    from causal_adapter.modeling.intervals import interval
+
+    val, test, cal = p["validation"], p["test"], p["calibration"]
+    y, res = test["target"], {"mae": float((test["target"] - test["value"]).abs().mean()), "n_test": len(test["target"])}
+    for q in ORDERED_LEVELS:
+        res[f"split_{q}"] = aci_scores(y, *interval(test["value"], test["scale"], q, cal), q)
+        res[f"aci_{q}"] = aci_scores(y, *adaptive_interval(y, test["value"], test["scale"], q, cal, gamma=gamma), q)
+        res[f"constwidth_{q}"] = aci_scores(y, *constant_width(val, test, q), q)
+    return res
+
+
+def ordered_main(argv=None) -> int:
+    from causal_adapter.modeling.adaptive import DEFAULT_GAMMA
+
+    ap = argparse.ArgumentParser(description=ORDERED_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ordered", action="store_true")
+    ap.add_argument("--corpora", nargs="+", default=["co2", "sunspots", "macro", "elnino"])
+    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--gammas", nargs="+", type=float, default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5])
+    ap.add_argument("--gamma", type=float, default=None, help="test gamma (default: the one chosen on validation)")
+    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--train-args", nargs=argparse.REMAINDER, default=[], help="more `train` flags (last)")
+    args = ap.parse_args(argv)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ordered_intervals_"))
+    work.mkdir(parents=True, exist_ok=True)
+    preds = {c: ordered_corpus(c, args, work) for c in args.corpora}
+    tables = {c: validation_table(p["validation"], args.gammas) for c, p in preds.items()}
+    g_val, crit = choose_gamma(tables)
+    gamma = args.gamma if args.gamma is not None else g_val
+    print(json.dumps({"validation": {c: {str(g): {str(q): v for q, v in t[g].items()} for g in t} for c, t in tables.items()},
+                      "criterion": crit, "gamma_chosen_on_validation": g_val, "default_gamma": DEFAULT_GAMMA}, indent=1))
+    kv = {"gamma_val": g_val, "gamma_test": gamma}
+    for corpus, p in preds.items():
+        r = test_scores(p, gamma)
+        kv[f"{corpus}_n_test"] = r["n_test"]
+        for q in ORDERED_LEVELS:
+            n = round(100 * q)
+            for kind in ("split", "aci", "constwidth"):
+                kv[f"{corpus}_{kind}_cov{n}"] = round(r[f"{kind}_{q}"]["cov"], 3)
+            for kind in ("split", "aci"):
+                kv[f"{corpus}_{kind}_winkler{n}_vs_constwidth"] = round(r[f"{kind}_{q}"]["winkler"]
+                                                                       / r[f"constwidth_{q}"]["winkler"], 3)
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in kv.items()))
+    return 0
+
+
+# ----------------------------------------------------------------------------- --chat
+CHAT_DOC = """Conversations end to end (docs/chat.md): `causal-adapter train` on a ``messages`` file, then `causal-adapter predict`
+on the test conversations, against least squares on the prompt's numbers.
+
+    python benchmarks/numeric_quality.py --chat                           # the bundled chat corpus, 200 steps
+    python benchmarks/numeric_quality.py --chat --series sunspots --steps 300
+    python benchmarks/numeric_quality.py --chat --quick                   # toy size (a smoke run)
+
+Every choice is made on the VALIDATION split, every figure is reported on the TEST split:
+
+* ``causal``: the CLI as a user runs it (`train` with its defaults on chat_train.jsonl / chat_validation.jsonl,
+  `predict` on chat_test.jsonl): the value where the last assistant reply's first number stands, its
+  calibrated 50% / 90% intervals.
+* ``least_squares``: ordinary least squares with intercept on the K numbers just before that position in the
+  conversation (the prompt's numbers: the window's years and values, the earlier replies), K chosen on
+  validation among 1, 2, 4, 8, 16, 32 (rows with fewer numbers repeat their first).
+* ``persistence``: the value of the step before (the corpus's ``previous``); ``constant``: the train median.
+
+Prints one table and a RESULT line: the causal MAE as a ratio of least squares' (below 1 = better), and the
+coverages.
+"""
+
+CLI = [sys.executable, "-m", "causal_adapter"]
+K_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def write_corpus(out: Path, series: list[str] | None) -> dict[str, Path]:
+    from causal_adapter.data.corpora import chat_corpus
+
+    dd = chat_corpus(**({"series": series} if series else {}))
+    paths = {}
+    for split, ds in dd.items():
+        paths[split] = out / f"chat_{split}.jsonl"
+        ds.to_json(str(paths[split]), lines=True)
+    return paths
+
+
+def prompt_numbers(messages: list[dict]) -> list[float]:
+    """The numbers before the last reply's first number, in order (user, system and earlier assistant turns,
+    then the reply's text before its first number)."""
+    from causal_adapter.numbers import find_numbers
+
+    out = []
+    for m in messages[:-1]:
+        out += [n.value for n in find_numbers(m["content"])]
+    reply = messages[-1]["content"]
+    first = find_numbers(reply)
+    lead = reply[:first[0].start] if first else reply
+    return out + [n.value for n in find_numbers(lead)]
+
+
+def features(rows: list[dict], k: int) -> np.ndarray:
+    X = np.zeros((len(rows), k + 1))
+    for i, r in enumerate(rows):
+        nums = prompt_numbers(r["messages"]) or [0.0]
+        last = nums[-k:]
+        last = [last[0]] * (k - len(last)) + last
+        X[i, :k], X[i, k] = last, 1.0
+    return X
+
+
+def least_squares(train: list[dict], val: list[dict], test: list[dict]) -> tuple[int, np.ndarray]:
+    """(K chosen on validation, test predictions)."""
+    y_tr, y_va = np.array([r["target"] for r in train]), np.array([r["target"] for r in val])
+    best = None
+    for k in K_CHOICES:
+        coef = np.linalg.lstsq(features(train, k), y_tr, rcond=None)[0]
+        mae = float(np.mean(np.abs(features(val, k) @ coef - y_va)))
+        if best is None or mae < best[0]:
+            best = (mae, k, coef)
+    _, k, coef = best
+    return k, features(test, k) @ coef
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_cli(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[2:5])}... failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def chat_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=CHAT_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--series", nargs="*", default=None, help="chat corpus series (default: all)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="toy size: 4 steps on sunspots")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--adapter", type=Path, default=None,
+                    help="an adapter `train` already made on OUT's files (OUT/chat_*.jsonl): skip training")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.series, args.steps = args.series or ["sunspots"], 4
+    out = args.out or Path(tempfile.mkdtemp(prefix="chat_quality_"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.adapter is None:
+        paths = write_corpus(out, args.series)
+        t_train = run_cli(CLI + ["train", "--train-file", str(paths["train"]), "--validation-file",
+                             str(paths["validation"]), "--output-dir", str(out / "run"), "--max-steps", str(args.steps),
+                             "--no-progress", "--no-plot", "--overwrite"])
+    else:
+        paths, t_train = {s: out / f"chat_{s}.jsonl" for s in ("train", "validation", "test")}, float("nan")
+    adapter = args.adapter or out / "run" / "adapter"
+    t_pred = run_cli(CLI + ["predict", str(adapter), "--data-file", str(paths["test"]),
+                        "--output", str(out / "pred.jsonl")])
+    train, val, test = (read_jsonl(paths[s]) for s in ("train", "validation", "test"))
+    pred = {r["row"]: r for r in read_jsonl(out / "pred.jsonl")}
+    y = np.array([r["target"] for r in test])
+    causal = np.array([pred[i]["value"] for i in range(len(test))])
+    k, ls = least_squares(train, val, test)
+    persistence = np.array([r["previous"] for r in test])
+    constant = np.full_like(y, statistics.median(r["target"] for r in train))
+    cover = {q: float(np.mean([(pred[i][f"lower_{q}"] <= t <= pred[i][f"upper_{q}"]) for i, t in enumerate(y)]))
+             for q in ("50", "90")}
+    mae = {name: float(np.mean(np.abs(p - y))) for name, p in
+           (("causal", causal), ("least_squares", ls), ("persistence", persistence), ("constant", constant))}
+    print(f"chat corpus ({', '.join(args.series) if args.series else 'all series'}): train {len(train)}, "
+          f"validation {len(val)}, test {len(test)} conversations; {args.steps} steps ({t_train:.0f} s), "
+          f"predict {t_pred:.0f} s")
+    print("| method | test MAE | 50% coverage | 90% coverage |\n| --- | --- | --- | --- |")
+    print(f"| causal (CLI train + predict) | {mae['causal']:.4g} | {cover['50']:.3f} | {cover['90']:.3f} |")
+    print(f"| least squares on the prompt's last {k} numbers (K chosen on validation) | {mae['least_squares']:.4g} | | |")
+    print(f"| persistence | {mae['persistence']:.4g} | | |\n| constant (train median) | {mae['constant']:.4g} | | |")
+    per_series = {}
+    for s in sorted({r["series"] for r in test}):
+        idx = [i for i, r in enumerate(test) if r["series"] == s]
+        per_series[s] = (float(np.mean(np.abs(causal[idx] - y[idx]))), float(np.mean(np.abs(ls[idx] - y[idx]))))
+    if len(per_series) > 1:
+        print("per series (causal / least squares MAE): " + ", ".join(f"{s} {a:.4g} / {b:.4g}"
+                                                                         for s, (a, b) in per_series.items()))
+    print(f"RESULT chat_quality causal_mae/least_squares_mae={mae['causal'] / mae['least_squares']:.3f} "
+          f"coverage50={cover['50']:.3f} coverage90={cover['90']:.3f} (test, {len(test)} conversations)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--ordered" in argv:
+        return ordered_main(argv)
+    if "--chat" in argv:
+        return chat_main(argv)
     args = parse_args(argv)
     offline()
     from causal_adapter.saving.assets import load_qwen_tokenizer

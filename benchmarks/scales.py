@@ -7,6 +7,8 @@
     python benchmarks/scales.py --steps 60
     # smaller still (~5 min): the value head then sees the last 32 training rows of each series
     python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144
+    # hold-out: eleven real quarterly series no set holds (60 steps unless told; ~3 min on 2 cores)
+    python benchmarks/scales.py --holdout [--steps N]
 
 Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the
 default `TrainConfig` (what `causal-adapter train --train-file F --validation-file V` does with no other flag:
@@ -87,7 +89,8 @@ import numpy as np
 
 from baselines import (AR_MAX_P, BOOT_LEVEL, BUNDLED, CHAT_SEASON, COVERAGE_BANDS, COVERAGE_OFF_QUANTILE,
                        COVERAGE_TEST_ALPHA, MIN_COVERAGE_ROWS, SCALES, SPLIT, SYNTHETIC_LENGTHS, SYNTHETIC_WINDOW,
-                       in_band, last_rows, scale_label, score_entries, set_a, split_rows, summarise, synthetic_panel)
+                       gmean, in_band, last_rows, scale_label, score_entries, series_entry, set_a, split_rows, summarise,
+                       synthetic_panel)
 from common import (check_run_arguments, code_state, fmt as _fmt, log as _log, offline, run_arguments,
                     train_and_predict, write_report)
 
@@ -268,6 +271,46 @@ def result_line(results: dict) -> str:
     return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items())
 
 
+# ----------------------------------------------------------------------------- hold-out
+def holdout_series():
+    """--holdout: statsmodels' macrodata columns other than unemp / infl / realgdp and the German
+    interest_inflation data, levels 0.016 .. 5,000, in ONE training file, windows of 8, split 70/15/15."""
+    import statsmodels.api as sm
+
+    m = sm.datasets.macrodata.load_pandas().data
+    t = [f"{int(y)} Q{int(q)}" for y, q in zip(m.year, m.quarter)]
+    titles = {"realcons": "US real personal consumption (bn 2005 USD)", "realinv": "US real private investment (bn 2005 USD)",
+              "realgovt": "US real government spending (bn 2005 USD)", "realdpi": "US real disposable income (bn 2005 USD)",
+              "cpi": "US consumer price index", "m1": "US M1 money stock (bn USD)", "tbilrate": "US 3-month T-bill rate (%)",
+              "pop": "US population (millions)", "realint": "US real interest rate (%)"}
+    out = [(k, v + ".", t, [float(x) for x in m[k]]) for k, v in titles.items()]
+    ii = sm.datasets.interest_inflation.load_pandas().data
+    t2 = [f"{int(y)} Q{int(q)}" for y, q in zip(ii.year, ii.quarter)]
+    out += [("de/Dp", "German quarterly inflation (log difference of the deflator).", t2, [round(float(x), 5) for x in ii.Dp]),
+            ("de/R", "German long-term interest rate (fraction).", t2, [round(float(x), 5) for x in ii.R])]
+    return out
+
+
+def run_holdout(args) -> int:
+    """Scored as a set is (`score_entries`), trained with every training setting the default."""
+    entries = [series_entry(n, title, t, v, 8, None) for n, title, t, v in holdout_series()]
+    parts = [split_rows(e) for e in entries]
+    tr, va, te = ([r for p in parts for r in p[k]] for k in ("train", "validation", "test"))
+    print(f"{len(entries)} series, {len(tr)}/{len(va)}/{len(te)} rows")
+    preds, info = train_and_predict(args, "holdout", tr, va, te, Path(tempfile.mkdtemp(prefix="scales_holdout_")))
+    rows = score_entries(entries, parts, preds)
+    print("| series | level | n test | MAE / persistence | MAE / best (validation) | cov 50 | cov 90 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r, e in zip(rows, entries):
+        print(f"| {r['series']} | {np.median(np.abs(e['y'])):.4g} | {r['n_test']} | {r['vs_persistence']:.3f} "
+              f"| {r['vs_best']:.3f} ({r['best_baseline']}) | {r['cov50']:.2f} | {r['cov90']:.2f} |")
+    gm = gmean(r["vs_persistence"] for r in rows); gb = gmean(r["vs_best"] for r in rows)
+    print(f"RESULT holdout_gm_vs_persistence={gm:.4g} holdout_gm_vs_best={gb:.4g} "
+          f"min_cov90={min(r['cov90'] for r in rows):.3g} n_beat_persistence="
+          f"{sum(r['vs_persistence'] < 1 for r in rows)}/{len(rows)} calibrated={info['calibrated']} steps={info['steps']}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = run_arguments(__doc__, "/tmp/scales.md", "TrainConfig.seed, the chat corpus and the synthetic panel")
@@ -281,7 +324,12 @@ def parse_args(argv=None):
                     help="TrainConfig.recent_values: how many of the text's most recent numbers the value head "
                     "reads (default: TrainConfig's). Dates count: a 'YYYY-MM: v' row gives one value in three")
     ap.add_argument("--quick", action="store_true", help="toy size for a smoke test: few short series, 2 steps")
+    ap.add_argument("--holdout", action="store_true", help="the hold-out set instead: eleven real quarterly series "
+                    "(statsmodels) no set holds, every training setting the default, 60 steps unless --steps")
     args = ap.parse_args(argv)
+    if args.holdout:
+        args.steps, args.tiny, args.recent_values = args.steps or 60, {}, None
+        return args
     args.sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     if not args.sets or any(s not in SETS for s in args.sets):
         ap.error(f"--sets: choose from {','.join(SETS)}")
@@ -310,6 +358,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     offline()
+    if args.holdout:
+        return run_holdout(args)
     t0 = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory(prefix="scales_") as tmp:

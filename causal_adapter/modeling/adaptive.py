@@ -29,7 +29,7 @@ from torch import Tensor
 from .intervals import check_level
 
 #: ACI step size, chosen on validation over co2, sunspots, macro and elnino by the interval score
-#: (benchmarks/ordered_intervals.py; docs/predict.md, "Ordered data"). A large step (0.3, the default
+#: (benchmarks/numeric_quality.py --ordered; docs/predict.md, "Ordered data"). A large step (0.3, the default
 #: before the value head read the recent values) swings to the pool's widest score after each miss, which the
 #: interval score pays for.
 DEFAULT_GAMMA = 0.02
