@@ -32,6 +32,7 @@ import io
 import json
 import math
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +42,13 @@ import torch
 
 MIB = 2**20
 GEMMS = ("fp32", "tf32", "bf16")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a server's, a torchrun rendezvous')."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def offline() -> None:

@@ -96,7 +96,7 @@ def head_breakdown(model, batch: int, iters: int) -> dict[str, float]:
         fn()
         out[name] = 1000 * min(timed(fn) for _ in range(iters))
     out["prune_candidates"] = float(max(counts))
-    del cached_abs, heads._abs_W
+    heads._abs_W = None
     return out
 
 

@@ -6,44 +6,14 @@
     python benchmarks/numeric_quality.py --ordered ...          # ACI vs split-conformal intervals (ORDERED_DOC)
     python benchmarks/numeric_quality.py --chat ...             # conversations end to end (CHAT_DOC)
 
-For each corpus (sunspots, nile, co2, macro = US unemployment, diabetes), in ONE run, on the
-same split by time (diabetes: by a seeded permutation), with every choice made on the
-VALIDATION split and every figure reported on the TEST split:
-
-* ``constant``: the median of the train targets.
-* ``persistence``: the last value of the window (series only).
-* ``seasonal_naive``: the value one season back (co2: 12 months).
-* ``linear``: least-squares AR(p) with intercept on the window's values (series; p chosen on
-  validation among 1..window), or ridge regression on the 10 clinical variables (diabetes;
-  penalty chosen on validation).
-* ``ridge_probe``: ridge regression of the standardised target on the frozen base's features
-  at the position that predicts the value (the causal adapter's own loc_U at initialisation,
-  with its value units), penalty chosen on validation; Cauchy intervals with the scale set to
-  the median absolute validation residual (the same calibration as the adapters).
-* ``causal_frozen`` / ``causal_lora``: `train.train` with its defaults (value units, ridge warm
-  start, gate alpha 1, abduction loc frozen, scale calibrated on validation), frozen backbone
-  or peft LoRA (r 8, alpha 16, LoRA lr `--lora-lr`); value = loc_Y at the ``<NUM>`` target of a
-  teacher-forced forward (the deterministic mode's value).
-* ``digit_lora``: what a user would otherwise pick: peft LoRA with the same settings, numbers
-  written as digit tokens by the plain tokenizer, the base model's cross-entropy on the
-  completion, greedy generation, first number parsed (a failure is predicted as the train
-  median, and the parse rate is reported). Its intervals (``--digit-samples``, default 20): that
-  many temperature-1 samples per TEST prompt (no top-k / top-p), each sample's first number, the
-  empirical quantiles of a prompt's parsed samples as its interval edges at every level (unparsable
-  samples are missing; a prompt with none gets the point train median); scored with the same
-  coverage / Winkler / pinball as the adapter's intervals. No NLL: samples give no density.
-
-Cost beside quality: sequence forwards per prediction (the rows of every forward call, counted by a
-hook: 1 for the adapter's teacher-forced forward; samples x generated tokens for the digit LoRA, KV
-cache on) and wall seconds per prediction on the test split.
-
-Input path (``--input-path default|seeds``, docs/numeric_quality.md): the RESULT line and the interval table
-carry the VALIDATION MAE and Winkler 90 of the trained adapters, the figures the default is chosen on.
-
-Every trained variant: the same random tiny base (`assets.build_tiny_qwen`, `--hidden-size`,
-`--layers`, `--base-seed`), the same number of optimizer steps, batch, example order, AdamW,
-cosine schedule with 5% warmup, clipping 1.0. The base has random weights (no real Qwen weights
-offline): what the features know of the values is what phi(v) put in and random layers mixed.
+Per corpus, in ONE run, on the same split by time (tabular corpora: a seeded permutation), every choice on
+VALIDATION and every figure on TEST: ``constant`` (train median), ``persistence``, ``seasonal_naive``, ``linear``
+(AR(p) / ridge on the prompt's numbers), ``ridge_probe`` (ridge on the frozen base's features, Cauchy intervals),
+``causal_frozen`` / ``causal_lora`` (`train.train` with its defaults, frozen backbone or peft LoRA) and
+``digit_lora`` (peft LoRA on digit tokens, greedy, first number parsed; ``--digit-samples`` temperature-1 samples
+give its intervals). Beside quality: forwards and wall seconds per prediction. Every trained variant: the same
+random tiny base (`--hidden-size`, `--layers`, `--base-seed`), steps, batch, example order, AdamW, cosine schedule
+with 5% warmup, clipping 1.0. What each variant is and the figures: docs/numeric_quality.md, docs/values.md.
 
 Columns: MAE, median AE, MAE / persistence (constant where there is no persistence), 50% and
 90% coverage of the central Cauchy intervals, mean 90% width, mean Cauchy NLL. Output: the
@@ -103,7 +73,6 @@ SCHEDULER = "cosine"
 WARMUP_RATIO = 0.05
 MAX_GRAD_NORM = 1.0
 LORA_R, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.0
-Q90 = math.tan(math.pi * 0.45)  # half-width of the central 90% Cauchy interval, in scales
 RIDGE_GRID = tuple(10.0 ** k for k in range(-8, 4))
 QUICK = dict(steps=2, batch_size=4, hidden_size=16, layers=1, max_train=12, max_eval=4, corpora=("sunspots", "diabetes"),
              digit_samples=4)

@@ -10,72 +10,21 @@
     # hold-out: eleven real quarterly series no set holds (60 steps unless told; ~3 min on 2 cores)
     python benchmarks/scales.py --holdout [--steps N]
 
-Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the
-default `TrainConfig` (what `causal-adapter train --train-file F --validation-file V` does with no other flag:
-the embedded tiny Qwen and the real Qwen tokenizer), and predicted by the `predict` command's function
-(`commands.predict.predict_files` on the adapter loaded back with `CausalModel.from_pretrained`), so the
-values and the calibrated 50% / 90% intervals are what a user gets:
-
-* ``a``: each bundled series (sunspots, nile, co2, elnino, macro/unemp) copied at the scales `SCALES`
-  (values times the scale, written by `numbers.format_number`; titles and time labels untouched), all copies
-  in one file; ``series`` = ``co2@1e-3``. The same series at scale 1 is in the file, so each copy's MAE / scale
-  can be set against it: a head that works in per-row units gives the same ratio at every scale.
-* ``b``: the chat corpus's seven series (`data.corpora.chat_corpus`, TRL conversational rows).
-* ``c``: a seeded synthetic panel (`--synthetic-series`, default 50) of two kinds. Additive (60%): level
-  log-uniform over 10^-2 .. 10^6, a linear trend, a season of period 12 (monthly labels), 4 (quarterly labels) or
-  none, AR(1) noise, all in units of the level. Multiplicative (`MULT_FRACTION`, 40%, which series chosen by the
-  same seed; `multiplicative_values`): y_t = level_t * season_t * exp(noise_t), level_t growing or shrinking
-  exponentially, season_t = 1 + a sin(...) of period 12 or 4, AR(1) noise in logs, so the season's swing and the
-  noise grow with the level (airline passengers, quarterly gas use). Every series is positive; each is marked
-  ``multiplicative`` and the summaries give the two kinds apart (``mult_*``, ``add_*``). The additive series are
-  the draws the seed gave before the multiplicative kind existed (a multiplicative series replaces its draw).
-
-Every series is split by time (`SPLIT`, 70/15/15 of its targets; the chat corpus with the same fractions).
-All choices are made on VALIDATION (the product's own, AR order, the best baseline), every figure is on TEST.
-
-Baselines (`baselines.one_step_baselines`, whose docstring says how each is fitted), per series on its own
-training part, one step ahead from the true history: persistence; drift (the training part's mean step); window
-drift (the mean step over the row's window); seasonal naive; AR(p) (p in 1..`AR_MAX_P`, at most the window, chosen
-on validation MAE); Holt-Winters ETS (a failed fit falls back to persistence, counted). ``best``: the smallest
-VALIDATION MAE among all (``vs_best``, kept for comparison); ``best_window``: among those that see only the row's
-window (`WINDOW_BASELINES`: never ETS nor drift; seasonal naive where the season fits) -- the target's. The window
-is the row's (set a: the corpus's, set c: ``--synthetic-window``); set b's conversations show 3..48 values, and
-its window baselines use `AR_MAX_P`.
-
-Per series: the adapter's MAE, MAE / persistence with a 90% moving-block bootstrap interval
-(`block_bootstrap_ratio`: blocks of ~sqrt(n) consecutive test rows, `BOOT_RESAMPLES` resamples, fixed seed), MAE
-/ best baseline and / best window baseline, MASE (scaled by the mean absolute one-step change of the training
-part), coverage of the 50% and 90% intervals with the effective number of test rows of each (`effective_n`: the
-lag-1 autocorrelation rho of the miss indicators, n_eff = n (1 - rho) / (1 + rho) clamped to [1, n]), and the
-test rows whose 90% lower bound is negative on a series whose training values are all > 0. Per set: geometric
-means of the ratios, the worst ratio vs persistence and its interval, how many series beat persistence, coverage
-ranges over the series with >= `MIN_COVERAGE_ROWS` test rows beside what exact intervals would give on the same
-series (`coverage_reference`, binomial with n_eff per series); set a: per copy (MAE / scale) / (MAE of the
-scale-1 series). ``--synthetic-window`` and ``--recent-values`` measure how much of its history a row gives.
-
-The targets (`check_targets`, `TARGETS`), a PASS / FAIL line each, per set:
-
-* (set a) every copy's MAE / scale within 10% of the scale-1 series';
-* the worst series (largest MAE / persistence): its 90% block-bootstrap interval contains a value <= 1.05;
-* geometric mean MAE / best window baseline <= 1.0;
-* geometric mean MAE / persistence <= 0.8;
-* coverage at 50% and at 90%: no more series off the level (exact binomial test at `COVERAGE_TEST_ALPHA` on
-  round(n_eff) rows) than exact intervals would leave off at the 95th percentile (the count of series off under
-  exact intervals is Poisson-binomial, each series off with the probability its Binomial(n_eff, level) gives);
-* (sets with multiplicative series: c) geometric mean MAE / AR <= 1.1 over them (the worst reported beside);
-* no negative 90% lower bound on a positive series (``neg_bounds90``: test rows, over the series whose training
-  values are all > 0).
+Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the default
+`TrainConfig` (the embedded tiny Qwen, the real tokenizer) and predicted by `commands.predict.predict_files`, so the
+values and calibrated 50% / 90% intervals are what a user gets: ``a`` the bundled series copied at `SCALES`
+(``co2@1e-3``); ``b`` the chat corpus's seven series; ``c`` a seeded synthetic panel (`--synthetic-series`,
+additive and, `MULT_FRACTION` of them, multiplicative seasons; ``mult_*`` / ``add_*`` keys). Every series is split
+70/15/15 by time (`SPLIT`); every choice (AR order, best baseline) on VALIDATION, every figure on TEST. Baselines:
+`baselines.one_step_baselines`; scoring: `baselines.score_entries` / `summarise`. The data, the baselines, the
+scores and the targets (`check_targets`, `TARGETS`: one PASS / FAIL line each) are described in
+docs/numeric_quality.md, "Per-row units: the figures".
 
 Output: markdown tables and JSON at ``--output`` (default /tmp/scales.md and .json), and ONE last line
-``RESULT key=value ...``.
-
-Cost: every optimizer step and every validation row's evaluation pays the OvR loss over the 151,936-row
-vocabulary, so the defaults (3 epochs over ~7,600 + ~1,600 + ~5,200 training rows) take hours on a CPU. The
-reduction flags keep every series and every test row: ``--steps`` caps the optimizer steps, ``--max-train-rows``
-/ ``--max-val-rows`` keep the last rows of each series' training / validation split in the adapter's files (the
-closed-form value head is fitted on those rows; the baselines still use the whole training part and choose on
-every validation target), ``--synthetic-lengths 144`` gives set c one length with 20 test rows per series.
-``--quick`` also shrinks the tiny base (hidden 16, 1 layer): a smoke test of the pipeline, not of the figures.
+``RESULT key=value ...`` (``<set>_<summary key>``). The defaults take hours on a CPU: ``--steps``,
+``--max-train-rows`` / ``--max-val-rows`` (the last rows of each series' split in the adapter's files; the
+baselines still use every row) and ``--synthetic-lengths 144`` keep every series and test row; ``--quick`` also
+shrinks the tiny base (a smoke test of the pipeline, not of the figures).
 """
 from __future__ import annotations
 

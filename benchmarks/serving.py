@@ -39,7 +39,6 @@ import asyncio
 import json
 import math
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import urllib.request
 from pathlib import Path
 
 from causal_adapter.commands.serve import keep_large_blocks
+from common import free_port
 
 
 HEADERS = ("Yearly sunspot numbers.", "Sunspot counts by year:", "Annual mean sunspot number.", "Wolf numbers, yearly.",
@@ -98,12 +98,6 @@ def make_adapters(directory: Path, hidden_size: int, layers: int) -> list[Path]:
             model.abduction.loc.weight.add_(0.02 * torch.randn(model.abduction.loc.weight.shape, generator=g))
         paths.append(model.save_pretrained(directory / f"adapter{i}"))
     return paths
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(paths: list[Path], extra: list[str], args) -> tuple[subprocess.Popen, str]:

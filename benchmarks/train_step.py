@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from common import best_time, build_base, machine_line
+from common import best_time, build_base, free_port, machine_line
 
 
 def lora_settings(r: int):
@@ -392,12 +391,6 @@ def packing_main(args) -> int:
 # --------------------------------------------------------------------------- --ddp
 REPO = Path(__file__).resolve().parents[1]
 CPU_DDP = REPO / "examples" / "accelerate_configs" / "cpu_ddp.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ddp_run(processes: int, out: Path, args) -> dict:
