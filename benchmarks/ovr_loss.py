@@ -6,16 +6,9 @@ Variants, forward + backward, frozen and trainable W (b_cls always trains):
   compiled  fused_ovr_loss(compile=True): the elementwise part as one torch.compile'd kernel
             (the default on CUDA for float32 problems of N x V >= 2^24; opt-in on CPU)
   ce        the softmax baseline F.cross_entropy(h @ W.T, labels)
-Each measurement runs in its own subprocess (torch.set_num_threads(2)); rounds interleave
-the variants so background load hits them alike, and the best time over rounds is kept.
-Extra peak memory: VmHWM after resetting it ("5" > /proc/self/clear_refs) once the inputs
-exist, minus the RSS at that moment. The gradient lower bound is the size of the gradients
-the variant must return. The fused children also time the sgemm shapes of their own blocks
-(same process, right after the loss); the best rate over all rounds is the machine's sgemm
-peak of the report ("% sgemm" = best achieved / best peak).
-"bound" is the least time ratio to CE any OvR implementation can reach in this run: the OvR
-head needs exactly twice CE's matmul flops, so at 100% of sgemm it takes
-2 x CE's GFLOP/s / sgemm's GFLOP/s of CE's time.
+Each measurement runs in its own subprocess (2 threads), rounds interleave the variants, the best time is kept;
+extra peak memory is VmHWM above the RSS once the inputs exist; "% sgemm" and "bound" (the least time ratio to CE
+an OvR head, with twice CE's matmul flops, can reach at 100% of sgemm): docs/benchmarks.md.
 
     python benchmarks/ovr_loss.py            # N in 512, 2048, 8192 (~15 min on 2 cores)
     python benchmarks/ovr_loss.py --quick    # small V and N, ~1 min
@@ -34,16 +27,11 @@ On a GPU (docs/benchmarks.md, "On a GPU"), one process, every variant in turn (`
   ovr_triton_tf32  the same with gemm_precision="tf32"
   ovr_torch_tf32   fused_ovr_loss(backend="torch", gemm_precision="tf32"): the chunked loop (reference;
                    only N <= --torch-max-n, run after the others)
-W frozen (LoRA: loc_U, scale_U' and b_cls get gradients) and W trainable. Forward + backward, best of
---repeats after --warmup, CUDA-synchronised. Extra memory: torch.cuda.max_memory_allocated() after
-reset_peak_memory_stats() (reset once the inputs exist and the warm-ups ran), minus the allocation at the
-reset. "grads" is the size of the gradients the variant returned; the limit for the OvR loss is
-extra <= grads + 32 MiB. Ratios to Liger and to CE are from this one run. A variant that cannot be
-installed, imported or fitted in memory is reported and skipped. The table and the RESULT line are printed
-once before the reference (``complete=0``: what a timeout during its compile leaves) and again at the end
-(``complete=1``). Extras: ``pip install liger-kernel==0.8.5 cut-cross-entropy==25.1.1`` (GPU: their wheels,
-see docs/benchmarks.md). `--device cpu` runs the same path on the
-CPU (tiny shapes, a smoke test: no memory figures; Liger runs there only under TRITON_INTERPRET=1).
+W frozen and W trainable, forward + backward, best of --repeats after --warmup, CUDA-synchronised; extra memory
+from torch.cuda.max_memory_allocated() (the OvR limit: extra <= grads + 32 MiB). A variant that cannot be
+installed, imported or fitted is reported and skipped; the RESULT line comes once before the reference
+(``complete=0``) and again at the end (``complete=1``). Extras: ``pip install liger-kernel==0.8.5
+cut-cross-entropy==25.1.1``. `--device cpu` runs the same path at tiny shapes (a smoke test).
 """
 from __future__ import annotations
 

