@@ -2,23 +2,9 @@
 
 A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and baselines.py, the
 series, baselines and scoring of the series benchmarks) imports as is; no script imports another script. A test
-that imports a script puts benchmarks/ on sys.path itself. Sections:
-
-* output: `log`, `fmt`, `write_report` (the tables, the JSON beside them, the RESULT line last);
-* least squares: `ridge_fit`, `ridge_predict` (AR(p) and the linear baselines); `num_features` (the value head's
-  input features at the <NUM> targets of a dataset);
-* the CLI recipe, train then predict: `train_and_predict` (one adapter from the rows, the test rows predicted as
-  ``causal-adapter predict`` does), `write_jsonl`, `run_arguments` / `check_run_arguments` (their flags),
-  `code_state` (the commit the run measured), `shuffle_labels` (the anchor experiment's shuffled training targets);
-* models: `build_base` (random weights at the Qwen2.5-0.5B shape), `bf16_lora_model_and_batch` (the set-up of
-  tests/test_mixed_precision.py: a bf16 tiny Qwen with LoRA and a numeric batch);
-* training runs: `train_run` (the CLI's default recipe), `test_mae` (a saved adapter's test MAE as
-  `causal-adapter eval` computes it), `bf16_against_fp32` (the recipe with mixed_precision "no" then "bf16");
-* the fused loss's accuracy: `loss_and_grads`, `grad_errors`, `gemm_errors` (`fused_ovr_loss` per backend and
-  GEMM precision against `reference_ovr_loss` in float64);
-* device helpers (GPU benchmarks; every one also runs on CPU, so their GPU paths can be smoke-tested without
-  one): `best_time`, `PeakMemory`, `free_device_memory`, `is_oom`, `ovr_loss_kwargs`, `triton_status`,
-  `machine_line`.
+that imports a script puts benchmarks/ on sys.path itself. Sections: output (`write_report`: the tables, the JSON
+beside them, the RESULT line last), least squares, the CLI recipe (`train_and_predict`, `run_arguments`), models,
+training runs, the fused loss's accuracy, device helpers (each also runs on CPU).
 """
 from __future__ import annotations
 
