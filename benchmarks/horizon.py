@@ -4,15 +4,11 @@
     python benchmarks/horizon.py --quick                       # toy size, every part (a few minutes on 2 cores)
     python benchmarks/horizon.py --steps 60 --max-train-rows 32 --max-val-rows 8 --synthetic-lengths 144
 
-The data are `benchmarks/scales.py`'s sets: ``a`` the bundled series at several scales, ``b`` the chat corpus's seven
-series (here in the prompt / completion layout of a forecasting file, not as conversations), ``c`` the seeded
-synthetic panel. Each series is cut as a user writes a forecasting file: the prompt is `scales.py`'s (the window of
-"time: value" pairs, ending with the next label), the completion the next H values with their labels,
-``" 33.2; 2016-08: 32.9; 2016-09: 30.4"``. A row is a training row when its last value lies in the series' training
-part, a validation row when all its values lie in the validation part, a test row when they lie in the test part
-(`baselines.split_bounds`). One adapter per set, trained as ``causal-adapter train --train-file --validation-file`` does
-(the default `TrainConfig`, no other flag: the per-step maps are fitted on the validation rows), then every test row
-predicted as ``causal-adapter predict --horizon H --paths N`` with its ``continuations`` (the known labels).
+The data are `scales.py`'s sets a, b, c (`baselines`), each series cut as a user writes a forecasting file: the
+prompt a window of "time: value" pairs ending with the next label, the completion the next H values with their
+labels; a row belongs to the split all its values lie in (`baselines.split_bounds`). One adapter per set (the
+default `TrainConfig`; the per-step maps fitted on the validation rows), every test row predicted as
+``causal-adapter predict --horizon H --paths N`` with its ``continuations``. Figures: docs/predict.md, "A horizon".
 
 Per step h = 1..H, pooled over each set's series: the MAE of each series against baselines iterated from the row's
 window (persistence, seasonal naive where the season fits in the window, window drift, AR(p) fitted on the training

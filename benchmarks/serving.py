@@ -5,11 +5,10 @@
     python benchmarks/serving.py                                              # CPU: embedded tiny Qwen2, h256, 4 layers
     python benchmarks/serving.py --hidden-size 896 --layers 8 --device cuda   # GPU (about 2 minutes on an H100)
 
-Two adapters (different heads, saved with `save_pretrained`) on one base; every request names one of them
-(alternating); prompts are windows of 12 yearly sunspot counts (statsmodels), each phase its own (no prompt shares
-a prefix cache block with another: the prefix cache is measured in phase 5 alone). Three servers, each a process of its own
-on a free port, `--max-batch-size 32`: ``step`` (the default scheduler), ``tick`` (`--scheduler tick`) and, for the
-last phase only, ``step`` with `--no-prefix-cache`. Phases:
+Two adapters on one base, requests alternating between them, prompts of 12 yearly sunspot counts (each phase its
+own: no shared prefix outside phase 5); servers ``step`` (the default), ``tick`` (`--scheduler tick`) and, in phase 5,
+``step`` with `--no-prefix-cache`, each its own process, `--max-batch-size 32` (docs/serving.md, "Load and speed").
+Phases:
 
 1. idle: short requests (16 tokens) streamed one at a time to the step server: the TTFT of an idle server (p50, the
    mean of two measures: before phase 2 and before phase 3).
