@@ -189,7 +189,7 @@ class ActionHead(nn.Module):
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
                  b_noise_Y_init: float = 1.0, recent_values: int = 0, row_net_members: int = 0,
-                 row_net_width: int = 0, row_scale: bool = False, recent_window: int | None = None):
+                 row_net_hidden: int = 0, row_scale: bool = False, recent_window: int | None = None):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
@@ -237,9 +237,9 @@ class ActionHead(nn.Module):
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
         # the per-row units' nonlinear correction (`row_net`): fitted buffers, zero (adding 0) until then
-        self.row_net_members = row_net_members if recent_values and row_net_width else 0
+        self.row_net_members = row_net_members if recent_values and row_net_hidden else 0
         if self.row_net_members:
-            for name, shape in part_shapes(row_net_members, row_net_width, 2 * recent_values + 2).items():
+            for name, shape in part_shapes(row_net_members, row_net_hidden, 2 * recent_values + 2).items():
                 self.register_buffer(f"row_net_{name}", torch.zeros(shape, **kw))
         # the per-row units' log-width on the same inputs (`row_regression`): zero, a factor of 1, until fitted
         self.row_scale = bool(row_scale and recent_values)
