@@ -52,3 +52,16 @@ def test_an_adapter_saved_with_the_old_names_loads_and_predicts_the_same(tmp_pat
     with torch.no_grad():
         a, b = model(ids, vals), loaded(ids, vals)
     assert torch.equal(a.loc_Y, b.loc_Y) and torch.equal(a.scale_Y, b.scale_Y)
+
+
+def test_the_heads_units_are_head_loc_and_head_scale_and_the_old_names_warn():
+    model = small_model(recent_values=4, value_loc=10.0, value_scale=2.0)
+    act = model.action
+    assert (act.head_loc, act.head_scale) == (10.0, 2.0)
+    with pytest.warns(FutureWarning, match="head_loc"):
+        assert act.value_loc == 10.0
+    with pytest.warns(FutureWarning, match="head_scale"):
+        assert act.value_scale == 2.0
+    with pytest.warns(FutureWarning, match="set_head_units"):
+        act.set_value_units(3.0, 4.0)
+    assert (act.head_loc, act.head_scale) == (3.0, 4.0)

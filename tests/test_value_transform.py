@@ -321,5 +321,5 @@ def test_a_log_head_set_without_value_units_reloads_with_its_log_units(tmp_path)
     before = model(ids).loc_Y
     model.save_pretrained(tmp_path / "a")
     again = CausalModel.from_pretrained(small_model().backbone, tmp_path / "a")
-    assert (again.action.value_loc, again.action.value_scale) == (4.0, 1.0)
+    assert (again.action.head_loc, again.action.head_scale) == (4.0, 1.0)
     torch.testing.assert_close(again(ids).loc_Y, before)

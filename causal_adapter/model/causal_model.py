@@ -214,9 +214,9 @@ class CausalModel(nn.Module):
         """The head's units: the value's (value_loc, value_scale), or under "log" those on log y."""
         cfg = self.causal_config
         if cfg.value_transform == "log" and cfg.value_log_units is not None:
-            self.action.set_value_units(*cfg.value_log_units)
+            self.action.set_head_units(*cfg.value_log_units)
         elif cfg.value_loc is not None:
-            self.action.set_value_units(cfg.value_loc, cfg.value_scale)
+            self.action.set_head_units(cfg.value_loc, cfg.value_scale)
 
     @property
     def value_map(self) -> ValueMap:

@@ -93,7 +93,7 @@ def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) 
     """The rows R [n, K] (raw recent values, NaN = none), y [n] (on the head's scale: the value, or log y) in
     per-row units by `rule`, through the head's transform (`row_transform.row_frame`; the fallback units are `act`'s): r clamped to `clamp` [2, K] and the
     correction's inputs x when a clamp is given, as the head reads them (`ActionHead.units`)."""
-    frame = row_frame(R, rule, act.value_loc, act.value_scale, act.value_map.log, keep=act.recent_values)
+    frame = row_frame(R, rule, act.head_loc, act.head_scale, act.value_map.log, keep=act.recent_values)
     ratio = frame.width(1.0) / frame.scale
     if clamp is None:
         return RowRows(frame, frame.standardize(y), ratio, frame.r, None)
@@ -195,7 +195,7 @@ def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
     """Absolute errors [n] (on the head's scale) divided by each row's own one-step naive error there (rule 'last';
     the head's value_scale for a row without): what the choice of units compares, so that a series of 0.07 counts as much as
     one of 9,000."""
-    return errors / row_location_scale(R, "last", act.value_loc, act.value_scale, act.value_map.log,
+    return errors / row_location_scale(R, "last", act.head_loc, act.head_scale, act.value_map.log,
                                        act.recent_values)[2]
 
 
@@ -217,7 +217,7 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     if has_val:
         adapter_errors = (y_val - act.from_standard(F_val @ fit.w + fit.b)).abs()
     else:
-        adapter_errors = fit.loo.abs() * act.value_scale
+        adapter_errors = fit.loo.abs() * act.head_scale
     ref = scale_free_errors(adapter_errors, R_ref, act)
     scored = []
     for rule in rules:

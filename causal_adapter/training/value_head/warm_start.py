@@ -275,13 +275,13 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     act = inner.action
     vm = act.value_map
     X, R, y = rows.X, rows.R, vm.to_head(rows.y)
-    t = (y - act.value_loc) / act.value_scale
+    t = (y - act.head_loc) / act.head_scale
     X_val = t_val = R_val = y_val = None
     if rows.X_val is not None:
         y_val = vm.to_head(rows.y_val)
         keep = torch.isfinite(y_val)
         X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], y_val[keep]
-        t_val = (y_val - act.value_loc) / act.value_scale
+        t_val = (y_val - act.head_loc) / act.head_scale
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], act.recent_values if R.shape[1] else 0  # R: the head's window, W >= K numbers
     F = torch.cat([X, act.standardized_recent(R)], 1)
@@ -293,8 +293,8 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
                           exact_gain=inputs.gain).padded(keep)
     summary = {"rows": int(X.shape[0]), "inputs": inputs.name, "loss": fit.loss, "ridge_lambda": fit.lam,
                "chosen_on": fit.chosen_on,
-               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.value_scale,
-               "loo_mae": float(fit.loo.abs().mean()) * act.value_scale,
+               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.head_scale,
+               "loo_mae": float(fit.loo.abs().mean()) * act.head_scale,
                "finite": bool(math.isfinite(float(fit.w.abs().sum())))}
     scale = max(float(fit.loo.abs().median()), 1e-3)
     if k:
