@@ -59,7 +59,7 @@ def grad_check(heads_in_autocast: bool) -> dict:
     (ref, ref_grads), (amp, amp_grads) = runs[False], runs[True]
     cos = {n: cosine(amp_grads[n], g) for n, g in ref_grads.items() if g.abs().sum() > 0}
     worst = min(cos, key=cos.get)
-    err = float((amp.loc_Y.double() - ref.loc_Y.double()).abs().max()) / model.action.value_scale
+    err = float((amp.loc_Y.double() - ref.loc_Y.double()).abs().max()) / model.action.head_scale
     return {"worst_grad_cos": cos[worst], "worst_param": worst, "num_row_cos": cos.get("action.num_row"),
             "loc_Y_err_over_scale": err}
 

@@ -263,7 +263,7 @@ def packing_model(layers: int, recent: int, seed: int = 0):
     base = build_base(layers, seed, attn_implementation="sdpa")
     model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM_TOKEN_ID, recent_values=recent,
                                                        lora=LoraSettings(r=8, alpha=16, dropout=0.0)))
-    model.action.set_value_units(50.0, 40.0)
+    model.action.set_head_units(50.0, 40.0)
     with torch.no_grad():  # a value head that reads its recent numbers (the fits set w_recent in a real run)
         model.action.w_recent.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
     return model.train()

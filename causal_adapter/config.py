@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -193,10 +194,10 @@ class CausalAdapterConfig:
         units and not loc_U. None = the adapter's units (value_loc, value_scale) for every row. `train()` chooses
         on validation (`TrainConfig.row_units`). Needs `recent_values` > 0. Adapters written before this field
         load as None.
-    value_row_width: in per-row units, the exponent a of the value's width s |b_noise_Y| (c / s)^a, c the
+    value_width_power: in per-row units, the exponent a of the value's width s |b_noise_Y| (c / s)^a, c the
         window's mean |second difference| (`row_units.row_width`); 0 = the width follows s alone (adapters
         written before the field). `train()` chooses it on validation.
-    value_row_net, value_row_net_width: in per-row units, the members and hidden width of the value head's
+    value_row_net, value_row_net_hidden: in per-row units, the members and hidden width of the value head's
         nonlinear correction (`modeling.row_net`: the mean of that many two-layer MLPs on the row's numbers and
         its window's shape, added to the linear head); its weights are buffers that `train()` fits and keeps
         only when it beats the linear head on validation (else they stay 0). 0 = no such buffers (adapters
@@ -242,9 +243,9 @@ class CausalAdapterConfig:
     recent_values: int = 0
     recent_window: int | None = None
     value_row_units: str | None = None
-    value_row_width: float = 0.0
+    value_width_power: float = 0.0
     value_row_net: int = 0
-    value_row_net_width: int = 0
+    value_row_net_hidden: int = 0
     value_row_scale: bool = False
     value_fit_dtype: str | None = None
     value_bf16_shift: float | None = None
@@ -329,19 +330,19 @@ class CausalAdapterConfig:
             raise ValueError(f"recent_window must be None or an integer in [recent_values = {self.recent_values}, "
                              f"{MAX_RECENT_WINDOW}], got {self.recent_window!r}")
         check_row_rule(self.value_row_units)
-        if isinstance(self.value_row_width, bool) or not isinstance(self.value_row_width, (int, float)) \
-                or not 0.0 <= self.value_row_width <= 1.0:
-            raise ValueError(f"value_row_width must be a number in [0, 1], got {self.value_row_width!r}")
+        if isinstance(self.value_width_power, bool) or not isinstance(self.value_width_power, (int, float)) \
+                or not 0.0 <= self.value_width_power <= 1.0:
+            raise ValueError(f"value_width_power must be a number in [0, 1], got {self.value_width_power!r}")
         if self.value_row_units is not None and (not self.recent_values or self.regression_scale == "shared"):
             raise ValueError("value_row_units reads the row's recent numbers and scales the value's own width: it "
                              "needs recent_values > 0 and regression_scale 'per_row' or 'independent'")
-        for name in ("value_row_net", "value_row_net_width"):
+        for name in ("value_row_net", "value_row_net_hidden"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ROW_NET:
                 raise ValueError(f"{name} must be an integer in [0, {MAX_ROW_NET}], got {v!r}")
-        if self.value_row_net and not (self.value_row_net_width and self.recent_values):
+        if self.value_row_net and not (self.value_row_net_hidden and self.recent_values):
             raise ValueError("value_row_net reads the row's recent numbers: it needs recent_values > 0 and "
-                             "value_row_net_width > 0")
+                             "value_row_net_hidden > 0")
         if not isinstance(self.value_row_scale, bool):
             raise ValueError(f"value_row_scale must be True or False, got {self.value_row_scale!r}")
         if self.value_row_scale and not self.recent_values:
@@ -384,6 +385,7 @@ class CausalAdapterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CausalAdapterConfig":
+        data = _renamed_fields(data)
         if "recent_values" not in data:  # written before the field existed: the head without it
             data = {**data, "recent_values": 0}
         known = {f.name for f in fields(cls)}
@@ -398,6 +400,30 @@ class CausalAdapterConfig:
     @classmethod
     def from_json(cls, text: str) -> "CausalAdapterConfig":
         return cls.from_dict(json.loads(text))
+
+
+# Config fields renamed since adapters were first written: old key -> new key. `from_dict` (and so
+# `from_pretrained`) still reads the old keys, with a FutureWarning; they will stop loading in a later release.
+RENAMED_FIELDS = {
+    "value_row_width": "value_width_power",
+    "value_row_net_width": "value_row_net_hidden",
+}
+
+
+def _renamed_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each old key of `RENAMED_FIELDS` under its new name (a FutureWarning per old key)."""
+    old = [key for key in RENAMED_FIELDS if key in data]
+    if not old:
+        return data
+    data = dict(data)
+    for key in old:
+        new = RENAMED_FIELDS[key]
+        if new in data:
+            raise ValueError(f"CausalAdapterConfig has both {key!r} (its old name) and {new!r}: keep only {new!r}")
+        warnings.warn(f"CausalAdapterConfig field {key!r} is now {new!r}; the old name will stop loading in a "
+                      "later release (save the adapter again to write the new name)", FutureWarning, stacklevel=3)
+        data[new] = data.pop(key)
+    return data
 
 
 def _validate_series(table: Any) -> None:

@@ -852,6 +852,6 @@ def test_causal_value_is_the_heads_cauchy_at_the_sampled_u_in_value_units(units)
     if units != "row":
         torch.testing.assert_close(unit, torch.full_like(unit, 3.0), rtol=1e-12, atol=0)
     else:  # each row's own unit, not the adapter's
-        assert act.row_rule == "last" and not torch.allclose(unit, torch.full_like(unit, act.value_scale))
+        assert act.row_rule == "last" and not torch.allclose(unit, torch.full_like(unit, act.head_scale))
     assert float(t.abs().min()) > 1e-3  # u moves the value: a value ignoring u would differ
     torch.testing.assert_close(out.new_values, expected, rtol=1e-7, atol=1e-9)

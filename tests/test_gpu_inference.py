@@ -42,7 +42,7 @@ def read(adapter, prompts, targets, device, dtype) -> dict:
     loc = torch.tensor([r["value"] for r in rows], dtype=torch.float64)
     texts = list(model.generate(prompts[:8], tokenizer=tokenizer, max_new_tokens=8).texts)
     return {"loc": loc, "mae": float((loc - torch.tensor(targets, dtype=torch.float64)).abs().mean()),
-            "texts": texts, "value_scale": float(model.action.value_scale), "rows": rows}
+            "texts": texts, "value_scale": float(model.action.head_scale), "rows": rows}
 
 
 def words(text: str) -> str:

@@ -554,10 +554,18 @@ def test_fit_horizon_calibration_keeps_the_better_way_and_each_steps_own_scores(
         cal = cfg.horizon_calibration
     finally:
         cfg.horizon_calibration = None
-    assert summary is not None and summary["horizon_rows"] == len(rows) and summary["horizon_steps"] == 3
-    scores = {k: summary[f"horizon_score_{k}"] for k in hz.INDIVIDUALS}
+    assert summary is not None and summary.rows == len(rows) and summary.steps == 3
+    scores = summary.scores
+    assert set(scores) == set(hz.INDIVIDUALS)
     best = min(scores.values())
-    assert summary["horizon_individual"] == cal["individual"] == next(k for k in hz.INDIVIDUALS if scores[k] == best)
+    assert summary.individual == cal["individual"] == next(k for k in hz.INDIVIDUALS if scores[k] == best)
+    assert all(len(summary.raw_coverage[summary.individual][level]) == 2 for level in (50, 90))
+    # the flat log line, as before the summary was typed
+    flat = summary.as_dict()
+    assert flat["horizon_rows"] == len(rows) and flat["horizon_individual"] == summary.individual
+    assert dict(summary.items()) == flat and summary["horizon_steps"] == 3
+    assert {f"horizon_score_{k}" for k in hz.INDIVIDUALS} | {f"horizon_raw_cov{q}_{k}" for q in (50, 90)
+                                                              for k in hz.INDIVIDUALS} <= set(flat)
     assert cal["paths"] == 20 and len(cal["steps"]) == 2
     # the chosen way's paths, run again as the fit runs them (the same seed), and each step's scores
     steps = fit.horizon_rows(ds, model.num_token_id)

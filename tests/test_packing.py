@@ -60,7 +60,7 @@ def _model(attn: str, seed: int = 0, arch: str = "qwen2"):
     torch.manual_seed(seed)
     lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     model = get_causal_model(base, CausalAdapterConfig(num_token_id=NUM, recent_values=3, lora=lora))
-    model.action.set_value_units(2.0, 30.0)
+    model.action.set_head_units(2.0, 30.0)
     with torch.no_grad():
         model.action.w_recent.copy_(torch.tensor([0.8, -0.5, 0.3]))  # the recent numbers move loc_Y (and L_reg)
         for name, p in model.named_parameters():

@@ -54,7 +54,7 @@ def test_recent_values_lists_the_numbers_before_each_position_most_recent_first(
 def _model_reading_recent_values(k=3):
     model = small_model(recent_values=k).eval()
     act = model.action
-    act.set_value_units(10.0, 4.0)
+    act.set_head_units(10.0, 4.0)
     with torch.no_grad():
         act.w_recent.copy_(torch.tensor([2.0, -1.0, 0.5])[:k])
     return model

@@ -56,7 +56,7 @@ def _windows(n: int, seed: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor
 
 def _fit(mixed: bool, members: int = 3):
     model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_units="last",
-                        value_row_net=members, value_row_net_width=16)
+                        value_row_net=members, value_row_net_hidden=16)
     act = model.action
     R, y = _windows(600, 0, mixed)
     R_val, y_val = _windows(200, 1, mixed)
@@ -103,10 +103,10 @@ def test_the_fields_are_validated_and_an_adapter_with_the_correction_round_trips
 
     with pytest.raises(ValueError, match="value_row_net"):
         CausalAdapterConfig(recent_values=4, value_row_net=3)  # no width
-    with pytest.raises(ValueError, match="value_row_net_width"):
-        CausalAdapterConfig(recent_values=4, value_row_net=3, value_row_net_width=-1)
+    with pytest.raises(ValueError, match="value_row_net_hidden"):
+        CausalAdapterConfig(recent_values=4, value_row_net=3, value_row_net_hidden=-1)
     old = CausalAdapterConfig().to_dict()
-    del old["value_row_net"], old["value_row_net_width"]
+    del old["value_row_net"], old["value_row_net_hidden"]
     assert CausalAdapterConfig.from_dict(old).value_row_net == 0  # adapters written before the fields
     model, row, (R_val, _) = _fit(mixed=True, members=2)
     set_row_head(model.action, row)
@@ -143,7 +143,7 @@ def warm_started():
     batches, validation windows and targets, the fit's summary)."""
     from causal_adapter.training.value_head.warm_start import ridge_warm_start
 
-    model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_net=3, value_row_net_width=16)
+    model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_net=3, value_row_net_hidden=16)
     R, y = _windows(600, 0, True)
     R_val, y_val = _windows(200, 1, True)
     val = _batches(R_val, y_val, model.num_token_id)
@@ -158,7 +158,7 @@ def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_re
     model, val, (R_val, y_val), summary = warm_started
     assert summary["row_net"] == "kept", summary
     assert model.causal_config.value_row_units == "last"
-    assert model.causal_config.value_row_width == summary["width_power"]
+    assert model.causal_config.value_width_power == summary["width_power"]
     assert model.action.row_width_power == summary["width_power"]
     with torch.no_grad():
         loc_Y = torch.cat([model(b["input_ids"], b["numeric_values"], b["attention_mask"]).loc_Y[:, -2] for b in val])
@@ -214,7 +214,7 @@ def test_in_the_adapters_units_the_correction_is_kept_only_where_the_target_is_c
     from causal_adapter.training.value_head.warm_start import fit_head
 
     rows = _table(600, 0, curved)
-    model = small_model(recent_values=K, value_row_net=3, value_row_net_width=16, value_row_scale=True)
+    model = small_model(recent_values=K, value_row_net=3, value_row_net_hidden=16, value_row_scale=True)
     model.set_value_units(float(rows.y.mean()), float(rows.y.std()))
     summary = fit_head(model, rows, loss="squared", max_shift=math.inf, losses=LOSSES, row_rules=("last", "median"))
     assert summary["units"] == ("fixed" if curved else "adapter"), summary

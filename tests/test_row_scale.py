@@ -63,7 +63,7 @@ def fitted():
     training and 600 validation windows, then calibrated on the validation rows as `train()` ends: (model, the
     fit, test windows R, y, kind)."""
     model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_units="last",
-                        value_row_net=2, value_row_net_width=16, value_row_scale=True)
+                        value_row_net=2, value_row_net_hidden=16, value_row_scale=True)
     act = model.action.double()
     R, y, _ = _windows(900, 0)
     R_val, y_val, _ = _windows(600, 1)

@@ -42,7 +42,7 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def fitted_head():
     """A float64 head in per-row units with a correction and a log-width fitted by the fit's own steps."""
     model = small_model(recent_values=K, value_loc=5.0, value_scale=3.0, value_row_units="last",
-                        value_row_net=2, value_row_net_width=8, value_row_scale=True)
+                        value_row_net=2, value_row_net_hidden=8, value_row_scale=True)
     act = model.action.double()
     R, y = _rows(300, 0)
     R_val, y_val = _rows(120, 1)

@@ -168,11 +168,11 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     from causal_adapter.saving.assets import build_tiny_qwen
 
     old = CausalAdapterConfig().to_dict()
-    del old["value_row_units"], old["value_row_width"]
+    del old["value_row_units"], old["value_width_power"]
     assert CausalAdapterConfig.from_dict(old).value_row_units is None
-    assert CausalAdapterConfig.from_dict(old).value_row_width == 0.0
-    with pytest.raises(ValueError, match="value_row_width"):
-        CausalAdapterConfig(value_row_width=1.5)
+    assert CausalAdapterConfig.from_dict(old).value_width_power == 0.0
+    with pytest.raises(ValueError, match="value_width_power"):
+        CausalAdapterConfig(value_width_power=1.5)
     with pytest.raises(ValueError, match="value_row_units"):
         CausalAdapterConfig(value_row_units="mean")
     with pytest.raises(ValueError, match="recent_values"):
@@ -184,9 +184,9 @@ def test_adapters_written_before_the_field_load_with_the_adapters_units(tmp_path
     config_file = tmp_path / "old" / "causal_adapter_config.json"
     text = config_file.read_text()
     assert '"value_row_units": null' in text
-    assert '"value_row_width": 0.0' in text
+    assert '"value_width_power": 0.0' in text
     # as an adapter saved before the fields
-    config_file.write_text(text.replace('"value_row_units": null,', "").replace('"value_row_width": 0.0,', ""))
+    config_file.write_text(text.replace('"value_row_units": null,', "").replace('"value_width_power": 0.0,', ""))
     loaded = CausalModel.from_pretrained(build_tiny_qwen("qwen2", hidden_size=32, num_layers=1, vocab_size=320),
                                           tmp_path / "old")
     assert loaded.action.row_rule is None

@@ -54,7 +54,7 @@ def test_a_log_head_in_row_units_multiplies_values_and_intervals_by_c(c):
     value and both bounds are multiplied by c (the correction and the log-width included)."""
     K = 16
     model = small_model(recent_values=K, value_loc=0.0, value_scale=1.0, value_row_units="last", value_row_net=2,
-                        value_row_net_width=8, value_row_scale=True)
+                        value_row_net_hidden=8, value_row_scale=True)
     model.set_value_transform("log", (0.0, 1.0), positive=True)
     act = model.action.double()
     g = torch.Generator().manual_seed(3)
@@ -321,5 +321,5 @@ def test_a_log_head_set_without_value_units_reloads_with_its_log_units(tmp_path)
     before = model(ids).loc_Y
     model.save_pretrained(tmp_path / "a")
     again = CausalModel.from_pretrained(small_model().backbone, tmp_path / "a")
-    assert (again.action.value_loc, again.action.value_scale) == (4.0, 1.0)
+    assert (again.action.head_loc, again.action.head_scale) == (4.0, 1.0)
     torch.testing.assert_close(again(ids).loc_Y, before)

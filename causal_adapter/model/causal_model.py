@@ -171,7 +171,7 @@ class CausalModel(nn.Module):
                 generator=gen, dtype=dtype, device=device, regression_scale=config.regression_scale,
                 b_noise_Y_init=config.b_noise_Y_init, recent_values=config.recent_values,
                 recent_window=config.recent_window,
-                row_net_members=config.value_row_net, row_net_width=config.value_row_net_width,
+                row_net_members=config.value_row_net, row_net_hidden=config.value_row_net_hidden,
                 row_scale=config.value_row_scale,
             )
         self.action.set_value_map(value_map_of(config))
@@ -179,7 +179,7 @@ class CausalModel(nn.Module):
             self.set_value_units(config.value_loc, config.value_scale)
         else:  # a head on log y may have its units there without value units (set_value_transform alone)
             self._set_head_units()
-        self.action.set_row_units(config.value_row_units, config.value_row_width)
+        self.action.set_row_units(config.value_row_units, config.value_width_power)
 
     def set_value_units(self, value_loc: float, value_scale: float, value_decimals: int | None = None) -> None:
         """Value units of the regression (and of phi's input when `config.standardize_inputs`):
@@ -214,9 +214,9 @@ class CausalModel(nn.Module):
         """The head's units: the value's (value_loc, value_scale), or under "log" those on log y."""
         cfg = self.causal_config
         if cfg.value_transform == "log" and cfg.value_log_units is not None:
-            self.action.set_value_units(*cfg.value_log_units)
+            self.action.set_head_units(*cfg.value_log_units)
         elif cfg.value_loc is not None:
-            self.action.set_value_units(cfg.value_loc, cfg.value_scale)
+            self.action.set_head_units(cfg.value_loc, cfg.value_scale)
 
     @property
     def value_map(self) -> ValueMap:
@@ -230,7 +230,7 @@ class CausalModel(nn.Module):
         adapter."""
         self.action.set_row_units(rule, width_power)
         self.causal_config.value_row_units = rule
-        self.causal_config.value_row_width = float(width_power) if rule is not None else 0.0
+        self.causal_config.value_width_power = float(width_power) if rule is not None else 0.0
 
     def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True
                        ) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -155,10 +156,11 @@ class ActionHead(nn.Module):
     loc_S = W_cls loc_U + b_cls, scale_S = max(|W_cls| scale_U', scale_floor)   (all V rows)
     loc_Y' = w_reg . loc_U + w_recent . r + b_reg, scale_Y' = |b_noise_Y| ("independent") or |w_reg| . scale_U' ("shared")
         or |b_noise_Y| exp(w_scale_Y . loc_U) depth(loc_U) ("per_row", `per_row_scale`)
-    loc_Y = value_loc + value_scale * loc_Y', scale_Y = max(value_scale * scale_Y', scale_floor)
+    loc_Y = head_loc + head_scale * loc_Y', scale_Y = max(head_scale * scale_Y', scale_floor)
 
-    Y' is the value in standardised units; (value_loc, value_scale) are plain floats from the
-    config (`set_value_units`), (0, 1) = raw units.
+    Y' is the value in standardised units; (head_loc, head_scale) are the head's units, plain floats
+    (`set_head_units`), (0, 1) = raw units: the config's (value_loc, value_scale), or under a log head its
+    `value_log_units` (on log y).
 
     r [..., K]: the K most recent numbers of the text (`recent_values`), standardised the same way,
     clamped to `recent_range` (their range in training widened by its width on each side) and 0 where the
@@ -189,11 +191,11 @@ class ActionHead(nn.Module):
                  train_num_row: bool, scale_floor: float, generator: torch.Generator,
                  dtype: torch.dtype, device: torch.device | None = None, regression_scale: str = "independent",
                  b_noise_Y_init: float = 1.0, recent_values: int = 0, row_net_members: int = 0,
-                 row_net_width: int = 0, row_scale: bool = False, recent_window: int | None = None):
+                 row_net_hidden: int = 0, row_scale: bool = False, recent_window: int | None = None):
         super().__init__()
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
-        self.value_loc, self.value_scale = 0.0, 1.0
+        self.head_loc, self.head_scale = 0.0, 1.0
         kw = dict(dtype=dtype, device=device)
         self.b_noise = nn.Parameter(torch.full((causal_size,), float(b_noise_init), **kw))
         self.b_cls = nn.Parameter(torch.zeros(vocab_size, **kw))
@@ -237,9 +239,9 @@ class ActionHead(nn.Module):
             self.register_buffer("w_recent", torch.zeros(recent_values, **kw))
             self.register_buffer("recent_range", torch.tensor([[-1e6], [1e6]], **kw).repeat(1, recent_values))
         # the per-row units' nonlinear correction (`row_net`): fitted buffers, zero (adding 0) until then
-        self.row_net_members = row_net_members if recent_values and row_net_width else 0
+        self.row_net_members = row_net_members if recent_values and row_net_hidden else 0
         if self.row_net_members:
-            for name, shape in part_shapes(row_net_members, row_net_width, 2 * recent_values + 2).items():
+            for name, shape in part_shapes(row_net_members, row_net_hidden, 2 * recent_values + 2).items():
                 self.register_buffer(f"row_net_{name}", torch.zeros(shape, **kw))
         # the per-row units' log-width on the same inputs (`row_regression`): zero, a factor of 1, until fitted
         self.row_scale = bool(row_scale and recent_values)
@@ -247,13 +249,33 @@ class ActionHead(nn.Module):
             self.register_buffer("w_row_scale", torch.zeros(2 * recent_values + 2, **kw))
             self.register_buffer("row_log_scale_range", torch.zeros(2, **kw))
 
+    def set_head_units(self, head_loc: float, head_scale: float) -> None:
+        """The head's units: T(Y) = head_loc + head_scale * Y' (floats; (0, 1) = raw units), on the head's scale
+        (`value_map`: the value, or log y)."""
+        self.head_loc, self.head_scale = float(head_loc), float(head_scale)
+
+    # The head's units were once called value_loc / value_scale, the config's names for the adapter's value units
+    # (which a log head's are not): the old names still work, with a FutureWarning.
     def set_value_units(self, value_loc: float, value_scale: float) -> None:
-        """Y = value_loc + value_scale * Y' (floats; (0, 1) = raw units)."""
-        self.value_loc, self.value_scale = float(value_loc), float(value_scale)
+        """Deprecated: `set_head_units`."""
+        warnings.warn("ActionHead.set_value_units is now set_head_units", FutureWarning, stacklevel=2)
+        self.set_head_units(value_loc, value_scale)
+
+    @property
+    def value_loc(self) -> float:
+        """Deprecated: `head_loc`."""
+        warnings.warn("ActionHead.value_loc is now head_loc", FutureWarning, stacklevel=2)
+        return self.head_loc
+
+    @property
+    def value_scale(self) -> float:
+        """Deprecated: `head_scale`."""
+        warnings.warn("ActionHead.value_scale is now head_scale", FutureWarning, stacklevel=2)
+        return self.head_scale
 
     def set_value_map(self, value_map: ValueMap) -> None:
         """The scale the value's Cauchy lives on (`value_transform.ValueMap`): loc_Y, scale_Y and the head's units
-        are on T(y), and the head reads the recent numbers as T(numbers) (`value_loc` / `value_scale` are then the
+        are on T(y), and the head reads the recent numbers as T(numbers) (`head_loc` / `head_scale` are the
         head's units on that scale)."""
         self._value_map = value_map
 
@@ -286,7 +308,7 @@ class ActionHead(nn.Module):
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`heads.recent_values`)")
-        frame = row_frame(recent, self.row_rule, self.value_loc, self.value_scale, self.value_map.log,
+        frame = row_frame(recent, self.row_rule, self.head_loc, self.head_scale, self.value_map.log,
                           keep=self.recent_values)
         width = frame.width(self.row_width_power)
         x = frame.inputs(self.recent_range).to(self.b_reg.dtype) if self.row_net_members or self.row_scale else None
@@ -313,7 +335,7 @@ class ActionHead(nn.Module):
     def from_standard(self, y_std: Tensor) -> Tensor:
         """Standardised Y' -> the head's scale (T(y): the value itself, or log y; `value_map.to_value` then gives
         the value): a location or a sampled value."""
-        return self.value_loc + self.value_scale * y_std
+        return self.head_loc + self.head_scale * y_std
 
     def noisy_scale(self, scale_U: Tensor) -> Tensor:
         """scale_U' = scale_U + |b_noise|."""
@@ -399,7 +421,7 @@ class ActionHead(nn.Module):
         """Raw recent values [..., K] (NaN = none) -> r [..., K] in recent's dtype: on the head's scale (T(numbers):
         `value_map`), standardised, 0 where none. Unclamped (the fits read it so, in float64)."""
         recent = recent[..., :self.recent_values]  # the adapter's units read the K most recent numbers of any kind
-        return torch.nan_to_num((self.value_map.to_head(recent) - self.value_loc) / self.value_scale, nan=0.0)
+        return torch.nan_to_num((self.value_map.to_head(recent) - self.head_loc) / self.head_scale, nan=0.0)
 
     def recent_term(self, recent: Tensor | None, like: Tensor, r: Tensor | None = None) -> Tensor:
         """w_recent . r [...], r clamped to `recent_range`; 0 (a scalar) without recent values (K = 0). `r`: the
@@ -441,7 +463,7 @@ class ActionHead(nn.Module):
             scale_Y = self.b_noise_Y.abs().reshape(()).expand(loc_Y.shape)
         else:
             scale_Y = scale_Up @ self.w_reg.abs()
-        return loc_Y, (self.value_scale * scale_Y).clamp_min(self.scale_floor)
+        return loc_Y, (self.head_scale * scale_Y).clamp_min(self.scale_floor)
 
     def scores(self, loc_U: Tensor, scale_Up: Tensor, W_cls: Tensor) -> tuple[Tensor, Tensor]:
         """Full-vocabulary scores: [..., C] -> loc_S, scale_S [..., V]. Materialises [..., V]:

@@ -13,7 +13,7 @@ from ..modeling.row_units import MAX_PERIOD
 from ..saving.assets import DTYPES
 
 #: hidden units of each member of the value head's nonlinear correction (`TrainConfig.row_net`)
-ROW_NET_WIDTH = 64
+ROW_NET_HIDDEN = 64
 
 #: ``freeze`` groups -> parameter-name prefixes of `CausalModel` (any other string is taken as a prefix).
 PARAMETER_GROUPS = {
@@ -273,6 +273,6 @@ class TrainConfig:
             alpha=self.gate_alpha, reg_weight=self.reg_weight, seed=self.seed, recent_values=self.recent_values,
             recent_window=self.recent_values * MAX_PERIOD if self.recent_values else None,
             value_row_net=self.row_net if self.recent_values else 0,
-            value_row_net_width=ROW_NET_WIDTH if self.recent_values and self.row_net else 0,
+            value_row_net_hidden=ROW_NET_HIDDEN if self.recent_values and self.row_net else 0,
             value_row_scale=bool(self.row_scale and self.recent_values),
         )

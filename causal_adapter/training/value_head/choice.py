@@ -62,12 +62,12 @@ def one_standard_error_choice(fits: Sequence[T], diffs: Callable[[T, T], tuple[T
     return min(better, key=score) if better else fits[0]
 
 
-def choose_recent_width(fit_width: Callable[[int], Scored], k: int) -> Scored:
-    """How many of the K recent values a head reads: `fit_width(w)` for the K // 4, K // 2, then all K most recent
+def choose_recent_count(fit_count: Callable[[int], Scored], k: int) -> Scored:
+    """How many of the K recent values a head reads: `fit_count(n)` for the K // 4, K // 2, then all K most recent
     values, each step taken only when it beats the current choice by one standard error (`score_diffs`)."""
     chosen = None
-    for w in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
-        f = fit_width(w)
+    for n in sorted({max(k // 4, 1), max(k // 2, 1), k}):  # more values only when they earn it, one step at a time
+        f = fit_count(n)
         if chosen is None or beats_by_one_se(*score_diffs(chosen, f)):
             chosen = f
     return chosen

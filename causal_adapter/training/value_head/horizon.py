@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
@@ -144,12 +145,42 @@ def sharded(inner) -> bool:
     return any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") or p.numel() == 0 for p in inner.parameters())
 
 
+@dataclass
+class HorizonCalibrationSummary:
+    """What `fit_horizon_calibration` kept and measured. rows: the validation rows run; steps: the horizon's steps
+    (the one-step map's and each calibrated step's); individual: the way of drawing u kept
+    (`modeling.horizon.INDIVIDUALS`); scores: each way's held-out interval score, summed over the steps;
+    raw_coverage: per way, per level (50, 90), the intervals' coverage before calibration at each step.
+    `as_dict()` (and `items()`, `[key]`) give the flat log line: horizon_rows, horizon_steps, horizon_individual,
+    horizon_score_<way>, horizon_raw_cov<level>_<way>."""
+    rows: int
+    steps: int
+    individual: str
+    scores: dict[str, float]
+    raw_coverage: dict[str, dict[int, list[float]]]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"horizon_rows": self.rows, "horizon_steps": self.steps, "horizon_individual": self.individual,
+               **{f"horizon_score_{k}": v for k, v in self.scores.items()}}
+        for k, by_level in self.raw_coverage.items():
+            for level, cov in by_level.items():
+                out[f"horizon_raw_cov{level}_{k}"] = cov
+        return out
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.as_dict().items())
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+
 def fit_horizon_calibration(model, eval_ds, verbose: bool = False, paths: int = CALIBRATION_PATHS,
-                            max_rows: int = MAX_ROWS) -> dict[str, Any] | None:
+                            max_rows: int = MAX_ROWS) -> HorizonCalibrationSummary | None:
     """Fit `CausalAdapterConfig.horizon_calibration` on the validation rows of `eval_ds` (tokenized: input_ids,
     numeric_values, labels) that hold several values; without enough of them (or with sharded parameters) the adapter
-    keeps no map (an earlier one is dropped: it described another head) and None is returned. Returns the summary:
-    the way of drawing u kept, each way's held-out interval score and raw coverage per step, the rows and steps."""
+    keeps no map (an earlier one is dropped: it described another head) and None is returned. Returns the summary
+    (`HorizonCalibrationSummary`): the way of drawing u kept, each way's held-out interval score and raw coverage
+    per step, the rows and steps."""
     inner = unwrap_causal_model(model)
     if eval_ds is None or inner.causal_config.value_loc is None:
         return None
@@ -183,11 +214,10 @@ def fit_horizon_calibration(model, eval_ds, verbose: bool = False, paths: int = 
     if any(m is None for m in maps):
         return None
     inner.causal_config.horizon_calibration = {"individual": chosen, "paths": int(paths), "steps": maps}
-    summary = {"horizon_rows": len(rows), "horizon_steps": len(steps) + 1, "horizon_individual": chosen,
-               **{f"horizon_score_{k}": round(v, 6) for k, v in scores.items()}}
-    for k, st in ways.items():
-        for q in (0.5, 0.9):
-            summary[f"horizon_raw_cov{round(100 * q)}_{k}"] = [round(coverage(s, q), 3) for s in st]
+    summary = HorizonCalibrationSummary(
+        rows=len(rows), steps=len(steps) + 1, individual=chosen, scores={k: round(v, 6) for k, v in scores.items()},
+        raw_coverage={k: {round(100 * q): [round(coverage(s, q), 3) for s in st] for q in (0.5, 0.9)}
+                      for k, st in ways.items()})
     if verbose:
         print("horizon calibration: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
     return summary

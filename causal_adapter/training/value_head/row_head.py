@@ -20,7 +20,7 @@ from ...modeling.cauchy import cauchy_nll
 from ...modeling.row_net import row_net
 from ...modeling.row_transform import RowFrame, row_frame
 from ...modeling.row_units import row_location_scale
-from .choice import Scored, beats_by_one_se, choose_recent_width, score_diffs
+from .choice import Scored, beats_by_one_se, choose_recent_count, score_diffs
 from .linear import LinearFit, fit_linear_head, fit_log_scale, log_abs_residuals, penalty_score, recent_range
 
 #: the correction and the log-width are tried with at least this many training and validation rows (fewer: an MLP
@@ -47,7 +47,7 @@ class RowHeadFit:
     """The value head in per-row units by `rule` (`fit_row_head`, then `correction.add_correction` and
     `add_row_scale`).
 
-    linear: the linear head on r (w padded to K); width: how many recent values it reads; r, present [n, K]: the
+    linear: the linear head on r (w padded to K); recent_count: how many recent values it reads; r, present [n, K]: the
     training rows in row units and where a number is (their range is the head's clamp, `clamp`); errors [n_val]
     (or [n]): held-out absolute errors in value units; width_power: a of the width s (c / s)^a; noise: |b_noise_Y|
     (a Cauchy's scale in those widths); units_score / adapter_score: the scale-free held-out errors of these and
@@ -57,7 +57,7 @@ class RowHeadFit:
     the centred loc_U in row units when the head reads it (the words of the row reach the value), else None."""
     rule: str
     linear: LinearFit
-    width: int
+    recent_count: int
     r: Tensor
     present: Tensor
     errors: Tensor
@@ -93,7 +93,7 @@ def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) 
     """The rows R [n, K] (raw recent values, NaN = none), y [n] (on the head's scale: the value, or log y) in
     per-row units by `rule`, through the head's transform (`row_transform.row_frame`; the fallback units are `act`'s): r clamped to `clamp` [2, K] and the
     correction's inputs x when a clamp is given, as the head reads them (`ActionHead.units`)."""
-    frame = row_frame(R, rule, act.value_loc, act.value_scale, act.value_map.log, keep=act.recent_values)
+    frame = row_frame(R, rule, act.head_loc, act.head_scale, act.value_map.log, keep=act.recent_values)
     ratio = frame.width(1.0) / frame.scale
     if clamp is None:
         return RowRows(frame, frame.standardize(y), ratio, frame.r, None)
@@ -116,7 +116,7 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
                  loss: str, losses: Sequence[str], max_shift: float, X: Tensor | None = None,
                  X_val: Tensor | None = None) -> RowHeadFit:
     """The value head in per-row units (`rule`): targets (y - m_row) / s_row on the row's own same-kind numbers in
-    those units (how many: `choice.choose_recent_width`), and on the centred loc_U X [n, C] (X_val) when given and
+    those units (how many: `choice.choose_recent_count`), and on the centred loc_U X [n, C] (X_val) when given and
     it wins (`choose_row_inputs`: what the row's words say reaches the value). R [n, K] raw recent values (NaN =
     none), y [n] targets (on the head's scale); validation rows R_val, y_val (None: leave-one-out); the fallback
     units are `act`'s."""
@@ -125,43 +125,43 @@ def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | Non
     val = row_rows(R_val, y_val, rule, act) if has_val else None
     k = act.recent_values  # R holds the head's whole window (`ActionHead.recent_window`); r its K own values
 
-    def fit_width(width: int) -> Scored:
-        fit = fit_linear_head(train.r[:, :width], train.t, val.r[:, :width] if has_val else None,
-                              val.t if has_val else None, loss="squared", max_shift=max_shift, exact_columns=width)
+    def fit_count(count: int) -> Scored:
+        fit = fit_linear_head(train.r[:, :count], train.t, val.r[:, :count] if has_val else None,
+                              val.t if has_val else None, loss="squared", max_shift=max_shift, exact_columns=count)
         val_errors = fit.abs_errors if has_val else None
         score = penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean()))
-        return Scored(score, fit.loo, val_errors, width)
+        return Scored(score, fit.loo, val_errors, count)
 
-    chosen = choose_recent_width(fit_width, k)
-    width = chosen.what
-    reads_u = X is not None and choose_row_inputs(chosen, train, val, X, X_val, width, max_shift)
+    chosen = choose_recent_count(fit_count, k)
+    count = chosen.what
+    reads_u = X is not None and choose_row_inputs(chosen, train, val, X, X_val, count, max_shift)
     C = X.shape[1] if reads_u else 0
-    F = torch.cat([X, train.r[:, :width]], 1) if reads_u else train.r[:, :width]
-    F_val = None if not has_val else torch.cat([X_val, val.r[:, :width]], 1) if reads_u else val.r[:, :width]
+    F = torch.cat([X, train.r[:, :count]], 1) if reads_u else train.r[:, :count]
+    F_val = None if not has_val else torch.cat([X_val, val.r[:, :count]], 1) if reads_u else val.r[:, :count]
     both = fit_linear_head(F, train.t, F_val, val.t if has_val else None, loss=loss, losses=losses,
-                           max_shift=max_shift, exact_columns=width)
+                           max_shift=max_shift, exact_columns=count)
     w_loc = both.w[:C] if reads_u else None
-    fit = dataclasses.replace(both, w=both.w[C:]).padded(torch.arange(k) < width)
+    fit = dataclasses.replace(both, w=both.w[C:]).padded(torch.arange(k) < count)
     if has_val:
         errors = (val.t - (F_val @ both.w + fit.b)).abs() * val.frame.scale
         power = choose_width_power(errors / val.frame.scale, val.ratio)
     else:
         errors = fit.loo.abs() * train.frame.scale
         power = choose_width_power(errors / train.frame.scale, train.ratio)
-    return RowHeadFit(rule=rule, linear=fit, width=width, r=train.r, present=train.frame.present, errors=errors,
+    return RowHeadFit(rule=rule, linear=fit, recent_count=count, r=train.r, present=train.frame.present, errors=errors,
                       width_power=power, noise=max(float((fit.loo.abs() / train.ratio ** power).median()), 1e-3),
                       w_loc=w_loc)
 
 
 def choose_row_inputs(reference: Scored, train: RowRows, val: RowRows | None, X: Tensor, X_val: Tensor | None,
-                      width: int, max_shift: float) -> bool:
+                      count: int, max_shift: float) -> bool:
     """Whether the per-row head also reads the centred loc_U X [n, C] (what the row's words say), beside its
-    `width` recent values in row units: a least-squares fit on both replaces `reference` (the recent values alone)
+    `count` recent values in row units: a least-squares fit on both replaces `reference` (the recent values alone)
     only when it `beats_by_one_se` on `choice.score_diffs` (validation and leave-one-out errors in row units)."""
     has_val = val is not None and X_val is not None
-    fit = fit_linear_head(torch.cat([X, train.r[:, :width]], 1), train.t,
-                          torch.cat([X_val, val.r[:, :width]], 1) if has_val else None,
-                          val.t if has_val else None, loss="squared", max_shift=max_shift, exact_columns=width)
+    fit = fit_linear_head(torch.cat([X, train.r[:, :count]], 1), train.t,
+                          torch.cat([X_val, val.r[:, :count]], 1) if has_val else None,
+                          val.t if has_val else None, loss="squared", max_shift=max_shift, exact_columns=count)
     val_errors = fit.abs_errors if has_val else None
     both = Scored(penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean())),
                   fit.loo, val_errors)
@@ -195,7 +195,7 @@ def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
     """Absolute errors [n] (on the head's scale) divided by each row's own one-step naive error there (rule 'last';
     the head's value_scale for a row without): what the choice of units compares, so that a series of 0.07 counts as much as
     one of 9,000."""
-    return errors / row_location_scale(R, "last", act.value_loc, act.value_scale, act.value_map.log,
+    return errors / row_location_scale(R, "last", act.head_loc, act.head_scale, act.value_map.log,
                                        act.recent_values)[2]
 
 
@@ -217,7 +217,7 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     if has_val:
         adapter_errors = (y_val - act.from_standard(F_val @ fit.w + fit.b)).abs()
     else:
-        adapter_errors = fit.loo.abs() * act.value_scale
+        adapter_errors = fit.loo.abs() * act.head_scale
     ref = scale_free_errors(adapter_errors, R_ref, act)
     scored = []
     for rule in rules:

@@ -31,7 +31,7 @@ from ...numbers import format_number
 from ...records import value_targets
 from ...saving.fsdp import whole_root_parameters
 from ...saving.unwrap import unwrap_causal_model
-from .choice import Scored, choose_recent_width, one_standard_error_choice, score_diffs
+from .choice import Scored, choose_recent_count, one_standard_error_choice, score_diffs
 from .correction import add_correction, fixed_units_correction
 from .linear import LOSSES, fit_linear_head, fit_log_scale, penalty_score, recent_range
 from .row_head import add_row_scale, choose_row_units, set_row_head
@@ -184,7 +184,7 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
     noise, and the C-column sets are the ones that then extrapolate badly). Two steps:
 
     1. How many recent values: the K // 4 most recent, then K // 2, then all K, each step taken only when it
-       beats the current choice by more than one standard error (`choice.choose_recent_width`). K is one default
+       beats the current choice by more than one standard error (`choice.choose_recent_count`). K is one default
        for every corpus: a series whose prompts label each value with a number (a year, or year and month) fills
        half or more of the slots with labels, and on a short series the older values may be noise.
     2. Which set of `HEAD_INPUTS` with those recent values: the recent values alone (the reference), loc_U
@@ -196,20 +196,20 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
         return HeadInputs("loc_U", torch.ones(C, dtype=torch.bool), 1.0)
     has_val = F_val is not None and t_val is not None and len(t_val) > 0
 
-    def fit_set(name: str, use_u: bool, width: int, gain: float) -> Scored:
-        keep = torch.cat([torch.full((C,), use_u), torch.arange(k) < width])
+    def fit_set(name: str, use_u: bool, count: int, gain: float) -> Scored:
+        keep = torch.cat([torch.full((C,), use_u), torch.arange(k) < count])
         fit = fit_linear_head(F[:, keep], t, F_val[:, keep] if has_val else None, t_val if has_val else None,
-                              loss="squared", max_shift=max_shift, exact_columns=width, exact_gain=gain)
+                              loss="squared", max_shift=max_shift, exact_columns=count, exact_gain=gain)
         val_errors = fit.abs_errors if has_val else None
         score = penalty_score(float(fit.loo.abs().mean()), None if val_errors is None else float(val_errors.mean()))
-        return Scored(score, fit.loo, val_errors, (HeadInputs(name, keep, gain), width))
+        return Scored(score, fit.loo, val_errors, (HeadInputs(name, keep, gain), count))
 
-    chosen = choose_recent_width(lambda w: fit_set("recent", False, w, 1.0), k)
-    width = chosen.what[1]
-    label = "recent" if width == k else f"recent[:{width}]"
+    chosen = choose_recent_count(lambda n: fit_set("recent", False, n, 1.0), k)
+    count = chosen.what[1]
+    label = "recent" if count == k else f"recent[:{count}]"
     # HEAD_INPUTS[0], the recent values alone, is the fit step 1 chose: reused as the reference
-    reference = Scored(chosen.score, chosen.loo, chosen.val_errors, (HeadInputs(label, chosen.what[0].keep, 1.0), width))
-    fits = [reference] + [fit_set(name.replace("recent", label), use_u, width if use_recent else 0, gain)
+    reference = Scored(chosen.score, chosen.loo, chosen.val_errors, (HeadInputs(label, chosen.what[0].keep, 1.0), count))
+    fits = [reference] + [fit_set(name.replace("recent", label), use_u, count if use_recent else 0, gain)
                           for name, use_u, use_recent, gain in HEAD_INPUTS[1:]]
     return one_standard_error_choice(fits, score_diffs, lambda f: f.score).what[0]
 
@@ -275,13 +275,13 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     act = inner.action
     vm = act.value_map
     X, R, y = rows.X, rows.R, vm.to_head(rows.y)
-    t = (y - act.value_loc) / act.value_scale
+    t = (y - act.head_loc) / act.head_scale
     X_val = t_val = R_val = y_val = None
     if rows.X_val is not None:
         y_val = vm.to_head(rows.y_val)
         keep = torch.isfinite(y_val)
         X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], y_val[keep]
-        t_val = (y_val - act.value_loc) / act.value_scale
+        t_val = (y_val - act.head_loc) / act.head_scale
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], act.recent_values if R.shape[1] else 0  # R: the head's window, W >= K numbers
     F = torch.cat([X, act.standardized_recent(R)], 1)
@@ -293,8 +293,8 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
                           exact_gain=inputs.gain).padded(keep)
     summary = {"rows": int(X.shape[0]), "inputs": inputs.name, "loss": fit.loss, "ridge_lambda": fit.lam,
                "chosen_on": fit.chosen_on,
-               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.value_scale,
-               "loo_mae": float(fit.loo.abs().mean()) * act.value_scale,
+               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.head_scale,
+               "loo_mae": float(fit.loo.abs().mean()) * act.head_scale,
                "finite": bool(math.isfinite(float(fit.w.abs().sum())))}
     scale = max(float(fit.loo.abs().median()), 1e-3)
     if k:
@@ -315,7 +315,7 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     if row is not None:
         set_row_head(act, row)
         reads = "loc_U+" if row.w_loc is not None else ""
-        summary.update(units=row.rule, inputs=f"{reads}recent[:{row.width}] in row units", loss=row.linear.loss,
+        summary.update(units=row.rule, inputs=f"{reads}recent[:{row.recent_count}] in row units", loss=row.linear.loss,
                        ridge_lambda=row.linear.lam, bf16_shift=0.0, w_recent_norm=float(row.linear.w.norm()),
                        units_score=row.units_score, adapter_units_score=row.adapter_score,
                        width_power=row.width_power)
