@@ -233,7 +233,8 @@ def _target_keys(batch: Mapping[str, Any], ids: Tensor, values: Tensor, at: Tens
     starts = None
     if mask is None and batch.get("position_ids") is not None:
         starts = packed_row_starts(batch["position_ids"]).expand(ids.shape).cpu()
-    return position_keys(ids.cpu(), batch["numeric_values"].cpu(), num_token_id, before.cpu(),
+    numbers = batch.get("numeric_values", values)  # a hand-made batch may give label_values alone
+    return position_keys(ids.cpu(), numbers.cpu(), num_token_id, before.cpu(),
                          None if mask is None else mask.cpu(), starts)
 
 
