@@ -142,7 +142,7 @@ def test_a_number_in_the_title_names_the_series(qwen_tokenizer):
 
     rows = {s: "; ".join(f"{1990 + i}: {v}" for i, v in enumerate(vals))
             for s, vals in (("a", [5, 6, 7, 6, 8]), ("b", [50, 61, 57, 66, 80]))}
-    enc = ntok.encode_batch([f"Series 7. {rows['a']}; 1995:", f"Monthly 1990 Q1: 5; 1990 Q2: 6; 1990 Q3: 7; 1990 Q4:"],
+    enc = ntok.encode_batch([f"Series 7. {rows['a']}; 1995:", "Monthly 1990 Q1: 5; 1990 Q2: 6; 1990 Q3: 7; 1990 Q4:"],
                             return_offsets=False)
     assert [title_numbers(e.input_ids, ntok.num_token_id) for e in enc] == [1, 0]
     assert key(f"Series 7. {rows['a']}; 1995:") == key(f"Series 7. {rows['b']}; 1995:")  # the same series
