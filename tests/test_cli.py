@@ -37,6 +37,19 @@ def test_demo_end_to_end_at_toy_size(tmp_path, capsys):
     assert main(["eval", str(adapter), "--output", str(tmp_path / "eval.json")]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["value_mae"] == pytest.approx(summary["after"]["value_mae"], rel=1e-6)
+    # yearly sunspot numbers hold zeros in training: the series is nonneg, and a 6-step fan never goes below 0 (issue
+    # 66: the playground's fan of the demo's adapter reached -141 from step 3)
+    from causal_adapter.model.causal_model import CausalModel
+    from causal_adapter.saving.assets import build_tiny_qwen, load_qwen_tokenizer
+
+    model = CausalModel.from_pretrained(build_tiny_qwen("qwen2"), adapter)
+    assert [e["support"] for e in model.causal_config.value_series.values()] == ["nonneg"]
+    prompt = ("Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6; 1972: 68.9; 1973: 38; 1974: 34.5; "
+              "1975: 15.5; 1976: 12.6; 1977: 27.5; 1978: 92.5; 1979:")
+    fan = model.predict_horizon([prompt], tokenizer=load_qwen_tokenizer(), horizon=6, paths=40, levels=(0.5, 0.9),
+                                continuations=[[f"; {1980 + h}:" for h in range(5)]])[0]
+    assert fan["support"] == "nonneg" and fan["series"].startswith("Yearly sunspot numbers")
+    assert min(min(s["value"], s["lower_90"], s["lower_50"]) for s in fan["horizon"]) >= 0
 
 
 def test_generate_and_verify_commands(capsys):
