@@ -168,7 +168,7 @@ def test_each_series_gets_its_own_width_and_one_shared_map():
     model.causal_config.value_series = {k: {"support": "positive", "rows": 100, "name": k}
                                         for k in ("quiet", "noisy", "rare")}
     preds = {"y_true": y.tolist(), "loc": [10.0] * len(y), "scale": [1.0] * len(y), "series": keys}
-    calibrate_regression_scale(model, preds)
+    calibrate_regression_scale(model, preds, series_widths=True)
     table = model.causal_config.value_series
     assert "scale" not in table["rare"]  # too few validation rows: the panel's width
     quiet, noisy = table["quiet"]["scale"], table["noisy"]["scale"]

@@ -18,7 +18,6 @@ import torch
 
 from causal_adapter import CausalAdapterConfig, get_causal_model
 from causal_adapter.modeling.intervals import fit_calibration, interval
-from causal_adapter.modeling.series import row_key
 from causal_adapter.training.metrics import coverage_metrics, evaluate_dataset
 from causal_adapter.training.config import TrainConfig
 from causal_adapter.training.loop import train
@@ -283,19 +282,13 @@ def test_calibration_map_is_the_validation_residuals(trained):
     y, loc, scale = (torch.tensor(preds[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
     # a residual below the written resolution (half a unit of the last of value_decimals places) counts at it
     resolution = 0.5 * 10.0 ** -model.causal_config.value_decimals
-    # each regime token names a series of its own (the text before the number, `modeling.series`): its width factor
-    # (the median of its normalised residuals) rescales its rows before the one shared map
-    table = model.causal_config.value_series
-    keys = [row_key(ids[:2]) for ids in val_ds["input_ids"]]
-    assert len(table) == len(SD) and all("scale" in table[k] for k in keys)
-    factor = torch.tensor([table[k]["scale"] for k in keys], dtype=torch.float64)
-    expected = fit_calibration(y, torch.where((y - loc).abs() < resolution, y - resolution, loc), scale * factor)
+    # each regime token names a series of its own (`modeling.series`); without `series_widths` none gets a width
+    assert len(model.causal_config.value_series) == len(SD)
+    assert not any("scale" in e for e in model.causal_config.value_series.values())
+    expected = fit_calibration(y, torch.where((y - loc).abs() < resolution, y - resolution, loc), scale)
     assert cal["n"] == expected["n"] == len(val_ds)
     torch.testing.assert_close(torch.tensor(cal["scores"]), torch.tensor(expected["scores"]), rtol=1e-4, atol=1e-6)
     assert float(((y - loc).abs() / scale).median()) == pytest.approx(1.0, abs=0.02)  # raw 50% calibrated too
-    for k in set(keys):  # and each series' own
-        rows = torch.tensor([key == k for key in keys])
-        assert float(((y - loc).abs() / (scale * factor))[rows].median()) == pytest.approx(1.0, abs=0.05)
 
 
 def test_per_row_scale_follows_the_regime_and_widens_out_of_depth(trained):

@@ -62,8 +62,8 @@ def base_scale(inner, predict: Callable[[], dict]) -> list[float] | None:
                 t.copy_(old)
 
 
-def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None
-                                ) -> Calibration | None:
+def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequence[float] | None = None,
+                               series_widths: bool = False) -> Calibration | None:
     """After training, on the validation predictions (y_true: values; loc, scale: on the head's scale, `value_map`,
     where every residual is taken). With a per-row scale and `base_scale` (`base_scale`):
     shrink the per-row part of the width, scale = base * (scale / base)^a, with a chosen by a held-out
@@ -74,7 +74,8 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     factor stays). Then multiply |b_noise_Y| by the median normalised residual
     |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
     calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
-    (`intervals.fit_calibration`) into `config.value_calibration`. Returns a `Calibration`; None (nothing done)
+    (`intervals.fit_calibration`) into `config.value_calibration`; with `series_widths`, on the rows rescaled by
+    each series' own width factor first (`series.series_scale_factors`, `TrainConfig.series_widths`). Returns a `Calibration`; None (nothing done)
     without a regression scale of its own or validation values."""
     act = inner.action
     if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
@@ -118,7 +119,10 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     floored_loc = torch.where(resid < resolution, y - resolution, loc)  # |y - loc| at least the resolution
     scale = scale * factor
     table = inner.causal_config.value_series
-    if keys is not None and table:  # each series' own width (`series.series_scale_factors`), then one shared map
+    if table:
+        for entry in table.values():  # a refit's calibration drops the widths of an earlier one
+            entry.pop("scale", None)
+    if series_widths and keys is not None and table:  # each series' own width (`series.series_scale_factors`)
         scale = scale * series_scale_factors(keys, resid.clamp_min(resolution) / scale, table)
         info.series_scaled = sum("scale" in e for e in table.values())
     inner.causal_config.value_calibration = fit_calibration(y, floored_loc, scale.clamp_min(act.scale_floor))

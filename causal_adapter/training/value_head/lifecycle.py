@@ -235,7 +235,8 @@ def fit_after_training(model, config: TrainConfig, train_ds, collator, device, v
     predictions = validation_predictions(refitted)
     calibrated = None
     if config.calibrate_scale:
-        calibrated = calibrate_regression_scale(inner, predictions, base_scale(inner, predict))
+        calibrated = calibrate_regression_scale(inner, predictions, base_scale(inner, predict),
+                                                series_widths=config.series_widths)
     fit_horizon_calibration(inner, eval_ds, verbose)  # rows with several values: the horizon's per-step maps
     return calibrated
 
