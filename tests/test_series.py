@@ -236,3 +236,36 @@ def test_a_series_season_is_read_at_its_period():
     walk = [10.0, 11.2, 10.1, 12.0, 12.5, 11.7, 13.1, 12.2]
     recent = _window(QUARTER_YEARS, walk, 1992)
     assert float(row_location_scale(recent, "season", 0.0, 1.0, keep=8)[1]) == walk[-1]
+
+
+def test_a_series_width_factor_widens_its_calibrated_intervals_in_predict_and_generate(panel, qwen_tokenizer):
+    """A width factor of 3 on the signed series (no floor to cut its intervals): its calibrated intervals are 3 times
+    as wide in `predict` and in the numbers `generate` writes, its raw ones unchanged, the other series untouched."""
+    import copy
+
+    model, rows = panel
+    wide = copy.deepcopy(model)
+    key = next(k for k, e in wide.causal_config.value_series.items() if e["name"] == TITLES["rate"])
+    wide.causal_config.value_series[key]["scale"] = 3.0
+    prompts = [r["prompt"] for r in rows["test"] if r["series"] == "rate"][:3] + \
+        [r["prompt"] for r in rows["test"] if r["series"] == "small"][:2]
+    a, b = (m.predict_values(prompts, tokenizer=qwen_tokenizer, levels=(0.5,)) for m in (model, wide))
+    for i, (p, q) in enumerate(zip(a, b)):
+        f = 3.0 if i < 3 else 1.0
+        assert q["upper_50"] - q["lower_50"] == pytest.approx(f * (p["upper_50"] - p["lower_50"]), rel=1e-6)
+        assert (q["raw_lower_50"], q["raw_upper_50"]) == pytest.approx((p["raw_lower_50"], p["raw_upper_50"]))
+    for m in (model, wide):
+        with torch.no_grad():
+            m.action.b_cls[m.num_token_id] += 1e4  # every row writes a number
+    try:
+        g, h = (m.generate(prompts[:3], tokenizer=qwen_tokenizer, max_new_tokens=2, mode="deterministic")
+                for m in (model, wide))
+    finally:
+        for m in (model, wide):
+            with torch.no_grad():
+                m.action.b_cls[m.num_token_id] -= 1e4
+    for nums_g, nums_h in zip(g.numbers, h.numbers):
+        assert nums_g and len(nums_g) == len(nums_h)
+        for x, y in zip(nums_g, nums_h):
+            lo, hi = x["interval_50"]
+            assert y["interval_50"][1] - y["interval_50"][0] == pytest.approx(3.0 * (hi - lo), rel=1e-6)

@@ -39,7 +39,6 @@ sqrt(h / H_v) (`widened_multiplier`); an adapter with no horizon map gives the m
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -227,7 +226,7 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
     dev = loc_U.device
     value = torch.full((n, horizon), math.nan, dtype=torch.float64, device=dev)
     locs, scales = value.clone(), value.clone()
-    vm, decimals = row_value_map(model, floored), model.causal_config.value_decimals
+    vm, decimals = model.value_map.floored(floored), model.causal_config.value_decimals
     C = loc_U.shape[-1]
     eps_path = _draw(gen, paths, C, loc_U) if individual == "path" and paths else None
 
@@ -350,7 +349,7 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
             tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
             # the causal lanes' value: the head's own Cauchy where the lane's u puts it (`heads.individual_draw`)
             val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
-        if vm.positive:  # the row's series never goes below 0 (`row_value_map`)
+        if vm.positive:  # the row's series never goes below 0 (`ValueMap.floored`)
             val = val.clamp_min(0.0)
         is_num = tok == num
         is_val = is_num & (prev2 == context[0]) & (prev == context[1])  # written where value 1 was
@@ -433,12 +432,6 @@ def widened_multiplier(steps: list[dict], h: int, level: float) -> tuple[float, 
     return conformal_multiplier(steps[-1], level) * math.sqrt(h / last), False
 
 
-def row_value_map(model, floored: bool) -> ValueMap:
-    """The adapter's `ValueMap`, floored at 0 (positive) for a row whose series never goes below it."""
-    vm = model.value_map
-    return dataclasses.replace(vm, positive=True) if floored and not vm.positive else vm
-
-
 def step_intervals(config, horizon: int) -> list[str]:
     """How the intervals of steps 1..`horizon` are made, by an adapter's `config`: "calibrated" (a map fitted on
     validation: `value_calibration` for step 1, `horizon_calibration`'s own map of step h >= 2), "widened" (beyond the
@@ -456,7 +449,7 @@ def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...]
     """The `horizon` list of one prompt: step 1 is the one-step prediction `first` (`predict_values`' row) as it is;
     steps 2..H the deterministic path's value with the intervals of the module docstring (floored at 0 for a
     `floored` row, as `run_paths`)."""
-    vm = row_value_map(model, floored)
+    vm = model.value_map.floored(floored)
     out = [{"step": 1, "value": first["value"],
             **{k: first[f"{k}"] for q in levels for k in (f"lower_{level_name(q)}", f"upper_{level_name(q)}")}}]
     if p is None or p.value.shape[1] == 1:

@@ -139,8 +139,7 @@ def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.
             cols[f"{prefix}lower_{n}"], cols[f"{prefix}upper_{n}"] = floor(lo).tolist(), floor(hi).tolist()
     n_rows = loc.numel()
     cols["series"] = series.names if series is not None else [""] * n_rows
-    cols["support"] = [row_support(model, floored[i], series.supports[i] if series is not None else None)
-                       for i in range(n_rows)]
+    cols["support"] = [row_support(model, series.supports[i] if series is not None else None) for i in range(n_rows)]
     cols["transform"] = [model.value_map.transform] * n_rows
     names = prediction_columns(levels)[1:]
     return [{"row": start + i, **{k: _cell(cols[k][i]) for k in names}} for i in range(n_rows)]
@@ -150,7 +149,7 @@ def _cell(v):
     return v if isinstance(v, str) else float(v)
 
 
-def row_support(model, floored, support: str | None) -> str:
+def row_support(model, support: str | None) -> str:
     """What a row's values may be, as `predict` says it: its series' support, else the adapter's ("positive" when
     training saw only positive values, "signed" otherwise)."""
     if support is not None:

@@ -20,6 +20,7 @@ value.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -81,6 +82,11 @@ class ValueMap:
                 lo, hi = max(lo, self.bounds[0]), min(hi, self.bounds[1])
             return h.clamp(min=lo, max=hi).exp()
         return h.clamp_min(0.0) if self.positive else h
+
+    def floored(self, floor: bool = True) -> "ValueMap":
+        """This map, floored at 0 (`positive`) when `floor`: a row whose series never goes below 0
+        (`series.RowSeries.floored`)."""
+        return dataclasses.replace(self, positive=True) if floor and not self.positive else self
 
     def writable(self, h: Tensor) -> Tensor:
         """[...] bool: h is a value the head can write: finite and, under log, within `bounds` (generation ends a

@@ -90,9 +90,8 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
         scale = torch.tensor([d["scale"] for d in out], dtype=torch.float64)
         for q in (0.5, 0.9):
             for prefix, cal in (("", calibration), ("raw_", None)):  # calibrated: in its series' width
-                lo, hi = interval(loc, scale * row.series_scale if cal else scale, q, cal, row.group.settings.value_map)
-                if row.floored:  # its series never goes below 0 (`Row.floored`)
-                    lo, hi = lo.clamp_min(0.0), hi.clamp_min(0.0)
+                lo, hi = interval(loc, scale * row.series_scale if cal else scale, q, cal,
+                                  row.group.settings.value_map.floored(row.floored))  # `Row.floored`
                 for d, a, b in zip(out, lo.tolist(), hi.tolist()):
                     d[f"{prefix}interval_{round(100 * q)}"] = (a, b)
     return out
