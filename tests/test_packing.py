@@ -26,7 +26,7 @@ from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
 from causal_adapter.config import IGNORE_INDEX
 from causal_adapter.data.packing import PackedCollator, pack_dataset, pack_rows
 from causal_adapter.data.pipeline import NumericCollator
-from causal_adapter.modeling.heads import packed_row_starts, recent_values
+from causal_adapter.modeling.recent_numbers import packed_row_starts, recent_values
 from causal_adapter.saving.assets import build_tiny_qwen
 
 NUM = 300  # <NUM> in a 320-row vocabulary

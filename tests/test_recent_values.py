@@ -24,7 +24,7 @@ import torch
 
 from causal_adapter import CausalAdapterConfig
 from causal_adapter.commands.main import main
-from causal_adapter.modeling.heads import recent_values
+from causal_adapter.modeling.recent_numbers import recent_values
 from causal_adapter.training.config import TrainConfig
 
 from test_default_recipe import _jsonl

@@ -173,7 +173,7 @@ def test_the_correction_under_a_bf16_autocast_computes_in_full_precision(warm_st
     of the head on the same numbers (heads run under the autocast instead are off by ~1e-3)."""
     import copy
 
-    from causal_adapter.modeling.heads import recent_values
+    from causal_adapter.modeling.recent_numbers import recent_values
 
     model, val, _, _ = warm_started
     b = val[0]

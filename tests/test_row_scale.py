@@ -210,7 +210,7 @@ def test_a_log_width_is_not_kept_where_the_residuals_do_not_follow_the_window():
 def test_the_log_width_under_a_bf16_autocast_computes_in_full_precision(fitted):
     """The GPU path's mixed precision on CPU: under a bf16 autocast the model's forward gives the width a float64
     copy of the head computes on the same numbers (the log-width's matmul is not rounded to bf16)."""
-    from causal_adapter.modeling.heads import recent_values
+    from causal_adapter.modeling.recent_numbers import recent_values
 
     model = copy.deepcopy(fitted[0]).float()
     assert bool(model.action.w_row_scale.abs().sum() > 0)

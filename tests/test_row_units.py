@@ -346,7 +346,7 @@ def test_per_row_units_under_a_bf16_autocast_keep_full_precision_values(mixed_sc
     """The GPU path's mixed precision on CPU: under a bf16 autocast the backbone runs in bf16, the heads in their
     own float32 (`heads.full_precision`), so a value of ~10^5 is not rounded to bf16's 3 digits (a step of 512
     there): the value follows the row's own numbers within float32 rounding and a bf16-sized change of loc_U."""
-    from causal_adapter.modeling.heads import recent_values
+    from causal_adapter.modeling.recent_numbers import recent_values
     from causal_adapter.numbers import NumberTokenizer
 
     model = mixed_scales[0]["auto"]

@@ -12,8 +12,8 @@ What keeps rows apart (the model is written against it, `model.CausalModel.forwa
 
 * attention: transformers builds the packed-sequence mask (sdpa, eager) or runs varlen flash attention
   from position ids when there is no attention_mask and no cache; a new row starts wherever the position
-  does not follow the previous one by 1 (`modeling.heads.packed_row_starts`);
-* the value head's recent numbers (`modeling.heads.recent_values`) restart at each row's start;
+  does not follow the previous one by 1 (`modeling.recent_numbers.packed_row_starts`);
+* the value head's recent numbers (`modeling.recent_numbers.recent_values`) restart at each row's start;
 * the loss: the first label of every row is -100 (and its label value 0.0), so the last token of one row
   never predicts the first token of the next (``DataCollatorWithFlattening``'s separator). The unpacked
   row never uses that label either (labels are shifted inside the model), so a row carries the same

@@ -390,7 +390,7 @@ class CausalModel(nn.Module):
         labels follow transformers: aligned with input_ids (-100 = ignore), shifted inside.
         label_values default to numeric_values (the value of each <NUM> label).
         cache: the backbone's cache (`past_key_values` is its name before transformers 5.24, still taken).
-        recent_before: [B, W] the W most recent numbers before input_ids (`heads.recent_values`; a cached
+        recent_before: [B, W] the W most recent numbers before input_ids (`recent_numbers.recent_values`; a cached
             prefix's; W = `recent_window`), for an adapter whose value head reads them (`recent_values` K > 0);
             None = none.
         position_ids: [B, S]. Packed rows (`data.packing`): attention_mask None, no cache, position ids that

@@ -23,8 +23,12 @@ from torch import Tensor, nn
 from ..config import check_row_rule
 from .cauchy import cauchy_icdf
 from .row_net import part_shapes, row_net, PARTS as ROW_NET_PARTS
+from . import recent_numbers
 from .row_transform import row_frame
 from .value_transform import ValueMap
+
+# their old home: `recent_numbers`
+recent_values, packed_row_starts = recent_numbers.recent_values, recent_numbers.packed_row_starts
 
 #: principal directions of the training features kept for the out-of-depth width
 #: (`training.value_head.warm_start.fit_depth`)
@@ -43,44 +47,6 @@ def full_precision(device: torch.device | str):
 def inverse_softplus(y: float) -> float:
     """x with softplus(x) = y, stable for any y > 0: y + log(-expm1(-y))."""
     return y + math.log(-math.expm1(-y))
-
-
-def recent_values(input_ids: Tensor, numeric_values: Tensor | None, num_token_id: int, k: int,
-                  before: Tensor | None = None, row_starts: Tensor | None = None) -> Tensor:
-    """The values of the k most recent <NUM> tokens at or before each position: [B, S] -> [B, S, k], index 0
-    the most recent; NaN where the text so far holds fewer than k numbers. `before` [B, k] (same order, NaN =
-    none): the numbers of a prefix that is not among `input_ids` (a cached prompt during generation).
-    `row_starts` [B, S] bool: True where a packed row begins (`packed_row_starts`); a position then sees only
-    the numbers of its own row, from that start on (and `before` only before the first start). None: one row."""
-    B, S = input_ids.shape
-    dev = input_ids.device
-    dt = numeric_values.dtype if numeric_values is not None and numeric_values.is_floating_point() else torch.float32
-    if before is None:
-        before = torch.full((B, k), math.nan, dtype=dt, device=dev)
-    is_num = input_ids == num_token_id
-    # every row's numbers in order, oldest first: the prefix's k, then those of input_ids
-    values = torch.full((B, k + S), math.nan, dtype=dt, device=dev)
-    values[:, :k] = before.to(device=dev, dtype=dt).flip(-1)
-    count = k + is_num.long().cumsum(-1)  # numbers at or before each position, the prefix's included
-    if numeric_values is not None:
-        slot = torch.where(is_num, count - 1, torch.zeros_like(count))
-        values.scatter_(1, slot, torch.where(is_num, numeric_values.to(dt), values.gather(1, slot)))
-    idx = count.unsqueeze(-1) - 1 - torch.arange(k, device=dev)  # [B, S, k]
-    recent = values.gather(1, idx.reshape(B, -1)).reshape(B, S, k)
-    if row_starts is None:
-        return recent
-    # numbers before the current row: the count just before its start, carried forward (counts never decrease)
-    before_row = torch.where(row_starts, count - is_num.long(), torch.zeros_like(count)).cummax(-1).values
-    own = torch.arange(k, device=dev) < (count - before_row).unsqueeze(-1)  # [B, S, k]: the slot is this row's
-    return torch.where(own, recent, torch.full_like(recent, math.nan))
-
-
-def packed_row_starts(position_ids: Tensor) -> Tensor:
-    """[B, S] or [1, S] position ids -> [..., S] bool, True where a packed row begins: where the position does not
-    follow the previous one by 1 (transformers' rule for the packed attention mask, `find_packed_sequence_indices`:
-    the value head forgets the numbers where attention does). An unpacked row (0, 1, 2, ...) has no start."""
-    first = position_ids[..., :1] - 1
-    return torch.diff(position_ids, prepend=first, dim=-1) != 1
 
 
 def symlog(values: Tensor) -> Tensor:
@@ -307,7 +273,7 @@ class ActionHead(nn.Module):
         without either) in the heads' dtype. The transform is `row_transform.row_frame`, the fit's own."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
-                             "text: pass their values (`heads.recent_values`)")
+                             "text: pass their values (`recent_numbers.recent_values`)")
         frame = row_frame(recent, self.row_rule, self.head_loc, self.head_scale, self.value_map.log,
                           keep=self.recent_values)
         width = frame.width(self.row_width_power)
@@ -431,7 +397,7 @@ class ActionHead(nn.Module):
         if r is None:
             if recent is None:
                 raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of "
-                                 "the text: pass their values (`heads.recent_values`)")
+                                 "the text: pass their values (`recent_numbers.recent_values`)")
             r = self.standardized_recent(recent.to(self.b_reg.dtype))
         lo, hi = self.recent_range
         return torch.minimum(torch.maximum(r.to(self.b_reg.dtype), lo), hi) @ self.w_recent

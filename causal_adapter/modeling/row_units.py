@@ -1,7 +1,7 @@
 """Per-row value units: a location and a scale taken from the row's own numbers, so that one value head
 serves a series of 0.07 and one of 9,000 (instance normalisation, as RevIN, Chronos or Lag-Llama do).
 
-The head reads the K most recent numbers of the text at each position (`heads.recent_values`, most recent
+The head reads the K most recent numbers of the text at each position (`recent_numbers.recent_values`, most recent
 first). Not all of them are the quantity the next number is: ``1999: 3.12; 2000: 3.05; 2001:`` holds years
 between the values. A row's numbers come in records of p numbers (a year and a value: p = 2; a year, a
 month and a value: p = 3), and the next number's own kind sits at lags p, 2p, ... (`same_role`). The

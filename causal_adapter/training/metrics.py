@@ -42,7 +42,8 @@ from torch import Tensor
 from ..config import IGNORE_INDEX, METRIC_LABELS
 from ..data.pipeline import NumericCollator
 from ..modeling.cauchy import ovr_probability
-from ..modeling.heads import full_precision, packed_row_starts
+from ..modeling.heads import full_precision
+from ..modeling.recent_numbers import packed_row_starts
 from ..modeling.adaptive import adaptive_interval
 from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss

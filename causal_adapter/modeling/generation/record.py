@@ -69,7 +69,7 @@ def faults(z: Tensor, tok: Tensor, fed: Tensor, writable: Tensor, num_id: int) -
 
 
 def recent_window(ids: list[int], values: list[float], num_id: int, k: int) -> list[float]:
-    """The k most recent numbers of a sequence, most recent first, NaN where it holds fewer (`heads.recent_values`
+    """The k most recent numbers of a sequence, most recent first, NaN where it holds fewer (`recent_numbers.recent_values`
     at its last position)."""
     nums = [v for t, v in zip(ids, values) if t == num_id][-k:][::-1] if k else []
     return nums + [math.nan] * (k - len(nums))
