@@ -26,7 +26,7 @@ MAX_ROW_NET = 1024
 #: what a series' values may be (`modeling.series.SUPPORTS`, `CausalAdapterConfig.value_series`)
 SERIES_SUPPORTS = ("positive", "nonneg", "signed")
 #: the scales the value's Cauchy can live on (`CausalAdapterConfig.value_transform`, `modeling.value_transform`)
-VALUE_TRANSFORMS = ("identity", "log")
+VALUE_TRANSFORMS = ("identity", "log", "series")
 #: the rules of per-row value units that `row_units='auto'` tries (`CausalAdapterConfig.value_row_units`,
 #: `modeling.row_units`); "season" is taken when asked for (`--row-units season`): chosen by `auto` on horizon.py's
 #: set a, it lost on test (step-1 MAE 1.036 -> 1.058 the best window)
@@ -147,8 +147,10 @@ class CausalAdapterConfig:
         as peft's `get_peft_model(autocast_adapter_dtype=True)` does (optimizer updates and the
         GradScaler need them); False keeps the base's dtype (half the adapter memory, bf16-precise
         heads). Saved tensors have this dtype. Adapters written before this field load as True.
-    value_transform: the scale the value's Cauchy lives on (`modeling.value_transform`): "identity" (the value) or
-        "log" (log y, for a positive quantity: the point value exp(loc_Y), the intervals exp of the log ones).
+    value_transform: the scale the value's Cauchy lives on (`modeling.value_transform`): "identity" (the value),
+        "log" (log y, for a positive quantity: the point value exp(loc_Y), the intervals exp of the log ones) or
+        "series" (log y for the rows of a series that `value_series` records as positive, the value for the others:
+        one file mixing series of any support; needs per-row units, `value_row_units`).
         `train()` chooses it on validation (`TrainConfig.value_transform`). Adapters written before the field load
         as "identity".
     value_log_units: under "log", the head's units [loc, scale] on log y (value_loc / value_scale stay in the

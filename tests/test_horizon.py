@@ -572,8 +572,8 @@ def test_fit_horizon_calibration_keeps_the_better_way_and_each_steps_own_scores(
     assert len(steps) == len(rows)
     results = fit.run_rows(model, steps, cal["individual"], 20)
     for h in (2, 3):
-        y = model.value_map.to_head(torch.tensor([ys[h - 1] for _, ys in results], dtype=torch.float64))
-        centre = torch.stack([p.loc_Y[0, h - 1] for p, _ in results])
-        spread = torch.tensor([float(hz.path_spread(p)[1][h - 1]) for p, _ in results], dtype=torch.float64)
+        y = model.value_map.to_head(torch.tensor([ys[h - 1] for _, ys, _ in results], dtype=torch.float64))
+        centre = torch.stack([p.loc_Y[0, h - 1] for p, _, _ in results])
+        spread = torch.tensor([float(hz.path_spread(p)[1][h - 1]) for p, _, _ in results], dtype=torch.float64)
         assert bool(((y - centre).abs() > 1.0).all())  # far above the resolution: no floor
         assert cal["steps"][h - 2] == fit_calibration(y, centre, spread), h

@@ -20,7 +20,7 @@ from causal_adapter import CausalAdapterConfig, CausalModel, LoraSettings, get_c
 from causal_adapter.saving.artifacts import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
 from causal_adapter.saving.assets import build_tiny_qwen
 from causal_adapter.modeling.cauchy import cauchy_nll, ovr_probability
-from causal_adapter.modeling.heads import symlog
+from causal_adapter.modeling.numeric_embedding import symlog
 from causal_adapter.modeling.loss import fused_ovr_loss, gated_regression_loss, reference_ovr_loss
 from causal_adapter.numbers import FLOAT32_MAX, NumberTokenizer, find_numbers
 from conftest import small_vocab_qwen

@@ -60,7 +60,7 @@ def panel(tmp_path_factory, qwen_tokenizer):
     assert any(float(r["target"]) < 0 for r in rows["train"] if r["series"] == "rate")
     args = ["train", "--train-file", _jsonl(tmp / "train.jsonl", rows["train"]),
             "--validation-file", _jsonl(tmp / "val.jsonl", rows["val"]), "--max-steps", "20",
-            "--output-dir", str(tmp / "run"), "--no-plot", "--no-progress", *TINY32]
+            "--output-dir", str(tmp / "run"), "--no-plot", "--no-progress", "--value-transform", "series", *TINY32]
     assert main(args) == 0
     base, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = CausalModel.from_pretrained(base, tmp / "run" / "adapter", tokenizer=qwen_tokenizer)
@@ -85,11 +85,40 @@ def test_predict_floors_the_non_negative_series_only(panel, qwen_tokenizer):
         assert all(min(p["value"], p["lower_90"], p["lower_50"]) >= 0 for p in by[name]), name
     assert {p["support"] for p in by["count"]} == {"nonneg"} and {p["support"] for p in by["small"]} == {"positive"}
     assert {p["support"] for p in by["rate"]} == {"signed"}
-    assert {p["transform"] for p in preds} == {model.value_map.transform}
+    # a "series" head: the positive series on log y, the others on the value (test_a_zero_in_one_series_...)
+    assert model.value_map.transform == "series"
+    assert {p["transform"] for p in by["small"]} == {"log"}
+    assert {p["transform"] for p in by["count"] + by["rate"]} == {"identity"}
     # the floor is the series', not the adapter's: the signed series' intervals still reach below 0, and the raw
     # (unfloored) intervals of the positive series would have
     assert any(p["lower_90"] < 0 for p in by["rate"])
     assert any(p["raw_lower_90"] < 0 or p["lower_90"] == 0 for p in by["small"] + by["count"])
+
+
+def test_a_zero_in_one_series_leaves_another_on_log_y(panel, qwen_tokenizer):
+    """The count's zeros keep it on the value (floored), and the positive series is told on log y all the same:
+    its bounds are positive by construction (exp of the log ones, not a floor at 0) and wider above than below."""
+    model, rows = panel
+    small = [r for r in rows["test"] if r["series"] == "small"]
+    preds = model.predict_values([r["prompt"] for r in small], tokenizer=qwen_tokenizer, levels=(0.5, 0.9))
+    assert {p["transform"] for p in preds} == {"log"}
+    assert all(p["raw_lower_90"] > 0 and p["lower_90"] > 0 for p in preds)
+    assert all(p["upper_90"] - p["value"] > p["value"] - p["lower_90"] for p in preds)
+    # what generate writes for the same rows: on log y too (intervals positive and skewed the same way); <NUM> made
+    # the argmax (a bias of 1e4), so every row writes a number
+    with torch.no_grad():
+        model.action.b_cls[model.num_token_id] += 1e4
+    try:
+        gen = model.generate([r["prompt"] for r in small[:4]], tokenizer=qwen_tokenizer, max_new_tokens=2,
+                             mode="deterministic")
+    finally:
+        with torch.no_grad():
+            model.action.b_cls[model.num_token_id] -= 1e4
+    for p, numbers in zip(preds, gen.numbers):
+        number = numbers[0]
+        lo, hi = number["raw_interval_90"]
+        assert number["value"] == pytest.approx(p["value"], abs=0.006)  # written with the data's 2 decimals
+        assert 0 < lo < number["exact"] < hi and hi - number["exact"] > number["exact"] - lo
 
 
 def test_an_unseen_title_falls_back_to_the_rows_numbers(panel, qwen_tokenizer):
@@ -185,18 +214,18 @@ def test_each_series_gets_its_own_width_and_one_shared_map():
 
 
 def test_generate_writes_no_value_below_zero_for_a_non_negative_series(panel, qwen_tokenizer):
-    """Causal sampling draws values from the head's Cauchy: on the small positive series many land below 0; each
-    is floored (and its intervals), while the signed series writes what it draws. <NUM> made the argmax (a bias of
-    1e4), so every row writes numbers."""
+    """Causal sampling draws values from the head's Cauchy: on the count (never below 0, and on the value: it has
+    zeros) many land below 0; each is floored (and its intervals), while the signed series writes what it draws.
+    <NUM> made the argmax (a bias of 1e4), so every row writes numbers."""
     import copy
 
     model, rows = panel
     eager = copy.deepcopy(model)
     with torch.no_grad():
         eager.action.b_cls[eager.num_token_id] += 1e4
-    small = [r["prompt"] for r in rows["test"] if r["series"] == "small"][:6]
+    count = [r["prompt"] for r in rows["test"] if r["series"] == "count"][:6]
     rate = [r["prompt"] for r in rows["test"] if r["series"] == "rate"][:6]
-    gen = eager.generate(small + rate, tokenizer=qwen_tokenizer, max_new_tokens=4, mode="causal", seed=0)
+    gen = eager.generate(count + rate, tokenizer=qwen_tokenizer, max_new_tokens=4, mode="causal", seed=0)
     floored = [n for nums in gen.numbers[:6] for n in nums]
     signed = [n for nums in gen.numbers[6:] for n in nums]
     assert floored and signed

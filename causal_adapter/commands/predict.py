@@ -180,7 +180,9 @@ def adapt_intervals(model, records: list[dict], targets: Sequence[float], levels
     """Replace each record's ``lower_<L>`` / ``upper_<L>`` by the adaptive conformal interval
     (`modeling.adaptive`): the records are the rows in file order, and row t's interval uses only the
     targets of the rows before it. Adds ``target``."""
-    vm = model.value_map  # the intervals adapt on the head's scale (log y for a log head), then map to the value
+    # the intervals adapt on the head's scale (log y for a log head; a "series" head's rows each their own), then
+    # map to the value
+    vm = model.value_map.rows(torch.tensor([r.get("transform") == "log" for r in records]))
     loc = vm.to_head(torch.tensor([r["value"] for r in records], dtype=torch.float64))
     scale = [r["scale"] for r in records]
     calibration = model.causal_config.value_calibration

@@ -38,18 +38,14 @@ from ..modeling.families import (
     text_config,
 )
 from ..modeling.generation import generate, generate_batched
-from ..modeling.heads import (
-    AbductionHead,
-    ActionHead,
-    NumericEmbedding,
-    full_precision,
-    packed_row_starts,
-    recent_values,
-)
+from ..modeling.heads import AbductionHead, ActionHead, full_precision
+from ..modeling.numeric_embedding import NumericEmbedding
+from ..modeling.recent_numbers import packed_row_starts, recent_values
 from ..modeling.intervals import interval
 from ..modeling.loss import fused_ovr_loss, gated_regression_loss, num_probability, reference_ovr_loss, total_loss
 from ..modeling.horizon import predict_horizon
 from ..modeling.prediction import predict_values
+from ..modeling.series import series_log_rows
 from ..modeling.value_transform import ValueMap, value_map_of
 from ..saving import adapter_io
 from ..saving.hub import push_to_hub
@@ -75,7 +71,8 @@ class CausalOutput(ModelOutput):
     (scale_U without the exogenous noise; scale_U' = scale_U + |b_noise|). loc_Y, scale_Y: [B, S].
     loc_S, scale_S: [B, S, V], only with `return_scores=True`. hidden_states: z [B, S, H].
     recent: [B, S, K] the raw values of the K most recent numbers the value head read (NaN = none), with
-    `recent_values` K > 0.
+    `recent_values` K > 0. value_log: [B, S] bool, a "series" head's positions on log y (loc_Y, scale_Y there are
+    on log y; `modeling.value_transform`), None for any other head.
     """
 
     loss: Tensor | None = None
@@ -90,6 +87,7 @@ class CausalOutput(ModelOutput):
     hidden_states: Tensor | None = None
     recent: Tensor | None = None
     cache: Any = None
+    value_log: Tensor | None = None
 
     @property
     def past_key_values(self) -> Any:
@@ -194,14 +192,15 @@ class CausalModel(nn.Module):
 
     def set_value_transform(self, transform: str, log_units: tuple[float, float] | None = None,
                             positive: bool | None = None, value_range: tuple[float, float] | None = None) -> None:
-        """The scale the value's Cauchy lives on (`modeling.value_transform`: "identity" or "log"), the head's units
-        on log y [loc, scale] under "log", whether the quantity is positive and the training values' [min, max]
+        """The scale the value's Cauchy lives on (`modeling.value_transform`: "identity", "log" or "series"), the
+        head's units on log y [loc, scale] under "log" (and "series", for its rows there), whether the quantity is positive and the training values' [min, max]
         (`config.value_range`; None: as they are). Stored in the config, hence in the saved adapter."""
         cfg = self.causal_config
         if transform == "log" and log_units is None:
             raise ValueError("value_transform 'log' needs the head's units on log y (log_units)")
         cfg.value_transform = transform
-        cfg.value_log_units = [float(log_units[0]), float(log_units[1])] if transform == "log" else None
+        keep_log = transform in ("log", "series") and log_units is not None  # "series": for its rows on log y
+        cfg.value_log_units = [float(log_units[0]), float(log_units[1])] if keep_log else None
         if positive is not None:
             cfg.value_positive = bool(positive)
         if value_range is not None:
@@ -216,7 +215,8 @@ class CausalModel(nn.Module):
         if cfg.value_transform == "log" and cfg.value_log_units is not None:
             self.action.set_head_units(*cfg.value_log_units)
         elif cfg.value_loc is not None:
-            self.action.set_head_units(cfg.value_loc, cfg.value_scale)
+            self.action.set_head_units(cfg.value_loc, cfg.value_scale,
+                                       cfg.value_log_units if cfg.value_transform == "series" else None)
 
     @property
     def value_map(self) -> ValueMap:
@@ -232,14 +232,15 @@ class CausalModel(nn.Module):
         self.causal_config.value_row_units = rule
         self.causal_config.value_width_power = float(width_power) if rule is not None else 0.0
 
-    def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True
-                       ) -> tuple[Tensor, Tensor]:
+    def value_interval(self, loc_Y: Tensor, scale_Y: Tensor, level: float, *, calibrated: bool = True,
+                       value_map: ValueMap | None = None) -> tuple[Tensor, Tensor]:
         """(lower, upper) of the central `level` interval of the value, shapes of loc_Y. calibrated=True
         uses the adapter's split-conformal map (`config.value_calibration`) when it has one;
         calibrated=False (or no map) gives the raw Cauchy interval loc_Y -+ tan(pi level / 2) scale_Y; either mapped
-        to the value by `value_map` (exp of the log interval under "log")."""
+        to the value by `value_map` (exp of the log interval under "log"; default the adapter's, a "series" head's
+        rows: `ValueMap.rows`)."""
         return interval(loc_Y, scale_Y, level, self.causal_config.value_calibration if calibrated else None,
-                        self.value_map)
+                        value_map or self.value_map)
 
     # ------------------------------------------------------------------ backbone
     def _inject_lora(self, adapter_name: str) -> None:
@@ -384,6 +385,7 @@ class CausalModel(nn.Module):
         past_key_values: Any = None,
         return_scores: bool = False,
         recent_before: Tensor | None = None,
+        value_log: Tensor | None = None,
     ) -> CausalOutput:
         """input_ids, numeric_values, attention_mask, labels, label_values: [B, S].
 
@@ -393,6 +395,9 @@ class CausalModel(nn.Module):
         recent_before: [B, W] the W most recent numbers before input_ids (`recent_numbers.recent_values`; a cached
             prefix's; W = `recent_window`), for an adapter whose value head reads them (`recent_values` K > 0);
             None = none.
+        value_log: [B] or [B, S] bool, a "series" head's rows on log y (`modeling.value_transform`): None = from
+            each row's text and the adapter's `value_series` (`series.series_log_rows`); needed with a cache, whose
+            prefix this forward does not see.
         position_ids: [B, S]. Packed rows (`data.packing`): attention_mask None, no cache, position ids that
             restart at 0 where each row begins; transformers then builds the packed-sequence mask (sdpa, eager) or
             runs varlen flash attention, and the value head's recent numbers restart there too.
@@ -436,15 +441,33 @@ class CausalModel(nn.Module):
                                        else numeric_values.to(loc_U.device), self.num_token_id,
                                        self.action.recent_window, recent_before,
                                        None if row_starts is None else row_starts.to(loc_U.device))
-            loc_Y, scale_Y = self.action.regression(loc_U, scale_Up, recent)
+            log_rows = self.log_rows(input_ids, numeric_values, attention_mask, row_starts, cache, value_log)
+            loc_Y, scale_Y = self.action.regression(loc_U, scale_Up, recent,
+                                                    None if log_rows is None else log_rows.to(loc_U.device))
             result = CausalOutput(loc_U=loc_U, scale_U=scale_U, loc_Y=loc_Y, scale_Y=scale_Y, hidden_states=z,
-                                  recent=recent, cache=output_cache(out) if use_cache else None)
+                                  recent=recent, cache=output_cache(out) if use_cache else None, value_log=log_rows)
             if return_scores:
                 result.loc_S, result.scale_S = self.action.scores(loc_U, scale_Up, self.W_cls)
             if labels is not None:
                 result.loss, result.loss_cls, result.loss_reg = self.loss(loc_U, scale_Up, loc_Y, scale_Y, labels,
-                                                                          label_values)
+                                                                          label_values, log_rows)
         return result
+
+    def log_rows(self, input_ids: Tensor, numeric_values: Tensor | None, attention_mask: Tensor | None,
+                 row_starts: Tensor | None, cache: Any, value_log: Tensor | None) -> Tensor | None:
+        """[B, S] bool: a "series" head's positions on log y (`forward`'s value_log); None for any other head."""
+        if not self.action.value_map.series:
+            return None
+        if value_log is not None:
+            value_log = value_log.bool()
+            return value_log.unsqueeze(-1).expand(input_ids.shape) if value_log.dim() == 1 else value_log
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("a 'series' value head needs value_log (the rows on log y) for a cached step: the "
+                             "rows' text before it is not in input_ids")
+        return series_log_rows(input_ids.cpu(), None if numeric_values is None else numeric_values.cpu(),
+                               self.num_token_id, self.causal_config.value_series,
+                               None if attention_mask is None else attention_mask.cpu(),
+                               None if row_starts is None else row_starts.cpu())
 
     def _packed_row_starts(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                            cache: Any, use_cache: bool) -> Tensor | None:
@@ -463,7 +486,7 @@ class CausalModel(nn.Module):
         return starts
 
     def loss(self, loc_U: Tensor, scale_Up: Tensor, loc_Y: Tensor, scale_Y: Tensor, labels: Tensor,
-             label_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+             label_values: Tensor | None, log_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """L = L_cls + lambda L_reg over positions predicting labels[:, 1:] (SPEC 3)."""
         labels = labels.to(loc_U.device)[:, 1:].reshape(-1)  # to the heads' device (device_map splits)
         keep = labels != IGNORE_INDEX  # ignored rows never enter the heads' loss
@@ -494,6 +517,10 @@ class CausalModel(nn.Module):
         if act.value_map.log:  # the Cauchy lives on log y (a value <= 0 there: the smallest positive float's log)
             values = values.clamp_min(torch.finfo(values.dtype).tiny).log()
             offset = values  # NLL(y) = NLL(log y) + log y
+        elif log_rows is not None:  # a "series" head: the rows of a positive series on log y, the others on y
+            on_log = log_rows.to(values.device)[:, :-1].reshape(-1)[keep]
+            logs = values.clamp_min(torch.finfo(values.dtype).tiny).log()
+            values, offset = torch.where(on_log, logs, values), torch.where(on_log, logs, torch.zeros_like(logs))
         loss_reg = gated_regression_loss(loc_Y, scale_Y, values, labels, k, p_num, self.causal_config.alpha, offset)
         loss_reg = loss_reg.to(loss_cls.dtype)
         return total_loss(loss_cls, loss_reg, self.causal_config.reg_weight), loss_cls, loss_reg

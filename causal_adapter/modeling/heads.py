@@ -1,6 +1,5 @@
-"""The three adapter modules of SPEC section 2.
+"""The adapter's heads of SPEC section 2 (the third module, the numeric embedding phi, is `numeric_embedding`).
 
-NumericEmbedding  phi(v) = sign(v) ln(1 + |v|) d, added to the token embedding.
 AbductionHead     z -> (loc_U, scale_U): a Cauchy distribution over the individual U.
 ActionHead        U -> OvR token scores (loc_S, scale_S) through the SHARED lm_head weight,
                   and a Cauchy regression (loc_Y, scale_Y) for the value of a <NUM>.
@@ -23,12 +22,13 @@ from torch import Tensor, nn
 from ..config import check_row_rule
 from .cauchy import cauchy_icdf
 from .row_net import part_shapes, row_net, PARTS as ROW_NET_PARTS
-from . import recent_numbers
+from . import numeric_embedding, recent_numbers
 from .row_transform import row_frame
 from .value_transform import ValueMap
 
-# their old home: `recent_numbers`
+# their old home: `recent_numbers`, `numeric_embedding`
 recent_values, packed_row_starts = recent_numbers.recent_values, recent_numbers.packed_row_starts
+symlog, NumericEmbedding = numeric_embedding.symlog, numeric_embedding.NumericEmbedding
 
 #: principal directions of the training features kept for the out-of-depth width
 #: (`training.value_head.warm_start.fit_depth`)
@@ -47,38 +47,6 @@ def full_precision(device: torch.device | str):
 def inverse_softplus(y: float) -> float:
     """x with softplus(x) = y, stable for any y > 0: y + log(-expm1(-y))."""
     return y + math.log(-math.expm1(-y))
-
-
-def symlog(values: Tensor) -> Tensor:
-    """sign(v) ln(1 + |v|): the value's magnitude on a log scale; symlog(0) = 0."""
-    return torch.sign(values) * torch.log1p(values.abs())
-
-
-class NumericEmbedding(nn.Module):
-    """phi(v) = symlog(v) * d with |d| = `norm` (fixed buffer unless learnable).
-
-    The seeds take |d| = 1; CausalModel defaults to the median norm of the input embedding rows:
-    the backbone's first RMSNorm divides by the norm of e + phi(v), so a phi much larger than the
-    token embedding reaches the layers as sign(v) alone (docs/values.md: the measurements,
-    which are mixed across corpora)."""
-
-    def __init__(self, hidden_size: int, *, learnable: bool, std: float, generator: torch.Generator,
-                 dtype: torch.dtype, device: torch.device | None = None, norm: float = 1.0):
-        super().__init__()
-        d = torch.randn(hidden_size, generator=generator, dtype=torch.float64) * std
-        d = (d * (norm / d.norm())).to(dtype=dtype, device=device)
-        if learnable:
-            self.direction = nn.Parameter(d)
-        else:
-            self.register_buffer("direction", d)
-
-    def forward(self, numeric_values: Tensor) -> Tensor:
-        """[B, S] values -> [B, S, H] offsets (exact zeros where the value is 0).
-
-        The log is taken in the wider of the values' and d's dtypes, so float64 values beyond the
-        float32 range (up to 1.8e308) give a finite phi (|phi| <= ln(1 + 1.8e308) ~ 710)."""
-        wide = torch.promote_types(numeric_values.dtype, self.direction.dtype)
-        return symlog(numeric_values.to(wide)).to(self.direction.dtype).unsqueeze(-1) * self.direction
 
 
 class AbductionHead(nn.Module):
@@ -162,6 +130,7 @@ class ActionHead(nn.Module):
         self.num_token_id = num_token_id
         self.scale_floor = scale_floor
         self.head_loc, self.head_scale = 0.0, 1.0
+        self.head_log_units: tuple[float, float] | None = None  # a "series" head's units on log y (`set_head_units`)
         kw = dict(dtype=dtype, device=device)
         self.b_noise = nn.Parameter(torch.full((causal_size,), float(b_noise_init), **kw))
         self.b_cls = nn.Parameter(torch.zeros(vocab_size, **kw))
@@ -215,10 +184,12 @@ class ActionHead(nn.Module):
             self.register_buffer("w_row_scale", torch.zeros(2 * recent_values + 2, **kw))
             self.register_buffer("row_log_scale_range", torch.zeros(2, **kw))
 
-    def set_head_units(self, head_loc: float, head_scale: float) -> None:
+    def set_head_units(self, head_loc: float, head_scale: float, log_units: tuple[float, float] | None = None
+                       ) -> None:
         """The head's units: T(Y) = head_loc + head_scale * Y' (floats; (0, 1) = raw units), on the head's scale
-        (`value_map`: the value, or log y)."""
+        (`value_map`: the value, or log y); `log_units`: a "series" head's on log y, for its rows there."""
         self.head_loc, self.head_scale = float(head_loc), float(head_scale)
+        self.head_log_units = None if log_units is None else (float(log_units[0]), float(log_units[1]))
 
     # The head's units were once called value_loc / value_scale, the config's names for the adapter's value units
     # (which a log head's are not): the old names still work, with a FutureWarning.
@@ -264,22 +235,41 @@ class ActionHead(nn.Module):
         self.row_rule = rule
         self.row_width_power = float(width_power)
 
-    def units(self, recent: Tensor | None, like: Tensor
+    def units(self, recent: Tensor | None, like: Tensor, log_rows: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """Per-row units (`row_rule` set): (m [...], s [...], r [..., K], width unit [...], x [..., 2 K + 2] or
         None) for raw recent values [..., K]: the value units of each row, the numbers the head reads in them (0
         where none), the unit of the value's width (`row_units.row_width`), in `like`'s dtype, and the inputs of
         the nonlinear correction and the log-width (`row_net.net_inputs`, r clamped to `recent_range`; None
-        without either) in the heads' dtype. The transform is `row_transform.row_frame`, the fit's own."""
+        without either) in the heads' dtype. The transform is `row_transform.row_frame`, the fit's own. `log_rows`
+        [...] bool: a "series" head's rows on log y (`value_transform`)."""
         if recent is None:
             raise ValueError(f"this adapter's value head reads the {self.recent_values} most recent numbers of the "
                              "text: pass their values (`recent_numbers.recent_values`)")
-        frame = row_frame(recent, self.row_rule, self.head_loc, self.head_scale, self.value_map.log,
+        if log_rows is not None:
+            log_rows = per_position(log_rows, recent)
+        frame = row_frame(recent, self.row_rule, *self.fallback_units(log_rows, recent), self.log_space(log_rows),
                           keep=self.recent_values)
         width = frame.width(self.row_width_power)
         x = frame.inputs(self.recent_range).to(self.b_reg.dtype) if self.row_net_members or self.row_scale else None
         return (frame.loc.to(like.dtype), frame.scale.to(like.dtype), frame.r.to(like.dtype), width.to(like.dtype),
                 x)
+
+    def log_space(self, log_rows: Tensor | None) -> bool | Tensor:
+        """Whether (or, per row [...], where) the head reads and writes log y: a log head everywhere, a "series"
+        head at `log_rows` (None: nowhere)."""
+        if self.value_map.series and log_rows is not None:
+            return log_rows.bool()
+        return self.value_map.log
+
+    def fallback_units(self, log_rows: Tensor | None, like: Tensor) -> tuple[float | Tensor, float | Tensor]:
+        """The units of a row without its own (too few numbers): the head's, on log y for a "series" head's rows
+        there (`head_log_units`), [...] per row then."""
+        if not self.value_map.series or log_rows is None or self.head_log_units is None:
+            return self.head_loc, self.head_scale
+        rows = log_rows.to(like.device).bool()
+        return (torch.where(rows, self.head_log_units[0], self.head_loc).double(),
+                torch.where(rows, self.head_log_units[1], self.head_scale).double())
 
     def row_log_scale(self, x: Tensor) -> Tensor:
         """x [..., 2 K + 2] (`units`) -> [...] w_row_scale . x clamped to `row_log_scale_range` (with `row_scale`)."""
@@ -402,12 +392,12 @@ class ActionHead(nn.Module):
         lo, hi = self.recent_range
         return torch.minimum(torch.maximum(r.to(self.b_reg.dtype), lo), hi) @ self.w_recent
 
-    def row_regression(self, recent: Tensor | None, like: Tensor, loc_U: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor]:
+    def row_regression(self, recent: Tensor | None, like: Tensor, loc_U: Tensor | None = None,
+                       log_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Per-row units: loc_Y, scale_Y [...] (on the head's scale) from the row's own numbers and, with `loc_U`
         [..., C] (or a sampled u), w_reg . loc_U in the row's units (what the row's words say; w_reg = 0 when the
-        fit did not keep it)."""
-        loc, scale, r, width, x = self.units(recent, like)
+        fit did not keep it); `log_rows` [...]: a "series" head's rows on log y."""
+        loc, scale, r, width, x = self.units(recent, like, log_rows)
         y_std = self.recent_term(None, like, r) + self.b_reg.reshape(())
         if loc_U is not None:
             y_std = y_std + (loc_U.to(self.w_reg.dtype) @ self.w_reg).to(y_std.dtype)
@@ -417,11 +407,12 @@ class ActionHead(nn.Module):
             width = width * self.row_log_scale(x).exp().to(width.dtype)
         return loc + scale * y_std, (width * self.b_noise_Y.abs().reshape(())).clamp_min(self.scale_floor)
 
-    def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def regression(self, loc_U: Tensor, scale_Up: Tensor, recent: Tensor | None = None,
+                   log_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """loc_U, scale_U' [..., C], recent [..., K] (raw values, NaN = none; with K > 0) -> loc_Y [...],
-        scale_Y [...] in value units."""
+        scale_Y [...] on the head's scale (`value_map`; a "series" head's `log_rows` [...] on log y)."""
         if self.row_rule is not None:
-            return self.row_regression(recent, loc_U[..., 0], loc_U)
+            return self.row_regression(recent, loc_U[..., 0], loc_U, log_rows)
         loc_Y = self.from_standard(loc_U @ self.w_reg + self.recent_term(recent, loc_U) + self.b_reg.reshape(()))
         if self.w_scale_Y is not None:
             scale_Y = self.per_row_scale(loc_U)
@@ -450,6 +441,16 @@ class ActionHead(nn.Module):
         repeated draws spread as the head's interval does (SPEC 4, causal)."""
         t = individual_draw(self, eps, scale_Up)
         return loc_Y + scale_Y * t.to(loc_Y.dtype)
+
+
+def per_position(log_rows: Tensor, recent: Tensor) -> Tensor:
+    """A "series" head's flags against recent [n, ..., K]: one per position [n, ...], or one per row [n] (or [n, 1])
+    spread over the row's positions."""
+    log_rows = log_rows.to(recent.device).bool()
+    if log_rows.numel() == recent[..., 0].numel():
+        return log_rows.reshape(recent.shape[:-1])
+    rows = log_rows.reshape(recent.shape[0])
+    return rows.reshape((-1,) + (1,) * (recent.dim() - 2)).expand(recent.shape[:-1])
 
 
 def individual_draw(act: ActionHead, eps: Tensor, scale_Up: Tensor) -> Tensor:

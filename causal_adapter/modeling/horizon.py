@@ -176,7 +176,7 @@ class StepOutput:
 
 
 def step_forward(model, cache, ids: Tensor, values: Tensor, recent_before: Tensor | None, length: int,
-                 regression: bool = True) -> StepOutput:
+                 regression: bool = True, log_rows: Tensor | None = None) -> StepOutput:
     """ids / values [n, s] fed after `length` cached positions (no padding: every lane has the same length): the
     backbone over them (`cache` grows in place), then the heads on the LAST position only, as `CausalModel.forward`
     computes them there (the value head's recent numbers from `recent_before` [n, K] and the fed ones).
@@ -196,7 +196,7 @@ def step_forward(model, cache, ids: Tensor, values: Tensor, recent_before: Tenso
             recent = recent_values(ids.to(dev), values.to(dev), model.num_token_id, width, recent_before)[:, -1:]
         loc_Y = scale_Y = None
         if regression:
-            loc_Y, scale_Y = model.action.regression(loc_U, model.action.noisy_scale(scale_U), recent)
+            loc_Y, scale_Y = model.action.regression(loc_U, model.action.noisy_scale(scale_U), recent, log_rows)
     return StepOutput(loc_U, scale_U, loc_Y, scale_Y, recent, z)
 
 
@@ -207,10 +207,11 @@ def _draw(gen, n: int, C: int, like: Tensor) -> Tensor:
 @torch.no_grad()
 def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continuation: list | None, horizon: int,
               paths: int, gen: torch.Generator | None, individual: str = DEFAULT_INDIVIDUAL,
-              groups: tuple[Group, Group] | None = None, floored: bool = False) -> Paths:
+              groups: tuple[Group, Group] | None = None, floored: bool = False, log: bool = False) -> Paths:
     """The 1 + `paths` lanes of prompt `row` of a prefill `out` (`predict_forward` with use_cache; `pad` its left
     padding, ids / vals [B, S] its inputs), `horizon` values each; `floored`: the row's series never goes below 0
-    (`series.RowSeries.floored`), so no lane writes (or feeds back) a value below it. `continuation`: (ids, values) of the text before
+    (`series.RowSeries.floored`), so no lane writes (or feeds back) a value below it; `log`: a "series" head tells
+    it on log y (`series.RowSeries.log`). `continuation`: (ids, values) of the text before
     values 2..H (`continuation_tokens`), or None (the lanes write it, with `groups`: `text_groups`)."""
     n = 1 + paths
     cache = _lane_cache(model, out, row, pad, n, ids, vals)
@@ -226,7 +227,8 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
     dev = loc_U.device
     value = torch.full((n, horizon), math.nan, dtype=torch.float64, device=dev)
     locs, scales = value.clone(), value.clone()
-    vm, decimals = model.value_map.floored(floored), model.causal_config.value_decimals
+    vm, decimals = model.value_map.row(floored, log), model.causal_config.value_decimals
+    log_rows = torch.full((n, 1), log, device=dev) if model.value_map.series else None  # the lanes' scale
     C = loc_U.shape[-1]
     eps_path = _draw(gen, paths, C, loc_U) if individual == "path" and paths else None
 
@@ -242,7 +244,7 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
 
     def forward(new_ids: Tensor, new_vals: Tensor, recent_before, length: int, regression: bool = True):
         """The lanes' next tokens [n, s] through the backbone (cache grown in place); the heads at the last one."""
-        return step_forward(model, cache, new_ids, new_vals, recent_before, length, regression)
+        return step_forward(model, cache, new_ids, new_vals, recent_before, length, regression, log_rows)
 
     in_dev = model.input_device
     num = model.num_token_id
@@ -252,7 +254,7 @@ def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continu
         for h in range(horizon):
             if h:  # the lanes' own heads after what they fed (step 1: the prompt's, lane 0 `predict_values`' row)
                 with full_precision(dev):
-                    loc_Y, scale_Y = act.regression(loc_U, act.noisy_scale(scale_U), recent)
+                    loc_Y, scale_Y = act.regression(loc_U, act.noisy_scale(scale_U), recent, log_rows)
             head = loc_Y.double().clone()
             if paths:
                 eps = eps_path if eps_path is not None else _draw(gen, paths, C, loc_U)
@@ -345,7 +347,8 @@ def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, for
             shared = None if eps_path is None or g is det else eps_path[lanes[rows] - 1]
             with full_precision(dev):
                 c = choose(model, g, z[rows], prev=prev[rows], pending=pending[rows],
-                           recent=None if recent is None else recent[rows], shared_eps=shared)
+                           recent=None if recent is None else recent[rows], shared_eps=shared,
+                           log=torch.full(rows.shape, vm.log, device=dev))
             tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
             # the causal lanes' value: the head's own Cauchy where the lane's u puts it (`heads.individual_draw`)
             val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
@@ -445,11 +448,11 @@ def step_intervals(config, horizon: int) -> list[str]:
 
 
 def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...], calibration: dict | None,
-                  floored: bool = False) -> list[dict]:
+                  floored: bool = False, log: bool = False) -> list[dict]:
     """The `horizon` list of one prompt: step 1 is the one-step prediction `first` (`predict_values`' row) as it is;
     steps 2..H the deterministic path's value with the intervals of the module docstring (floored at 0 for a
-    `floored` row, as `run_paths`)."""
-    vm = model.value_map.floored(floored)
+    `floored` row, on log y for a `log` one, as `run_paths`)."""
+    vm = model.value_map.row(floored, log)
     out = [{"step": 1, "value": first["value"],
             **{k: first[f"{k}"] for q in levels for k in (f"lower_{level_name(q)}", f"upper_{level_name(q)}")}}]
     if p is None or p.value.shape[1] == 1:
@@ -531,6 +534,7 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
             firsts = prediction_rows(model, loc, scale, p_num, levels or DEFAULT_LEVELS, start, series)
             pads = (enc["attention_mask"] == 0).sum(-1).tolist()
             floored = series.floored.tolist()
+            logs = [False] * len(floored) if series.log is None else series.log.tolist()
             if groups is None and any(texts[i] is None for i in range(start, start + len(firsts))) and horizon > 1:
                 groups = text_groups(model, ntok, gen, individual)
             ids, vals = enc["input_ids"].to(model.input_device), enc["numeric_values"].to(model.input_device)
@@ -538,7 +542,8 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
                 i = start + b
                 row = first if want else {k: first[k] for k in ("row", "value", "scale", "p_num")}
                 if horizon == 1:  # predict's row alone: no path to run
-                    row["horizon"] = horizon_steps(model, first, None, levels, calibration, floored[b]) if want else \
+                    row["horizon"] = horizon_steps(model, first, None, levels, calibration, floored[b], logs[b]) \
+                        if want else \
                         [{"step": 1, "value": first["value"]}]
                     out.append(row)
                     if progress is not None:
@@ -547,11 +552,11 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
                 cont = None if texts[i] is None else continuation_tokens(model, ntok, texts[i])
                 try:
                     p = run_paths(model, fwd, b, int(pads[b]), ids, vals, cont, horizon, paths, gen, individual,
-                                  groups, floored[b])
+                                  groups, floored[b], logs[b])
                 except ValueError as e:
                     raise ValueError(f"row {i}: {e}") from None
                 if want:
-                    row["horizon"] = horizon_steps(model, first, p, levels, calibration, floored[b])
+                    row["horizon"] = horizon_steps(model, first, p, levels, calibration, floored[b], logs[b])
                 else:
                     row["horizon"] = [{"step": h + 1, "value": float(p.value[0, h]) if h else first["value"]}
                                       for h in range(horizon)]

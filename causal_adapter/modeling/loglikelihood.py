@@ -140,7 +140,6 @@ def sequence_logprobs(model, input_ids: Sequence[Sequence[int]], numeric_values:
     values = torch.tensor([v[:-1] + [0.0] * (width - len(v) + 1) for v in vals], dtype=torch.float32, device=device)
     mask = torch.tensor([[1] * (len(r) - 1) + [0] * (width - len(r) + 1) for r in rows], device=device)
     out = model(ids, values, attention_mask=mask if width * len(rows) != int(mask.sum()) else None)
-    vm = model.value_map
     results = []
     with full_precision(out.loc_U.device):
         for b, r in enumerate(rows):
@@ -149,6 +148,8 @@ def sequence_logprobs(model, input_ids: Sequence[Sequence[int]], numeric_values:
             loc_U = out.loc_U[b, pos]
             scale_Up = model.action.noisy_scale(out.scale_U[b, pos])
             loc_Y, scale_Y = out.loc_Y[b, pos].to(torch.float64), out.scale_Y[b, pos].to(torch.float64)
+            on_log = None if out.value_log is None else out.value_log[b, pos.to(out.value_log.device)]
+            vm = model.value_map.rows(on_log)  # a "series" head: the row's own scale
             lp_tok, greedy_tok, top_lp, top_id = [], [], [], []
             for c in range(0, len(pos), SCORE_CHUNK):
                 sl = slice(c, c + SCORE_CHUNK)

@@ -113,8 +113,10 @@ def batch_series(model, enc: dict, out) -> RowSeries:
     """The `series.RowSeries` of a batch of prompts (`encode_prompts`) whose forward is `out`: each row's series
     found by its text, its support and width factor (`CausalAdapterConfig.value_series`)."""
     recent = None if out.recent is None else out.recent[:, -1]
-    return prompt_series(enc["input_ids"], enc["numeric_values"], enc.get("attention_mask"), recent,
-                         model.num_token_id, model.causal_config.value_series, out.loc_Y[:, -1].double())
+    series = prompt_series(enc["input_ids"], enc["numeric_values"], enc.get("attention_mask"), recent,
+                           model.num_token_id, model.causal_config.value_series, out.loc_Y[:, -1].double())
+    series.log = None if out.value_log is None else out.value_log[:, -1].cpu()  # the rows the head told on log y
+    return series
 
 
 def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
@@ -124,25 +126,35 @@ def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.
     positive or nonneg series' value and bounds are floored at 0."""
     raw_scale = scale
     floored = torch.zeros_like(loc, dtype=torch.bool)
+    vm = model.value_map.rows(None if series is None else series.log)  # a "series" head: log y per row
     if series is not None:
         scale, floored = scale * series.scale.to(scale), series.floored.to(loc.device)
 
     def floor(v: torch.Tensor) -> torch.Tensor:
         return torch.where(floored & (v < 0), torch.zeros_like(v), v)
 
-    value = floor(model.value_map.to_value(loc))  # the median: loc_Y itself, or exp(loc_Y) on log y
+    value = floor(vm.to_value(loc))  # the median: loc_Y itself, or exp(loc_Y) on log y
     cols: dict[str, list] = {"value": value.tolist(), "scale": scale.tolist(), "p_num": p_num.tolist()}
     for q in levels:
         n = level_name(q)
         for prefix, calibrated in (("", True), ("raw_", False)):
-            lo, hi = model.value_interval(loc, scale if calibrated else raw_scale, q, calibrated=calibrated)
+            lo, hi = model.value_interval(loc, scale if calibrated else raw_scale, q, calibrated=calibrated,
+                                          value_map=vm)
             cols[f"{prefix}lower_{n}"], cols[f"{prefix}upper_{n}"] = floor(lo).tolist(), floor(hi).tolist()
     n_rows = loc.numel()
     cols["series"] = series.names if series is not None else [""] * n_rows
     cols["support"] = [row_support(model, series.supports[i] if series is not None else None) for i in range(n_rows)]
-    cols["transform"] = [model.value_map.transform] * n_rows
+    cols["transform"] = row_transforms(model, series, n_rows)
     names = prediction_columns(levels)[1:]
     return [{"row": start + i, **{k: _cell(cols[k][i]) for k in names}} for i in range(n_rows)]
+
+
+def row_transforms(model, series: RowSeries | None, n_rows: int) -> list[str]:
+    """The scale each row's Cauchy lives on, as `predict` says it: the adapter's, or for a "series" head each row's
+    own ("log" for a positive series, "identity" for the others)."""
+    if series is None or series.log is None:
+        return [model.value_map.transform] * n_rows
+    return ["log" if on_log else "identity" for on_log in series.log.tolist()]
 
 
 def _cell(v):
@@ -177,7 +189,7 @@ def predict_values(model, prompts: str | Sequence[str], tokenizer=None, levels: 
     ``raw_upper_<L>`` (the raw Cauchy interval, for comparison), and what the row got (`modeling.series`):
     ``series`` (the title of the training series its text names, "" for one training never saw), ``support``
     ("positive" / "nonneg": its value and bounds never below 0; "signed") and ``transform`` (the scale of the
-    head's Cauchy: "identity" or "log").
+    head's Cauchy: "identity" or "log"; a "series" head's row: its own).
     """
     if isinstance(prompts, str):
         prompts = [prompts]

@@ -150,25 +150,27 @@ def row_period(recent: Tensor) -> Tensor:
 
 
 def row_location_scale(recent: Tensor, rule: str, fallback_loc: float, fallback_scale: float,
-                       log_space: bool = False, keep: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       log_space: bool | Tensor = False, keep: int | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """recent [..., W] raw (NaN = none) -> (same-kind numbers [..., K], m [...], s [...], own [...] bool), in
     float64, K = `keep` (default W): the row's K most recent numbers of its own kind, found on all W (a window
     of W numbers in records of p holds W / p of them), or, for a row that keeps the fallback, its K most recent
     numbers. By `rule` (`config.ROW_HEAD_RULES`; "fixed": every row keeps the fallback). `own` marks the rows that got their own units; the others keep
     (fallback_loc, fallback_scale) and their numbers as they come (p = 1). `log_space`: the kinds are found on the
     raw numbers, then the numbers are their logs (a number <= 0 has none: NaN), so m is a log level and s the mean
-    |step of log y|: a row multiplied by c moves m by log c and keeps s."""
+    |step of log y|: a row multiplied by c moves m by log c and keeps s. A tensor [...] of bools: per row (a
+    "series" head, `value_transform`)."""
     recent = recent.double()
+    log_space = log_rows(log_space, recent)
     if rule == "fixed":  # the adapter's units for every row, its K most recent numbers of any kind
-        values = _log(recent[..., :keep]) if log_space else recent[..., :keep]
+        values = _logs_where(log_space, recent[..., :keep])
         own = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
-        return (values, torch.full_like(values[..., 0], fallback_loc), torch.full_like(values[..., 0], fallback_scale),
-                own)
+        zero = torch.zeros_like(values[..., 0])  # the fallback: floats, or [...] per row
+        return values, zero + fallback_loc, zero + fallback_scale, own
     period = row_period(recent)
     values = same_role(recent, period)[..., :keep]
     recent_raw, recent = recent, recent[..., :keep]
-    if log_space:
-        values, recent = _log(values), _log(recent)
+    values, recent = _logs_where(log_space, values), _logs_where(log_space, recent)
     if rule == "last":
         loc, scale = values[..., 0], _mean_step(values)
     elif rule == "season":  # "last", but a row whose window shows a season is located at its seasonal anchor
@@ -212,7 +214,7 @@ def row_season(recent: Tensor, period: Tensor) -> Tensor:
     return torch.where((n >= 2) & even & (P >= 2), P, torch.zeros_like(P))
 
 
-def seasonal_anchor(values: Tensor, season: Tensor, log_space: bool = False) -> tuple[Tensor, Tensor]:
+def seasonal_anchor(values: Tensor, season: Tensor, log_space: bool | Tensor = False) -> tuple[Tensor, Tensor]:
     """values [..., K] same-kind numbers (newest first, NaN = none), season [...] (`row_season`) -> (anchor [...],
     usable [...] bool). The anchor is the value one cycle before the one to come moved by the window's mean change
     over a cycle, S[P - 1] + mean_i (S[i] - S[i + P]); on log y (`log_space`, or a window of positive numbers, whose
@@ -222,7 +224,7 @@ def seasonal_anchor(values: Tensor, season: Tensor, log_space: bool = False) -> 
     K = values.shape[-1]
     P = season.clamp(1, max(K - 1, 1))
     present = ~torch.isnan(values)
-    positive = (torch.where(present, values, 1.0) > 0).all(-1) & ~torch.tensor(log_space)
+    positive = (torch.where(present, values, 1.0) > 0).all(-1) & ~log_rows(log_space, values)
     work = torch.where(positive.unsqueeze(-1), _log(values), values)
     i = torch.arange(K, device=values.device)
     change = work - _at_lags(work, i + P.unsqueeze(-1))  # S[i] - S[i + P], NaN past the window
@@ -241,10 +243,24 @@ def _log(values: Tensor) -> Tensor:
                        torch.full_like(values, math.nan))
 
 
-def level(values: Tensor, log_space: bool = False) -> Tensor:
+def log_rows(log_space: bool | Tensor, values: Tensor) -> Tensor:
+    """[...] bool: the rows of values [..., K] whose numbers are logs (`log_space`: one bool for all, or per row)."""
+    if isinstance(log_space, Tensor):
+        return log_space.to(values.device).bool().expand(values.shape[:-1])
+    return torch.full(values.shape[:-1], bool(log_space), dtype=torch.bool, device=values.device)
+
+
+def _logs_where(log_space: Tensor, values: Tensor) -> Tensor:
+    """values [..., K] with the rows of `log_space` [...] as their logs."""
+    if not bool(log_space.any()):
+        return values
+    return torch.where(log_space.unsqueeze(-1), _log(values), values)
+
+
+def level(values: Tensor, log_space: bool | Tensor = False) -> Tensor:
     """[..., K] -> [...] the unit the floors are relative to: mean |S| (1 in log space, where steps are relative
     already)."""
-    return torch.ones_like(values[..., 0]) if log_space else mean_abs(values)
+    return torch.where(log_rows(log_space, values), torch.ones_like(values[..., 0]), mean_abs(values))
 
 
 def curvature(values: Tensor) -> Tensor:
@@ -253,12 +269,12 @@ def curvature(values: Tensor) -> Tensor:
     return mean_abs(values[..., :-2] - 2 * values[..., 1:-1] + values[..., 2:])
 
 
-def floored_curvature(values: Tensor, log_space: bool = False) -> Tensor:
+def floored_curvature(values: Tensor, log_space: bool | Tensor = False) -> Tensor:
     """[..., K] -> [...] c: `curvature` floored at RELATIVE_FLOOR x `level` (a straight line)."""
     return torch.maximum(curvature(values), RELATIVE_FLOOR * level(values, log_space))
 
 
-def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float, log_space: bool = False) -> Tensor:
+def row_width(values: Tensor, scale: Tensor, own: Tensor, power: float, log_space: bool | Tensor = False) -> Tensor:
     """The width unit of each row [...]: s (c / s)^power for the rows with their own units (`row_location_scale`'s values,
     s, own), c = `floored_curvature`; s where a row has no
     second difference or keeps the adapter's units, and for power 0."""

@@ -158,10 +158,12 @@ def series_of(keys: Sequence[str], table: dict | None) -> list[str]:
 @dataclass
 class RowSeries:
     """What each of n prompt rows gets: names [n] (its series' title, "" when unseen), supports [n] (`row_supports`),
-    scale [n] (its width factor, `series_scales`)."""
+    scale [n] (its width factor, `series_scales`), log [n] bool (on log y: a "series" head's rows of a positive
+    series, `series_log_rows`; None for any other head)."""
     names: list[str]
     supports: list[str | None]
     scale: Tensor
+    log: Tensor | None = None
 
     @property
     def floored(self) -> Tensor:
@@ -180,12 +182,40 @@ def prompt_series(input_ids: Tensor, numeric_values: Tensor, attention_mask: Ten
 
 
 def prompt_support(ids: Sequence[int], values: Sequence[float], num_token_id: int, table: dict | None,
-                   window: int = 16) -> tuple[bool, float]:
-    """One prompt (ids and values, no padding) -> (whether its series never goes below 0, its width factor): what
-    generation floors the values a row writes by and widens its intervals by (`row_supports`, the fallback reading
-    its `window` most recent numbers; `series_scales`)."""
+                   window: int = 16) -> tuple[bool, float, bool]:
+    """One prompt (ids and values, no padding) -> (whether its series never goes below 0, its width factor, whether
+    it is positive): what generation floors the values a row writes by, widens its intervals by (`row_supports`, the
+    fallback reading its `window` most recent numbers; `series_scales`) and, for a "series" head, tells on log y
+    (`positive_series`)."""
     numbers = [float(v) for t, v in zip(ids, values) if t == num_token_id][::-1][:window]
     recent = torch.tensor([numbers + [math.nan] * (window - len(numbers))], dtype=torch.float64)
     key = text_key(list(ids), list(values), num_token_id)
     floored = row_supports([key], table, recent)[0] in ("positive", "nonneg")
-    return floored, float(series_scales([key], table, recent[0])[0])
+    return floored, float(series_scales([key], table, recent[0])[0]), positive_series([key], table)[0]
+
+
+def positive_series(keys: Sequence[str], table: dict | None) -> list[bool]:
+    """Per key: its series is positive in `table` (every value training and validation saw > 0): the rows a
+    "series" head tells on log y (`value_transform`). An unseen series is not (its own numbers cannot say that a 0
+    will never come)."""
+    table = table or {}
+    return [table.get(k, {}).get("support") == "positive" for k in keys]
+
+
+def series_log_rows(input_ids: Tensor, numeric_values: Tensor | None, num_token_id: int, table: dict | None,
+                    attention_mask: Tensor | None = None, row_starts: Tensor | None = None) -> Tensor:
+    """[B, S] -> [B, S] bool: the positions whose row (packed: segment, `row_starts` [B, S]) is of a positive series
+    (`positive_series`), each row named by its whole text (`text_key`; padding, `attention_mask`'s 0s, left out)."""
+    out = torch.zeros(input_ids.shape, dtype=torch.bool)
+    if not table:
+        return out.to(input_ids.device)
+    ids_all = input_ids.tolist()
+    vals_all = (torch.zeros(input_ids.shape) if numeric_values is None else numeric_values).tolist()
+    for b, (ids, vals) in enumerate(zip(ids_all, vals_all)):
+        keep = [True] * len(ids) if attention_mask is None else attention_mask[b].bool().tolist()
+        starts = [0] if row_starts is None else sorted({0, *row_starts[b].nonzero().flatten().tolist()})
+        for start, end in zip(starts, starts[1:] + [len(ids)]):
+            text = [(t, v) for t, v, k in zip(ids[start:end], vals[start:end], keep[start:end]) if k]
+            key = text_key([t for t, _ in text], [v for _, v in text], num_token_id)
+            out[b, start:end] = positive_series([key], table)[0]
+    return out.to(input_ids.device)

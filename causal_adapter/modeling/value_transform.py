@@ -17,6 +17,12 @@ fitted at (a second number after the answer, where loc_Y can be 1,250 on log y) 
 other reader (`predict`, the intervals, the horizon's paths) gets h clamped to them; and, whatever the range, to what
 exp can represent in h's own dtype (`log_limits`: 88.7 in float32, 709 in float64), so no finite h gives an infinite
 value.
+
+``series`` (one file, many series): each row is on log y when its series is positive (`series.RowSeries.log`: every
+value training and validation saw of it > 0), on the value otherwise; the per-row head reads its numbers on the same
+scale (`row_units.row_location_scale`'s per-row `log_space`). `ValueMap.rows` gives the map of a batch of rows
+(`log_rows`, broadcast over trailing dimensions), `ValueMap.row` the plain map of one row ("log" or the floored
+value).
 """
 from __future__ import annotations
 
@@ -51,13 +57,15 @@ def log_bounds(value_range) -> tuple[float, float] | None:
     return lo - widen, hi + widen
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ValueMap:
     """The value's transform T, whether the quantity is positive, and under log the bounds of h it writes within
-    (module docstring; None: the dtype's limit alone, as adapters saved before `value_range`)."""
+    (module docstring; None: the dtype's limit alone, as adapters saved before `value_range`). `log_rows` [...] bool
+    (a "series" map of a batch, `rows`): the rows on log y, the others on the value."""
     transform: str = "identity"
     positive: bool = False
     bounds: tuple[float, float] | None = None
+    log_rows: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
@@ -67,21 +75,49 @@ class ValueMap:
     def log(self) -> bool:
         return self.transform == "log"
 
+    @property
+    def series(self) -> bool:
+        """Each row on its own series' scale (module docstring)."""
+        return self.transform == "series"
+
+    def rows(self, log_rows: Tensor | None) -> "ValueMap":
+        """The map of a batch of rows [...] of a "series" map, `log_rows` [...] bool those on log y (None: none);
+        any other map is its own."""
+        if not self.series or log_rows is None:
+            return self
+        return dataclasses.replace(self, log_rows=log_rows.bool())
+
+    def row(self, floored: bool = False, log: bool = False) -> "ValueMap":
+        """The plain map of one row: log y for a row on it (`log`, a "series" map's), else this map floored at 0
+        when `floored` (its series never goes below 0, `series.RowSeries.floored`)."""
+        if self.series:
+            return ValueMap("log", True) if log else ValueMap("identity", self.positive or floored)
+        return self.floored(floored)
+
+    def _mask(self, x: Tensor) -> Tensor:
+        """`log_rows` broadcast against x [..., *trailing]."""
+        m = self.log_rows.to(x.device)
+        return m.reshape(m.shape + (1,) * (x.dim() - m.dim()))
+
     def to_head(self, y: Tensor) -> Tensor:
         """Values -> h = T(y); under log a value <= 0 (or NaN) has no h: NaN."""
-        if not self.log:
+        if not self.log and self.log_rows is None:
             return y
-        return torch.where(y > 0, y.clamp_min(torch.finfo(y.dtype).tiny).log(), torch.full_like(y, math.nan))
+        h = torch.where(y > 0, y.clamp_min(torch.finfo(y.dtype).tiny).log(), torch.full_like(y, math.nan))
+        return h if self.log else torch.where(self._mask(y), h, y)
 
     def to_value(self, h: Tensor) -> Tensor:
         """h -> the value T^-1(h) (a location, a bound, or a sampled h), floored at 0 for a positive quantity; under
         log h is kept within `bounds` and within what exp represents in h's dtype (a NaN stays NaN)."""
-        if self.log:
+        if self.log or self.log_rows is not None:
             lo, hi = log_limits(h.dtype)
             if self.bounds is not None:
                 lo, hi = max(lo, self.bounds[0]), min(hi, self.bounds[1])
-            return h.clamp(min=lo, max=hi).exp()
-        return h.clamp_min(0.0) if self.positive else h
+            y = h.clamp(min=lo, max=hi).exp()
+            if self.log:
+                return y
+        value = h.clamp_min(0.0) if self.positive else h
+        return torch.where(self._mask(h), y, value) if self.log_rows is not None else value
 
     def floored(self, floor: bool = True) -> "ValueMap":
         """This map, floored at 0 (`positive`) when `floor`: a row whose series never goes below 0
@@ -98,11 +134,16 @@ class ValueMap:
 
     def nll_offset(self, y: Tensor) -> Tensor:
         """-log |dh/dy| at y: what turns the NLL of h into the NLL of y (log y under log, else 0)."""
+        if self.log_rows is not None:
+            return torch.where(self._mask(y), self.to_head(y), torch.zeros_like(y))
         return self.to_head(y) if self.log else torch.zeros_like(y)
 
     def head_resolution(self, y: Tensor, resolution: Tensor) -> Tensor:
         """A resolution of the value at y (half a written unit) on the head's scale: resolution / y under log."""
-        return resolution / y.abs().clamp_min(torch.finfo(y.dtype).tiny) if self.log else resolution
+        relative = resolution / y.abs().clamp_min(torch.finfo(y.dtype).tiny)
+        if self.log_rows is not None:
+            return torch.where(self._mask(y), relative, resolution)
+        return relative if self.log else resolution
 
 
 def value_map_of(config) -> ValueMap:

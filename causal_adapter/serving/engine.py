@@ -371,7 +371,8 @@ class Engine:
         out = {"index": row.tag.index, "text": text,
                "finish_reason": "stop" if finished or row.stop_reason is not None else "length",
                "stop_reason": row.stop_reason,
-               "values": _values(numbers, levels, calibration, row.group.settings.value_map),
+               "values": _values(numbers, levels, calibration,
+                                 row.group.settings.value_map.row(row.floored, row.log)),
                "completion_tokens": len(row.tokens)}
         spec = row.tag.job.spec
         if isinstance(spec, GenerateSpec) and (spec.echo or spec.logprobs is not None):

@@ -129,8 +129,10 @@ class TrainConfig:
                                 "the value exp(loc), intervals exp of the log ones, never below 0), 'identity' = "
                                 "the value itself, 'auto' = log where every training target (and, in dated rows, "
                                 "every number of the value's kind) is > 0 and it predicts the validation rows better than "
-                                "identity by one standard error (errors divided by each row's own scale), else "
-                                "identity (docs/values.md)", choices=["auto", *VALUE_TRANSFORMS])
+                                "identity by one standard error (errors divided by each row's own scale); in a file "
+                                "mixing series, 'series' (log y for the rows of a series whose values are all > 0, "
+                                "the value for the others) where it does; else identity (docs/values.md)",
+                                choices=["auto", *VALUE_TRANSFORMS])
     row_net: int = flag(5, "in per-row units, the value head's nonlinear correction: the mean of N small MLPs "
                         "(2 x 64 GELU units) on the row's numbers and its window's shape, fitted after the linear "
                         "head and kept when it predicts the validation rows better (one standard error); 0 = the "

@@ -88,6 +88,7 @@ class MetricAccumulator:
         self.y_loc: list[float] = []
         self.y_scale: list[float] = []
         self.y_series: list[str] = []  # the series key of each (`modeling.series.position_keys`)
+        self.y_log: list[bool] = []  # a "series" head: whether each is told on log y (`CausalOutput.value_log`)
         # per row with baseline columns: target, previous value
         self.targets: list[float] = []
         self.previous: list[float] = []
@@ -134,6 +135,8 @@ class MetricAccumulator:
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
             self.y_series += _target_keys(batch, ids, values, at, self.num_token_id)
+            if output.value_log is not None:
+                self.y_log += output.value_log.to(heads)[:, :-1][at].tolist()
         if "target" in batch and "previous" in batch:
             self.targets += [float(v) for v in batch["target"].tolist()]
             self.previous += [float(v) for v in batch["previous"].tolist()]
@@ -167,8 +170,8 @@ class MetricAccumulator:
         for s in states:
             for k in ("n_tokens", "n_num_labels", "sum_cls", "sum_reg", "correct", "tp", "fp", "fn", "softmax_nll"):
                 setattr(self, k, getattr(self, k) + s[k])
-            for k in ("y_true", "y_loc", "y_scale", "y_series", "targets", "previous"):
-                getattr(self, k).extend(s[k])
+            for k in ("y_true", "y_loc", "y_scale", "y_series", "y_log", "targets", "previous"):
+                getattr(self, k).extend(s.get(k, []))
         return self
 
     @classmethod
@@ -207,7 +210,7 @@ class MetricAccumulator:
             "value_median_ae": _median(errors),
         }
         out.update(coverage_metrics(self.y_true, self.y_loc, self.y_scale, self.levels, self.calibration,
-                                    self.value_map))
+                                    self.row_map()))
         out["perplexity"] = math.exp(min(self.softmax_nll / n, 700.0)) if n else None
         out.update(baseline_metrics(self.targets, self.previous, constant_value))
         return out
@@ -216,13 +219,19 @@ class MetricAccumulator:
         """The point values: loc_Y mapped to the value (`value_transform.ValueMap.to_value`)."""
         if self.value_map is None or not self.y_loc:
             return list(self.y_loc)
-        return self.value_map.to_value(torch.tensor(self.y_loc, dtype=torch.float64)).tolist()
+        return self.row_map().to_value(torch.tensor(self.y_loc, dtype=torch.float64)).tolist()
+
+    def row_map(self) -> ValueMap | None:
+        """The value map of the accumulated targets: a "series" head's, each on its own scale (`y_log`)."""
+        if self.value_map is None or not self.y_log or len(self.y_log) != len(self.y_loc):
+            return self.value_map
+        return self.value_map.rows(torch.tensor(self.y_log))
 
     def predictions(self) -> dict[str, list[float]]:
         """Per <NUM> label: true value, loc_Y, scale_Y (on the head's scale) and the point value (in evaluation
         order)."""
         return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale),
-                "value": self._values(), "series": list(self.y_series)}
+                "value": self._values(), "series": list(self.y_series), "log": list(self.y_log)}
 
 
 def _target_keys(batch: Mapping[str, Any], ids: Tensor, values: Tensor, at: Tensor, num_token_id: int) -> list[str]:

@@ -57,6 +57,8 @@ def plot_training(history: Sequence[dict], predictions: dict | None, path: str |
         scale = torch.tensor(predictions["scale"], dtype=torch.float64)
         x = torch.arange(len(y)).numpy()
         kind = "calibrated" if calibration else "raw Cauchy"
+        if value_map is not None and len(predictions.get("log") or []) == len(y):  # a "series" head: per row
+            value_map = value_map.rows(torch.tensor(predictions["log"], dtype=torch.bool))
         for q, alpha in ((0.9, 0.18), (0.5, 0.35)):
             lo, hi = interval(loc, scale, q, calibration, value_map)
             ax3.fill_between(x, lo.numpy(), hi.numpy(), color="tab:blue", alpha=alpha, lw=0,

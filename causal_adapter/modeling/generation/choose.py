@@ -58,13 +58,15 @@ class Heads:
     scale_Y: Tensor
 
 
-def heads(model, g: Group, z: Tensor, recent: Tensor | None = None) -> Heads:
-    """The abduction and the value head on z [n, H]; recent [n, K] the numbers the value head reads."""
+def heads(model, g: Group, z: Tensor, recent: Tensor | None = None, log: Tensor | None = None) -> Heads:
+    """The abduction and the value head on z [n, H]; recent [n, K] the numbers the value head reads; log [n] bool
+    a "series" head's rows on log y (`record.Row.log`)."""
     loc_U, scale_U = model.abduction(z)
     scale_Up = model.action.noisy_scale(scale_U)
     if recent is not None:
         recent = recent[:, :g.settings.recent_k].to(g.vdtype)
-    return Heads(loc_U, scale_Up, *model.action.regression(loc_U, scale_Up, recent))
+    log = None if log is None or not model.action.value_map.series else log.to(loc_U.device)
+    return Heads(loc_U, scale_Up, *model.action.regression(loc_U, scale_Up, recent, log))
 
 
 def reads_vocabulary_product(g: Group) -> bool:
@@ -82,16 +84,16 @@ def approximate_product(g: Group) -> bool:
 def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
            steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
            history: Callable[[], Tensor] | None = None, done: Heads | None = None,
-           vocab: Tensor | None = None, floored: Tensor | None = None) -> Choice:
+           vocab: Tensor | None = None, floored: Tensor | None = None, log: Tensor | None = None) -> Choice:
     """The group's rows: z [n, H] (its adapter active, unless `done` holds its heads and the mode reads W_cls loc_U:
     then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
     head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
     [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them); vocab [n, V] W_cls
     loc_U computed with other groups' rows (one pass over W_cls for a step; the bf16 one where
     `approximate_product(g)`); floored [n] bool: rows whose series never goes below 0 (`record.Row.floored`): the
-    value they write is floored there."""
+    value they write is floored there; log [n] bool: a "series" head's rows on log y (`record.Row.log`)."""
     s = g.settings
-    h = done if done is not None else heads(model, g, z, recent)
+    h = done if done is not None else heads(model, g, z, recent, log)
     early = None
     if s.opts.min_new_tokens and s.eos and steps is not None:
         early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)
@@ -102,10 +104,11 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
     tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
-    value = s.value_map.to_value(val)
+    vm = s.value_map.rows(log)
+    value = vm.to_value(val)
     if floored is not None:
         value = torch.where(floored.to(value.device) & (value < 0), torch.zeros_like(value), value)
-    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, s.value_map.writable(val), eps)
+    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, vm.writable(val), eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

@@ -188,7 +188,9 @@ class StepLoop:
         new_cache = output_cache(out)
         for r in rows:
             s = r.group.settings
-            r.floored, r.series_scale = prompt_support(r.ids, r.values, s.num_id, s.value_series, max(s.recent_k, 1))
+            r.floored, r.series_scale, positive = prompt_support(r.ids, r.values, s.num_id, s.value_series,
+                                                                 max(s.recent_k, 1))
+            r.log = positive and s.value_map.series
         self.prefills += 1
         self.prefill_tokens += sum(len(r.ids) - n for r, (n, _) in zip(rows, hits))
         self.reused_tokens += sum(n for n, _ in hits)
@@ -344,7 +346,8 @@ class StepLoop:
                            steps=torch.tensor([len(r.tokens) for r in mine]) if g.opts.min_new_tokens else None,
                            slots=torch.tensor([r.slot for r in mine], device=hdev) if g.fixed_slots else None,
                            shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
-                           vocab=vocab.get(g), floored=torch.tensor([r.floored for r in mine], device=hdev))
+                           vocab=vocab.get(g), floored=torch.tensor([r.floored for r in mine], device=hdev),
+                           log=torch.tensor([r.log for r in mine], device=hdev))
             exact, written = written_values(g, c.tok, c.val)
             fault = faults(take(g, self.z), c.tok, written.to(feed_dtype), c.writable, g.settings.num_id)
             at_t = slice(None) if index[g] is None else index[g]
@@ -387,7 +390,8 @@ class StepLoop:
                 self._use_adapter(g.adapter)
                 with full_precision(self.z.device):
                     done[g] = heads(self.model, g, take(g, self.z),
-                                    take(g, self.recent) if g.settings.recent_k else None)
+                                    take(g, self.recent) if g.settings.recent_k else None,
+                                    torch.tensor([self.rows[i].log for i in groups[g]]))
             with full_precision(self.z.device):
                 loc_U = torch.cat([done[g].loc_U for g in shared])
                 product = shared[0].settings.scorer.approx_vocab(loc_U) if approx else \

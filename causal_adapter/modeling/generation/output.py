@@ -91,7 +91,7 @@ def row_numbers(row: Row, prompt_length: int, calibration: dict | None) -> list[
         for q in (0.5, 0.9):
             for prefix, cal in (("", calibration), ("raw_", None)):  # calibrated: in its series' width
                 lo, hi = interval(loc, scale * row.series_scale if cal else scale, q, cal,
-                                  row.group.settings.value_map.floored(row.floored))  # `Row.floored`
+                                  row.group.settings.value_map.row(row.floored, row.log))  # `Row.floored`
                 for d, a, b in zip(out, lo.tolist(), hi.tolist()):
                     d[f"{prefix}interval_{round(100 * q)}"] = (a, b)
     return out

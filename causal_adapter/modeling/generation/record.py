@@ -44,6 +44,7 @@ class Row:
     stop_reason: str | None = None  # why a row ended before its end (`stop.stop_on_fault`); None: it did not
     floored: bool = False  # its series never goes below 0: no value it writes does (`series.prompt_support`)
     series_scale: float = 1.0  # its series' width factor: its intervals' (`series.prompt_support`)
+    log: bool = False  # a "series" head tells it on log y (a positive series: `series.prompt_support`)
 
 
 #: `faults` codes: the row's hidden state is not finite; the <NUM> it chose has no finite value

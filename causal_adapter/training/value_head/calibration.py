@@ -82,6 +82,9 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
         return None
     y, loc, scale = (torch.tensor(predictions[k], dtype=torch.float64) for k in ("y_true", "loc", "scale"))
     vm = act.value_map  # the residuals are taken on the head's scale (log y for a log head), where loc / scale live
+    logs = predictions.get("log")
+    if vm.series and logs is not None and len(logs) == len(y):  # a "series" head: each row on its own scale
+        vm = vm.rows(torch.tensor(logs, dtype=torch.bool))
     value_y, y = y, vm.to_head(y)
     ok = torch.isfinite(y)  # a value with no place on the head's scale (<= 0 for a log head) calibrates nothing
     base = None if base_scale is None or len(base_scale) != len(scale) else torch.tensor(base_scale, dtype=torch.float64)
@@ -89,6 +92,7 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     keys = keys if keys is not None and len(keys) == len(y) else None
     if not bool(ok.all()):
         value_y, y, loc, scale = value_y[ok], y[ok], loc[ok], scale[ok]
+        vm = vm.rows(vm.log_rows[ok]) if vm.log_rows is not None else vm
         base = None if base is None else base[ok]
         keys = None if keys is None else [k for k, keep in zip(keys, ok.tolist()) if keep]
     info = Calibration()

@@ -90,7 +90,8 @@ def fit_row_net(x: Tensor, resid: Tensor, x_val: Tensor, resid_val: Tensor, memb
 
 
 def add_correction(row: RowHeadFit, R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, act,
-                   seed: int, X: Tensor | None = None, X_val: Tensor | None = None) -> RowHeadFit:
+                   seed: int, X: Tensor | None = None, X_val: Tensor | None = None, log: Tensor | None = None,
+                   log_val: Tensor | None = None) -> RowHeadFit:
     """`row` with the head's nonlinear correction fitted to its residuals (`fit_row_net`; the head's
     `row_net_members` MLPs, from `seed`, stopped on the even validation rows): "net" is their weights when their
     mean beats the linear head on the odd validation rows (errors in row units: "net_mae", "linear_mae") by one
@@ -100,7 +101,8 @@ def add_correction(row: RowHeadFit, R: Tensor, y: Tensor, R_val: Tensor | None, 
     members = act.row_net_members
     if not members or R_val is None or y_val is None or len(y) < MIN_ROWS or len(y_val) < MIN_VALIDATION_ROWS:
         return dataclasses.replace(row, net=None)
-    (train, u_train), (val, u_linear) = row_residuals(row, R, y, act, X), row_residuals(row, R_val, y_val, act, X_val)
+    (train, u_train), (val, u_linear) = (row_residuals(row, R, y, act, X, log),
+                                         row_residuals(row, R_val, y_val, act, X_val, log_val))
     # the members stop on every other validation row and are judged on the rest: rows that chose the epoch
     # would favour the correction (kept on random walks, where nothing in the window predicts the step)
     stop = torch.arange(len(u_linear)) % 2 == 0

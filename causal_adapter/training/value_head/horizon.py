@@ -73,8 +73,9 @@ def horizon_rows(eval_ds, num_id: int, max_rows: int = MAX_ROWS) -> list[tuple]:
 
 @torch.no_grad()
 def run_rows(inner, rows: list[tuple], individual: str, paths: int = CALIBRATION_PATHS, seed: int = SEED
-             ) -> list[tuple[Paths, list[float]]]:
-    """The paths of every row (`run_paths` with the row's continuations), with its true values."""
+             ) -> list[tuple[Paths, list[float], bool]]:
+    """The paths of every row (`run_paths` with the row's continuations), with its true values and whether a "series"
+    head tells it on log y."""
     gen = torch.Generator(device=inner.device).manual_seed(seed)
     out = []
     dev = inner.input_device
@@ -85,29 +86,32 @@ def run_rows(inner, rows: list[tuple], individual: str, paths: int = CALIBRATION
         pads = (enc["attention_mask"] == 0).sum(-1).tolist()
         ids, vals = enc["input_ids"].to(dev), enc["numeric_values"].to(dev)
         for b, r in enumerate(chunk):
-            p = run_paths(inner, fwd, b, int(pads[b]), ids, vals, r[3], len(r[2]), paths, gen, individual)
-            out.append((p, r[2]))
+            log = fwd.value_log is not None and bool(fwd.value_log[b, -1])
+            p = run_paths(inner, fwd, b, int(pads[b]), ids, vals, r[3], len(r[2]), paths, gen, individual, log=log)
+            out.append((p, r[2], log))
         del fwd
     return out
 
 
-def step_scores(inner, results: list[tuple[Paths, list[float]]]) -> list[dict[str, torch.Tensor]]:
+def step_scores(inner, results: list[tuple[Paths, list[float], bool]]) -> list[dict[str, torch.Tensor]]:
     """Per step h >= 2 (index h - 2): {"y", "centre", "spread", "resolution"} [rows reaching it] on the head's
-    scale."""
-    vm = inner.value_map
-    H = max(len(y) for _, y in results)
-    steps: list[dict[str, list]] = [{"y": [], "centre": [], "spread": [], "value_y": []} for _ in range(H - 1)]
-    for p, y in results:
+    scale (each row's own under a "series" head)."""
+    H = max(len(y) for _, y, _ in results)
+    steps: list[dict[str, list]] = [{"y": [], "centre": [], "spread": [], "value_y": [], "log": []}
+                                    for _ in range(H - 1)]
+    for p, y, log in results:
         centre, spread, _ = path_spread(p)
         for h in range(1, len(y)):
             s = steps[h - 1]
             s["y"].append(y[h])
             s["value_y"].append(y[h])
+            s["log"].append(log)
             s["centre"].append(float(centre[h]))
             s["spread"].append(float(spread[h]))
     out = []
     for s in steps:
         value_y = torch.tensor(s["value_y"], dtype=torch.float64)
+        vm = inner.value_map.rows(torch.tensor(s["log"], dtype=torch.bool))
         y = vm.to_head(value_y)
         res = vm.head_resolution(value_y, written_resolution(value_y, inner.causal_config.value_decimals))
         out.append({"y": y, "centre": torch.tensor(s["centre"], dtype=torch.float64),

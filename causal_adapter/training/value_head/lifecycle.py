@@ -70,6 +70,9 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
                        **{f"series_{k}": sum(e["support"] == k for e in table.values()) for k in SERIES_SUPPORTS})
         if config.value_transform == "log":
             _set_log_units(inner, values)
+        elif config.value_transform == "series" and config.row_units == "off":
+            raise ValueError("value_transform 'series' tells each row on its own series' scale, in per-row units: "
+                             "it needs row_units other than 'off'")
     if config.regression_init == "ridge":
         final = not features_trained(inner) if final is None else final
         if model is inner:  # not yet prepared: on the accelerator's device for the features' forwards
@@ -94,6 +97,10 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
             # value's per-row one with its correction, then lost on test: 1.12-1.19x the best window against 1.01-1.04
             if (fresh or final) and config.value_transform == "auto" and log_allowed(gathered):
                 fit_summary = choose_transform(inner, gathered, values, fit, summary)
+            elif (fresh or final) and config.value_transform in ("auto", "series") and series_allowed(gathered, config):
+                # one file, many series: log y for the rows of its positive series, the value for the others
+                fit_summary = choose_transform(inner, gathered, values, fit, summary, "series",
+                                               force=config.value_transform == "series")
             fit_summary = fit_summary or fit()
             record_fit_precision(inner, fit_summary["bf16_shift"])
             summary.update(fit_summary, value_transform=inner.causal_config.value_transform)
@@ -143,27 +150,46 @@ def log_allowed(rows: WarmStartRows) -> bool:
     return bool((same[~torch.isnan(same)] > 0).all())
 
 
-def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], dict], summary: dict) -> dict | None:
-    """`value_transform='auto'` where `log_allowed`: the head fitted on the value and on log y (`fit`), each scored on
-    the validation rows by its errors in value units divided by each row's own one-step naive error (scale-free,
-    `validation_errors`); log is kept when it `beats_by_one_se`, identity otherwise. Both scores go into `summary`.
-    Returns the log fit's summary when log is kept (the head is fitted), else None (the head is left on the
-    value's scale, to be fitted)."""
+def series_allowed(rows: WarmStartRows, config: TrainConfig) -> bool:
+    """Whether a "series" head is possible: per-row units, and rows of a positive series beside others (rows of
+    positive series alone: `log_allowed` decides the adapter's log)."""
+    return (config.row_units != "off" and rows.log is not None and rows.R.shape[-1] > 0
+            and bool(rows.log.any()) and not bool(rows.log.all()))
+
+
+def _set_series_units(inner, rows: WarmStartRows) -> None:
+    """The "series" head: the value's own units, and on log y those of the positive series' targets."""
+    inner.set_value_transform("series", fit_value_units(rows.y[rows.log].log().tolist()))
+
+
+def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], dict], summary: dict,
+                     other: str = "log", force: bool = False) -> dict | None:
+    """`value_transform='auto'` where `log_allowed` (`other` "log") or `series_allowed` ("series"): the head fitted
+    on the value and under `other` (`fit`), each scored on the validation rows by its errors in value units divided
+    by each row's own one-step naive error (scale-free, `validation_errors`); `other` is kept when it
+    `beats_by_one_se` (or `force`), identity otherwise. Both scores go into `summary`. Returns `other`'s fit's
+    summary when it is kept (the head is fitted), else None (the head is left on the value's scale, to be
+    fitted)."""
     if rows.X_val is None or rows.y_val is None or len(rows.y_val) < 2:
-        return None
+        if not force:
+            return None
+        _set_series_units(inner, rows)
+        return fit()
     errors = {}
     fitted = {}
-    for transform in ("identity", "log"):
+    for transform in ("identity", other):
         if transform == "log":
             _set_log_units(inner, values)
+        elif transform == "series":
+            _set_series_units(inner, rows)
         else:
             inner.set_value_transform("identity")
         fitted[transform] = fit()
         errors[transform] = validation_errors(inner, rows)
     summary.update(value_transform_identity_score=round(float(errors["identity"].mean()), 6),
-                   value_transform_log_score=round(float(errors["log"].mean()), 6))
-    if beats_by_one_se(errors["identity"] - errors["log"]):
-        return fitted["log"]
+                   **{f"value_transform_{other}_score": round(float(errors[other].mean()), 6)})
+    if force or beats_by_one_se(errors["identity"] - errors[other]):
+        return fitted[other]
     inner.set_value_transform("identity")
     return None
 
@@ -176,8 +202,9 @@ def validation_errors(inner, rows: WarmStartRows) -> Tensor:
     dtype = act.b_reg.dtype
     X = rows.X_val.to(device=act.b_reg.device, dtype=dtype)
     R = rows.R_val.to(device=act.b_reg.device, dtype=dtype)
-    loc, _ = act.regression(X, torch.zeros_like(X), R)
-    value = act.value_map.to_value(loc.double().cpu())
+    log = rows.log_val if act.value_map.series else None
+    loc, _ = act.regression(X, torch.zeros_like(X), R, None if log is None else log.to(X.device))
+    value = act.value_map.rows(log).to_value(loc.double().cpu())
     cfg = inner.causal_config
     if rows.R_val.shape[-1]:
         naive = row_location_scale(rows.R_val, "last", cfg.value_loc, cfg.value_scale, keep=act.recent_values)[2]

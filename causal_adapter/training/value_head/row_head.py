@@ -89,21 +89,24 @@ class RowRows:
     x: Tensor | None
 
 
-def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None) -> RowRows:
+def row_rows(R: Tensor, y: Tensor, rule: str, act, clamp: Tensor | None = None, log: Tensor | None = None
+             ) -> RowRows:
     """The rows R [n, K] (raw recent values, NaN = none), y [n] (on the head's scale: the value, or log y) in
     per-row units by `rule`, through the head's transform (`row_transform.row_frame`; the fallback units are `act`'s): r clamped to `clamp` [2, K] and the
-    correction's inputs x when a clamp is given, as the head reads them (`ActionHead.units`)."""
-    frame = row_frame(R, rule, act.head_loc, act.head_scale, act.value_map.log, keep=act.recent_values)
+    correction's inputs x when a clamp is given, as the head reads them (`ActionHead.units`; `log` [n]: a "series"
+    head's rows on log y)."""
+    frame = row_frame(R, rule, *act.fallback_units(log, R), act.log_space(log), keep=act.recent_values)
     ratio = frame.width(1.0) / frame.scale
     if clamp is None:
         return RowRows(frame, frame.standardize(y), ratio, frame.r, None)
     return RowRows(frame, frame.standardize(y), ratio, frame.clamped(clamp), frame.inputs(clamp))
 
 
-def row_residuals(row: RowHeadFit, R: Tensor, y: Tensor, act, X: Tensor | None = None) -> tuple[RowRows, Tensor]:
+def row_residuals(row: RowHeadFit, R: Tensor, y: Tensor, act, X: Tensor | None = None, log: Tensor | None = None
+                  ) -> tuple[RowRows, Tensor]:
     """(`row_rows` of R [n, K], y [n] with r clamped as `row`'s head reads it; their residuals [n] in row units
     under `row`'s linear head (on loc_U too, X [n, C], when it reads it) plus its correction when it has one)."""
-    rows = row_rows(R, y, row.rule, act, row.clamp())
+    rows = row_rows(R, y, row.rule, act, row.clamp(), log)
     u = rows.t - (rows.r @ row.linear.w + row.linear.b)
     if row.w_loc is not None:
         u = u - X @ row.w_loc
@@ -114,15 +117,15 @@ def row_residuals(row: RowHeadFit, R: Tensor, y: Tensor, act, X: Tensor | None =
 
 def fit_row_head(R: Tensor, y: Tensor, R_val: Tensor | None, y_val: Tensor | None, rule: str, act, *,
                  loss: str, losses: Sequence[str], max_shift: float, X: Tensor | None = None,
-                 X_val: Tensor | None = None) -> RowHeadFit:
+                 X_val: Tensor | None = None, log: Tensor | None = None, log_val: Tensor | None = None) -> RowHeadFit:
     """The value head in per-row units (`rule`): targets (y - m_row) / s_row on the row's own same-kind numbers in
     those units (how many: `choice.choose_recent_count`), and on the centred loc_U X [n, C] (X_val) when given and
     it wins (`choose_row_inputs`: what the row's words say reaches the value). R [n, K] raw recent values (NaN =
     none), y [n] targets (on the head's scale); validation rows R_val, y_val (None: leave-one-out); the fallback
-    units are `act`'s."""
-    train = row_rows(R, y, rule, act)
+    units are `act`'s; log, log_val [n]: a "series" head's rows on log y."""
+    train = row_rows(R, y, rule, act, log=log)
     has_val = R_val is not None and y_val is not None and len(y_val) > 0
-    val = row_rows(R_val, y_val, rule, act) if has_val else None
+    val = row_rows(R_val, y_val, rule, act, log=log_val) if has_val else None
     k = act.recent_values  # R holds the head's whole window (`ActionHead.recent_window`); r its K own values
 
     def fit_count(count: int) -> Scored:
@@ -191,21 +194,22 @@ def choose_width_power(u: Tensor, ratio: Tensor) -> float:
     return best
 
 
-def scale_free_errors(errors: Tensor, R: Tensor, act) -> Tensor:
+def scale_free_errors(errors: Tensor, R: Tensor, act, log: Tensor | None = None) -> Tensor:
     """Absolute errors [n] (on the head's scale) divided by each row's own one-step naive error there (rule 'last';
     the head's value_scale for a row without): what the choice of units compares, so that a series of 0.07 counts as much as
     one of 9,000."""
-    return errors / row_location_scale(R, "last", act.head_loc, act.head_scale, act.value_map.log,
+    return errors / row_location_scale(R, "last", *act.fallback_units(log, R), act.log_space(log),
                                        act.recent_values)[2]
 
 
 def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor, R_val: Tensor | None,
                      y_val: Tensor | None, act, rules: Sequence[str], force: bool, *, loss: str,
                      losses: Sequence[str], max_shift: float, X: Tensor | None = None,
-                     X_val: Tensor | None = None) -> RowHeadFit | None:
+                     X_val: Tensor | None = None, log: Tensor | None = None, log_val: Tensor | None = None
+                     ) -> RowHeadFit | None:
     """The per-row units' fit (`fit_row_head`) against the adapter's units' `fit` (w [C + K], b on F = loc_U and
     the recent values, standardised), on scale-free held-out errors; None to keep the adapter's units. `force`: the
-    first rule's fit, unconditionally. The best rule is kept when it `beats_by_one_se` the adapter's units, on the
+    best rule's fit, unconditionally (the first of one). The best rule is kept when it `beats_by_one_se` the adapter's units, on the
     value and on log y alike. (Keeping the per-row units on log y unless the adapter's beat them, for their
     scale-equivariance, was tried: on a table's rows, where no row has units of its own, the tie went to a per-row
     head that was the adapter's units without their loc_U-read width, and the salaries' 90% coverage fell from
@@ -213,28 +217,29 @@ def choose_row_units(fit: LinearFit, F_val: Tensor | None, R: Tensor, y: Tensor,
     if not rules:
         return None
     has_val = y_val is not None and F_val is not None and len(y_val) > 0
-    R_ref = R_val if has_val else R
+    R_ref, log_ref = (R_val, log_val) if has_val else (R, log)
     if has_val:
         adapter_errors = (y_val - act.from_standard(F_val @ fit.w + fit.b)).abs()
     else:
         adapter_errors = fit.loo.abs() * act.head_scale
-    ref = scale_free_errors(adapter_errors, R_ref, act)
+    ref = scale_free_errors(adapter_errors, R_ref, act, log_ref)
     scored = []
     for rule in rules:
         row = fit_row_head(R, y, R_val if has_val else None, y_val if has_val else None, rule, act, loss=loss,
-                           losses=losses, max_shift=max_shift, X=X, X_val=X_val if has_val else None)
-        errs = scale_free_errors(row.errors, R_ref, act)
+                           losses=losses, max_shift=max_shift, X=X, X_val=X_val if has_val else None, log=log,
+                           log_val=log_val if has_val else None)
+        errs = scale_free_errors(row.errors, R_ref, act, log_ref)
         row = dataclasses.replace(row, units_score=round(float(errs.mean()), 6),
                                   adapter_score=round(float(ref.mean()), 6))
-        if force:
-            return row
         scored.append((row, errs))
+    if force:
+        return min(scored, key=lambda pair: float(pair[1].mean()))[0]
     winners = [(row, errs) for row, errs in scored if beats_by_one_se(ref - errs)]
     return min(winners, key=lambda pair: float(pair[1].mean()))[0] if winners else None
 
 
-def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, act, X_val: Tensor | None = None
-                  ) -> RowHeadFit:
+def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, act, X_val: Tensor | None = None,
+                  log_val: Tensor | None = None) -> RowHeadFit:
     """`row` (after `correction.add_correction`) with the per-row log-width: `linear.fit_log_scale` of the
     validation rows' residuals in row units over (c / s)^a on the correction's inputs x (the window in row units and
     its shape, `row_net.net_inputs`). Validation rows, not training ones: the correction's training residuals are
@@ -246,7 +251,7 @@ def add_row_scale(row: RowHeadFit, R_val: Tensor | None, y_val: Tensor | None, a
     row = dataclasses.replace(row, scale=None, scale_tried=True)
     if not act.row_scale or R_val is None or y_val is None or len(y_val) < MIN_VALIDATION_ROWS:
         return row
-    val, u = row_residuals(row, R_val, y_val, act, X_val)
+    val, u = row_residuals(row, R_val, y_val, act, X_val, log_val)
     u = u / val.ratio ** row.width_power
     fitting = torch.arange(len(u)) % 2 == 0
     x, x_held, u_fit, u_held = val.x[fitting], val.x[~fitting], u[fitting], u[~fitting]

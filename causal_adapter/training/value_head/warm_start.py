@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ...config import BF16_MAX_SHIFT
+from ...modeling.series import series_log_rows
 from ...numbers import format_number
 from ...records import value_targets
 from ...saving.fsdp import whole_root_parameters
@@ -86,8 +87,16 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
     """(loc_U [n, C] float64, targets [n] float64, the recent values the head reads there [n, K] float64, raw,
     NaN = none; K = 0 without) at the positions that predict a <NUM> label. `model`: the CausalModel or the
     module whose forward runs it (an FSDP1 root unit)."""
-    num_token_id = unwrap_causal_model(model).num_token_id
-    feats, targets, recents, n = [], [], [], 0
+    return label_rows(model, batches, device, max_rows)[:3]
+
+
+def label_rows(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`num_label_features`, and [n] bool: the rows of a positive series of the adapter's `value_series` (those a
+    "series" head tells on log y: `modeling.series.series_log_rows`)."""
+    inner = unwrap_causal_model(model)
+    num_token_id, table = inner.num_token_id, inner.causal_config.value_series
+    feats, targets, recents, logs, n = [], [], [], [], 0
     was_training = model.training
     model.eval()
     try:
@@ -103,6 +112,8 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
                     recents.append(out.recent[:, :-1][at].double().cpu())
                 values = batch["label_values"] if "label_values" in batch else batch["numeric_values"]
                 targets.append(values.to(device)[:, 1:][pos].double().cpu())
+                logs.append(series_log_rows(batch["input_ids"], batch["numeric_values"], num_token_id, table,
+                                            batch["attention_mask"])[:, 1:][pos.cpu()])
                 n += int(pos.sum())
                 if n >= max_rows:
                     break
@@ -110,10 +121,10 @@ def num_label_features(model, batches: Iterable[Mapping[str, Tensor]], device, m
         model.train(was_training)
     if not feats:
         empty = torch.zeros(0, 0, dtype=torch.float64)
-        return empty, torch.zeros(0, dtype=torch.float64), empty
+        return empty, torch.zeros(0, dtype=torch.float64), empty, torch.zeros(0, dtype=torch.bool)
     X = torch.cat(feats)[:max_rows]
     R = torch.cat(recents)[:max_rows] if recents else torch.zeros(X.shape[0], 0, dtype=torch.float64)
-    return X, torch.cat(targets)[:max_rows], R
+    return X, torch.cat(targets)[:max_rows], R, torch.cat(logs)[:max_rows]
 
 
 def fit_depth(X: Tensor, rank: int, rel_eps: float = 1e-3) -> DepthStats:
@@ -218,13 +229,16 @@ def choose_head_inputs(F: Tensor, t: Tensor, F_val: Tensor | None, t_val: Tensor
 class WarmStartRows:
     """The rows the head is fitted on, at the positions that predict a <NUM> target: loc_U centred X [n, C], the
     targets y [n] (values), the recent values R [n, K] (raw, NaN = none); the same of the validation rows (None
-    without them). `gather_rows`."""
+    without them); log [n], log_val [n_val] bool: the rows of a positive series (`label_rows`; None: none), those
+    a "series" head tells on log y. `gather_rows`."""
     X: Tensor
     y: Tensor
     R: Tensor
     X_val: Tensor | None = None
     y_val: Tensor | None = None
     R_val: Tensor | None = None
+    log: Tensor | None = None
+    log_val: Tensor | None = None
 
 
 def gather_rows(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
@@ -232,15 +246,15 @@ def gather_rows(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows
     """The model's own features at its <NUM> targets (`num_label_features`), loc_U centred there first
     (`center_abduction`: the model is changed, its token scores are not); None with fewer than 2 targets. `model`:
     as for `num_label_features`."""
-    X, y, R = num_label_features(model, batches, device, max_rows)
+    X, y, R, log = label_rows(model, batches, device, max_rows)
     if X.shape[0] < 2:
         return None
-    X_val = y_val = R_val = None
+    X_val = y_val = R_val = log_val = None
     if val_batches is not None:
-        X_val, y_val, R_val = num_label_features(model, val_batches, device, max_rows)
+        X_val, y_val, R_val, log_val = label_rows(model, val_batches, device, max_rows)
     with whole_root_parameters(model):  # FSDP1: W_cls whole
         mean = center_abduction(unwrap_causal_model(model), X.mean(0))
-    return WarmStartRows(X - mean, y, R, None if X_val is None else X_val - mean, y_val, R_val)
+    return WarmStartRows(X - mean, y, R, None if X_val is None else X_val - mean, y_val, R_val, log, log_val)
 
 
 def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max_rows: int = 8192,
@@ -274,14 +288,19 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     the log."""
     act = inner.action
     vm = act.value_map
-    X, R, y = rows.X, rows.R, vm.to_head(rows.y)
+    # a "series" head: each row on its series' scale (log y for a positive series), always in per-row units
+    log = rows.log if vm.series else None
+    X, R, y = rows.X, rows.R, vm.rows(log).to_head(rows.y)
     t = (y - act.head_loc) / act.head_scale
-    X_val = t_val = R_val = y_val = None
+    X_val = t_val = R_val = y_val = log_val = None
     if rows.X_val is not None:
-        y_val = vm.to_head(rows.y_val)
+        log_val = rows.log_val if vm.series else None
+        y_val = vm.rows(log_val).to_head(rows.y_val)
         keep = torch.isfinite(y_val)
         X_val, R_val, y_val = rows.X_val[keep], rows.R_val[keep], y_val[keep]
+        log_val = None if log_val is None else log_val[keep]
         t_val = (y_val - act.head_loc) / act.head_scale
+    force_row_units = force_row_units or vm.series
     # the head's inputs: loc_U, then the recent values (standardised, exact: not rounded by the bf16 bound)
     C, k = X.shape[1], act.recent_values if R.shape[1] else 0  # R: the head's window, W >= K numbers
     F = torch.cat([X, act.standardized_recent(R)], 1)
@@ -301,10 +320,12 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
         summary["w_recent_norm"] = float(fit.w[C:].norm())
     has_val = X_val is not None
     row = choose_row_units(fit, F_val, R, y, R_val, y_val if has_val else None, act, row_rules, force_row_units,
-                           loss=loss, losses=losses, max_shift=max_shift, X=X, X_val=X_val) if k else None
+                           loss=loss, losses=losses, max_shift=max_shift, X=X, X_val=X_val, log=log,
+                           log_val=log_val) if k else None
     if row is not None and row_correction:
-        row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed, X, X_val)
-        row = add_row_scale(row, R_val, y_val if has_val else None, act, X_val)
+        row = add_correction(row, R, y, R_val, y_val if has_val else None, act, inner.causal_config.seed, X, X_val,
+                             log, log_val)
+        row = add_row_scale(row, R_val, y_val if has_val else None, act, X_val, log_val)
     elif row is None and k and row_correction and row_rules and not force_row_units:
         # no log-width in the adapter's units: its inputs' shape statistics (the row's step over the target's
         # unit) are near-constant columns there, and a log-linear fit on them extrapolates to inf
