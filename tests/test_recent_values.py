@@ -145,7 +145,7 @@ def test_width_ignores_loc_U_distance_when_the_head_reads_no_loc_U():
         summary = ridge_warm_start(model, batches(train_ds), "cpu", val_batches=batches(val_ds))
         act = model.action
         far = act.depth_mean + 50 * act.depth_basis[0]  # far out along the features' main direction
-        assert summary["inputs"] == inputs and (float(act.depth_factor(far)) > 2) == widens, summary
+        assert summary.inputs == inputs and (float(act.depth_factor(far)) > 2) == widens, summary
 
 
 def test_adapters_written_before_the_field_load_without_it():

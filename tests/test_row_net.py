@@ -156,15 +156,15 @@ def test_the_training_fit_keeps_the_correction_with_its_width_and_the_forward_re
     """The correction kept, the width's exponent the adapter stores is the one chosen with it, and the model's
     forward gives the values the fit measured."""
     model, val, (R_val, y_val), summary = warm_started
-    assert summary["row_net"] == "kept", summary
+    assert summary.row.row_net == "kept", summary
     assert model.causal_config.value_row_units == "last"
-    assert model.causal_config.value_width_power == summary["width_power"]
-    assert model.action.row_width_power == summary["width_power"]
+    assert model.causal_config.value_width_power == summary.row.width_power
+    assert model.action.row_width_power == summary.row.width_power
     with torch.no_grad():
         loc_Y = torch.cat([model(b["input_ids"], b["numeric_values"], b["attention_mask"]).loc_Y[:, -2] for b in val])
     _, _, s, _ = row_location_scale(R_val, "last", 0.0, 1.0)
     mae = float(((y_val - loc_Y.double()) / s)[1::2].abs().mean())  # the rows that judged the correction
-    assert mae == pytest.approx(summary["row_net_mae"], rel=1e-3), (mae, summary)
+    assert mae == pytest.approx(summary.row.row_net_mae, rel=1e-3), (mae, summary)
 
 
 def test_the_correction_under_a_bf16_autocast_computes_in_full_precision(warm_started):
@@ -217,7 +217,7 @@ def test_in_the_adapters_units_the_correction_is_kept_only_where_the_target_is_c
     model = small_model(recent_values=K, value_row_net=3, value_row_net_hidden=16, value_row_scale=True)
     model.set_value_units(float(rows.y.mean()), float(rows.y.std()))
     summary = fit_head(model, rows, loss="squared", max_shift=math.inf, losses=LOSSES, row_rules=("last", "median"))
-    assert summary["units"] == ("fixed" if curved else "adapter"), summary
+    assert summary.units == ("fixed" if curved else "adapter"), summary
     with torch.no_grad():
         loc_Y, _ = model.action.double().regression(rows.X_val, torch.zeros_like(rows.X_val), rows.R_val)
     mae = float((rows.y_val - loc_Y).abs().mean())
@@ -227,6 +227,6 @@ def test_in_the_adapters_units_the_correction_is_kept_only_where_the_target_is_c
     A_val = torch.cat([rows.R_val[:, :3], torch.ones(len(rows.y_val), 1, dtype=torch.float64)], 1)
     plane = float((rows.y_val - A_val @ coef).abs().mean())
     if curved:  # the forward gives what the fit kept, well below the best hyperplane's error
-        assert summary["row_net"] == "kept" and mae < 0.75 * plane, (mae, plane, summary)
+        assert summary.row.row_net == "kept" and mae < 0.75 * plane, (mae, plane, summary)
     else:
         assert mae < 1.05 * plane, (mae, plane)

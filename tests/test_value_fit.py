@@ -167,3 +167,19 @@ def test_generated_values_are_rounded_to_the_data_precision():
     assert n["value"] == pytest.approx(round(n["exact"], 1), abs=1e-5)  # float32 values
     assert n["text"] == f"{round(n['exact'], 1):g}" and abs(n["value"] - n["exact"]) > 1e-3
     assert float(out.new_values[0, 0]) == n["value"]  # the rounded value is what is fed back
+
+
+def test_a_fit_summary_prints_its_fields_flat_in_order_leaving_out_what_the_fit_did_not_reach():
+    """`LogSummary.as_dict`, the "value head:" log line: fields in order, a nested summary flattened in its place,
+    None left out unless the field keeps it (a per-row head's unmeasured score still prints)."""
+    from causal_adapter.training.value_head.warm_start import HeadFitSummary, RowUnitsSummary
+
+    head = HeadFitSummary(rows=10, inputs="loc_U", loss="squared", ridge_lambda=0.1, chosen_on="leave-one-out",
+                          w_norm=1.0, bf16_shift=0.0, loo_mae=2.0, finite=True)
+    assert list(head.as_dict())[-2:] == ["finite", "units"] and head["units"] == "adapter"
+    head.row = RowUnitsSummary(units_score=None, adapter_units_score=0.5, width_power=1.0, row_scale="kept")
+    head.depth = "off"
+    assert list(head.items())[-6:] == [("units", "adapter"), ("units_score", None), ("adapter_units_score", 0.5),
+                                       ("width_power", 1.0), ("row_scale", "kept"), ("depth", "off")]
+    with pytest.raises(KeyError):
+        head["row_net"]

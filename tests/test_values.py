@@ -172,7 +172,10 @@ def test_auto_considers_tukey_only_for_a_head_no_training_follows():
         model.abduction.loc.requires_grad_(not frozen)
         summary = fit_before_training(model, TrainConfig(output_dir="unused"), ds, NumericCollator(0),
                                       torch.device("cpu"), eval_ds=val)
-        losses[frozen] = summary["loss"]
+        losses[frozen] = summary.head.loss
+        line = list(summary.as_dict())  # the "value head:" log line's keys, in their order (benchmarks parse them)
+        assert line[:5] == ["value_loc", "value_scale", "value_decimals", "value_positive", "series"], line
+        assert line[-1] == "value_transform" and summary["loss"] == summary.head.loss, line
     assert losses == {False: "cauchy", True: "tukey"}, losses
 
 
@@ -244,7 +247,7 @@ def test_bf16_bound_and_centring_keep_scores():
         rounded, _ = model.action.regression(loc_U.bfloat16().float(), loc_U)
         exact, _ = model.action.regression(loc_U, loc_U)
     assert float((rounded - exact).abs().max()) < 0.01 * 25.0, summary
-    assert summary["bf16_shift"] <= 0.005 * 25.0 + 1e-9
+    assert summary.bf16_shift <= 0.005 * 25.0 + 1e-9
     # the same fit without the bound is ill-conditioned on these features: the bound is what holds it
     X = loc_U.double()
     loose = fit_linear_head(X - X.mean(0), torch.tensor(val_ds["target"], dtype=torch.float64) / 25.0,

@@ -9,6 +9,7 @@
     row_head      the head in per-row units: its fit, the choice of units, its log-width, loading into the head
     correction    the per-row head's nonlinear correction (small MLPs on the row's numbers) and its fit
     calibration   the width after training: the per-row part's exponent, the scale, the split-conformal map
+    summary       the base of the fits' typed summaries, which still print one flat key=value log line
 
 The head itself is `modeling.heads.ActionHead`; the per-row transform both it and the fit call is
 `modeling.row_transform.row_frame`. docs/values.md has the figures behind each default.

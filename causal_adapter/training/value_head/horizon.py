@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -31,6 +31,7 @@ from ...numbers import pad_batch
 from ...records import record_values
 from ...saving.unwrap import unwrap_causal_model
 from .calibration import written_resolution
+from .summary import LogSummary
 
 #: validation rows whose paths are run (evenly spaced over the rows with two values or more)
 MAX_ROWS = 256
@@ -150,7 +151,7 @@ def sharded(inner) -> bool:
 
 
 @dataclass
-class HorizonCalibrationSummary:
+class HorizonCalibrationSummary(LogSummary):
     """What `fit_horizon_calibration` kept and measured. rows: the validation rows run; steps: the horizon's steps
     (the one-step map's and each calibrated step's); individual: the way of drawing u kept
     (`modeling.horizon.INDIVIDUALS`); scores: each way's held-out interval score, summed over the steps;
@@ -170,12 +171,6 @@ class HorizonCalibrationSummary:
             for level, cov in by_level.items():
                 out[f"horizon_raw_cov{level}_{k}"] = cov
         return out
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        return iter(self.as_dict().items())
-
-    def __getitem__(self, key: str) -> Any:
-        return self.as_dict()[key]
 
 
 def fit_horizon_calibration(model, eval_ds, verbose: bool = False, paths: int = CALIBRATION_PATHS,

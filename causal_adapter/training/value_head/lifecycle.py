@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +30,8 @@ from .horizon import fit_horizon_calibration
 from .choice import beats_by_one_se
 from .linear import LOSSES, WARM_START_LOSSES
 from .series import series_table
-from .warm_start import WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
+from .summary import LogSummary
+from .warm_start import HeadFitSummary, WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
 
 
 def features_trained(inner) -> bool:
@@ -38,9 +40,40 @@ def features_trained(inner) -> bool:
                if n.startswith(("backbone.", "abduction.loc.", "numeric_embedding.")))
 
 
+@dataclass
+class ValueUnitsSummary(LogSummary):
+    """`BeforeTrainingSummary.units`: the value units a fresh run fitted (value_loc, value_scale, value_decimals),
+    whether every training target is > 0, the series recorded and, per support of `config.SERIES_SUPPORTS`, how
+    many have it (printed as series_<support>)."""
+    value_loc: float
+    value_scale: float
+    value_decimals: int | None
+    value_positive: bool
+    series: int
+    series_support: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "series_support"}
+        return {**out, **{f"series_{k}": n for k, n in self.series_support.items()}}
+
+
+@dataclass
+class BeforeTrainingSummary(LogSummary):
+    """What `fit_before_training` did, for the log (`as_dict`: the "value head:" line). units: the fresh run's
+    value units (None: the adapter had them); value_transform_identity_score / _log_score / _series_score: 'auto''s
+    scores of the scales it compared (`choose_transform`; None: not compared); head: the warm start's fit (None: no ridge warm start);
+    value_transform: the scale the head was fitted on (None: no head fitted). All None: nothing was fitted."""
+    units: ValueUnitsSummary | None = None
+    value_transform_identity_score: float | None = None
+    value_transform_log_score: float | None = None
+    value_transform_series_score: float | None = None
+    head: HeadFitSummary | None = None
+    value_transform: str | None = None
+
+
 def fit_before_training(model, config: TrainConfig, train_ds, collator, device, verbose: bool = False,
                         max_rows: int = 8192, eval_ds=None, final: bool | None = None,
-                        decode: Callable[[list[int]], str] | None = None) -> dict:
+                        decode: Callable[[list[int]], str] | None = None) -> BeforeTrainingSummary:
     """Before step 1 of a fresh run: fit the value units (and decimals) on the training targets when the adapter
     has none, then, with ``regression_init='ridge'``, the warm start of the regression head
     (`warm_start.ridge_warm_start`). Every process computes the same from the same rows. `model`: the
@@ -48,9 +81,10 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
     this head (default: when nothing moves the features), so `value_loss='auto'` chooses among all of `LOSSES`
     and the per-row head its nonlinear correction; else among `WARM_START_LOSSES`, without the correction.
     A fresh run also records the series of the training and validation files with their supports
-    (`series.series_table`; `decode`: the tokenizer's, to name them). Returns the summary the log prints."""
+    (`series.series_table`; `decode`: the tokenizer's, to name them). Returns the summary the log prints
+    (`BeforeTrainingSummary`)."""
     inner = unwrap_causal_model(model)
-    summary: dict = {}
+    summary = BeforeTrainingSummary()
     num_id = inner.num_token_id
     rows, masks = spread_rows(train_ds, num_id, max_rows)
     value_column = "label_values" if "label_values" in rows.column_names else "numeric_values"  # as forward
@@ -65,9 +99,10 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         inner.set_value_transform("identity", positive=positive, value_range=(min(values), max(values)))
         table = series_table([train_ds, eval_ds], num_id, decode)
         inner.causal_config.value_series = table
-        summary.update(value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals,
-                       value_positive=positive, series=len(table),
-                       **{f"series_{k}": sum(e["support"] == k for e in table.values()) for k in SERIES_SUPPORTS})
+        summary.units = ValueUnitsSummary(
+            value_loc=loc, value_scale=scale, value_decimals=inner.causal_config.value_decimals,
+            value_positive=positive, series=len(table),
+            series_support={k: sum(e["support"] == k for e in table.values()) for k in SERIES_SUPPORTS})
         if config.value_transform == "log":
             _set_log_units(inner, values)
         elif config.value_transform == "series" and config.row_units == "off":
@@ -86,7 +121,7 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
         gathered = gather_rows(model, batches(rows), device, max_rows, val_batches=val)
         if gathered is not None:
 
-            def fit() -> dict:
+            def fit() -> HeadFitSummary:
                 return fit_head(inner, gathered, loss=config.value_loss, max_shift=head_shift_bound(inner, config),
                                 losses=LOSSES if final else WARM_START_LOSSES, row_correction=final,
                                 **row_unit_choice(config.row_units))
@@ -102,11 +137,12 @@ def fit_before_training(model, config: TrainConfig, train_ds, collator, device, 
                 fit_summary = choose_transform(inner, gathered, values, fit, summary, "series",
                                                force=config.value_transform == "series")
             fit_summary = fit_summary or fit()
-            record_fit_precision(inner, fit_summary["bf16_shift"])
-            summary.update(fit_summary, value_transform=inner.causal_config.value_transform)
-    if verbose and summary:
+            record_fit_precision(inner, fit_summary.bf16_shift)
+            summary.head, summary.value_transform = fit_summary, inner.causal_config.value_transform
+    line = summary.as_dict()
+    if verbose and line:
         print("value head: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in summary.items()), file=sys.stderr)
+                                         for k, v in line.items()), file=sys.stderr)
     return summary
 
 
@@ -162,8 +198,9 @@ def _set_series_units(inner, rows: WarmStartRows) -> None:
     inner.set_value_transform("series", fit_value_units(rows.y[rows.log].log().tolist()))
 
 
-def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], dict], summary: dict,
-                     other: str = "log", force: bool = False) -> dict | None:
+def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], HeadFitSummary],
+                     summary: BeforeTrainingSummary, other: str = "log", force: bool = False
+                     ) -> HeadFitSummary | None:
     """`value_transform='auto'` where `log_allowed` (`other` "log") or `series_allowed` ("series"): the head fitted
     on the value and under `other` (`fit`), each scored on the validation rows by its errors in value units divided
     by each row's own one-step naive error (scale-free, `validation_errors`); `other` is kept when it
@@ -186,8 +223,8 @@ def choose_transform(inner, rows: WarmStartRows, values, fit: Callable[[], dict]
             inner.set_value_transform("identity")
         fitted[transform] = fit()
         errors[transform] = validation_errors(inner, rows)
-    summary.update(value_transform_identity_score=round(float(errors["identity"].mean()), 6),
-                   **{f"value_transform_{other}_score": round(float(errors[other].mean()), 6)})
+    summary.value_transform_identity_score = round(float(errors["identity"].mean()), 6)
+    setattr(summary, f"value_transform_{other}_score", round(float(errors[other].mean()), 6))
     if force or beats_by_one_se(errors["identity"] - errors[other]):
         return fitted[other]
     inner.set_value_transform("identity")

@@ -36,6 +36,7 @@ from .choice import Scored, choose_recent_count, one_standard_error_choice, scor
 from .correction import add_correction, fixed_units_correction
 from .linear import LOSSES, fit_linear_head, fit_log_scale, penalty_score, recent_range
 from .row_head import add_row_scale, choose_row_units, set_row_head
+from .summary import LogSummary
 
 #: loss of the value head's fit: 'auto' = least squares unless a robust one of LOSSES wins on validation, per fit
 #: (docs/values.md); 'cauchy', 'huber', 'tukey' or 'squared' fix it
@@ -50,6 +51,48 @@ class DepthStats:
     weight: Tensor
     resid: Tensor
     ref: Tensor
+
+
+@dataclass
+class RowUnitsSummary(LogSummary):
+    """`HeadFitSummary.row`: the per-row units' head (`row_head.RowHeadFit`). units_score / adapter_units_score: the
+    held-out scale-free errors of these units and of the adapter's (None: not measured, still printed);
+    width_power: a of the width; row_net ('kept' / 'not kept'), row_net_mae, row_linear_mae: the nonlinear
+    correction's validation MAE against the linear head's, in row units (None: not tried); row_scale: the log-width
+    ('kept' / 'not kept'; None: not tried)."""
+    kept_none = ("units_score", "adapter_units_score")
+    units_score: float | None
+    adapter_units_score: float | None
+    width_power: float
+    row_net: str | None = None
+    row_net_mae: float | None = None
+    row_linear_mae: float | None = None
+    row_scale: str | None = None
+
+
+@dataclass
+class HeadFitSummary(LogSummary):
+    """What `fit_head` fitted, for the log (`as_dict`: the "value head:" line's keys). rows: training rows;
+    inputs: what the head reads; loss, ridge_lambda, chosen_on: the linear fit's loss, penalty and what chose it;
+    w_norm, bf16_shift (value units), loo_mae (head units x head_scale), finite: of the first linear fit;
+    w_recent_norm: the weights on the recent values (None: the head reads none); units: the per-row rule, or
+    'adapter'; row: the per-row head (None in the adapter's units); scale_lambda, scale_w_norm, depth: the
+    adapter-units log-width and the out-of-depth statistics (None: no per-row scale)."""
+    rows: int
+    inputs: str
+    loss: str
+    ridge_lambda: float
+    chosen_on: str
+    w_norm: float
+    bf16_shift: float
+    loo_mae: float
+    finite: bool
+    w_recent_norm: float | None = None
+    units: str = "adapter"
+    row: RowUnitsSummary | None = None
+    scale_lambda: float | None = None
+    scale_w_norm: float | None = None
+    depth: str | None = None
 
 
 def fit_value_units(values: Sequence[float], floor: float = 1e-6) -> tuple[float, float]:
@@ -261,7 +304,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
                      val_batches: Iterable[Mapping[str, Tensor]] | None = None, loss: str = ROBUST_LOSS,
                      max_shift: float = BF16_MAX_SHIFT, losses: Sequence[str] = LOSSES,
                      row_rules: Sequence[str] = (), force_row_units: bool = False, row_correction: bool = True
-                     ) -> dict | None:
+                     ) -> HeadFitSummary | None:
     """`gather_rows`, then `fit_head` on them (its arguments). Returns a summary for the log, or None with fewer
     than 2 targets."""
     rows = gather_rows(model, batches, device, max_rows, val_batches)
@@ -273,7 +316,7 @@ def ridge_warm_start(model, batches: Iterable[Mapping[str, Tensor]], device, max
 
 def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: float = BF16_MAX_SHIFT,
              losses: Sequence[str] = LOSSES, row_rules: Sequence[str] = (), force_row_units: bool = False,
-             row_correction: bool = True) -> dict:
+             row_correction: bool = True) -> HeadFitSummary:
     """Set the regression head from a robust ridge fit (`linear.fit_linear_head`) on `rows`, on the head's scale
     (`ActionHead.value_map`: the value, or log y) in its standardised units: w_reg, w_recent, b_reg; |b_noise_Y|
     (the median |LOO residual|, a Cauchy's scale) when the scale is independent; with a per-row scale also
@@ -285,7 +328,7 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     (`correction.add_correction`), then the log-width (`row_head.add_row_scale`); where no rule won, the same form
     in the adapter's units when its correction wins (`correction.fixed_units_correction`, rule "fixed"). A
     validation row whose value has no place on the head's scale (<= 0 for log) is left out. Returns a summary for
-    the log."""
+    the log (`HeadFitSummary`)."""
     act = inner.action
     vm = act.value_map
     # a "series" head: each row on its series' scale (log y for a positive series), always in per-row units
@@ -310,14 +353,13 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     fit = fit_linear_head(F[:, keep], t, None if F_val is None else F_val[:, keep], t_val, loss=loss,
                           max_shift=max_shift, losses=losses, exact_columns=int(keep[C:].sum()),
                           exact_gain=inputs.gain).padded(keep)
-    summary = {"rows": int(X.shape[0]), "inputs": inputs.name, "loss": fit.loss, "ridge_lambda": fit.lam,
-               "chosen_on": fit.chosen_on,
-               "w_norm": float(fit.w.norm()), "bf16_shift": fit.shift * act.head_scale,
-               "loo_mae": float(fit.loo.abs().mean()) * act.head_scale,
-               "finite": bool(math.isfinite(float(fit.w.abs().sum())))}
+    summary = HeadFitSummary(rows=int(X.shape[0]), inputs=inputs.name, loss=fit.loss, ridge_lambda=fit.lam,
+                             chosen_on=fit.chosen_on, w_norm=float(fit.w.norm()), bf16_shift=fit.shift * act.head_scale,
+                             loo_mae=float(fit.loo.abs().mean()) * act.head_scale,
+                             finite=bool(math.isfinite(float(fit.w.abs().sum()))))
     scale = max(float(fit.loo.abs().median()), 1e-3)
     if k:
-        summary["w_recent_norm"] = float(fit.w[C:].norm())
+        summary.w_recent_norm = float(fit.w[C:].norm())
     has_val = X_val is not None
     row = choose_row_units(fit, F_val, R, y, R_val, y_val if has_val else None, act, row_rules, force_row_units,
                            loss=loss, losses=losses, max_shift=max_shift, X=X, X_val=X_val, log=log,
@@ -336,17 +378,17 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
     if row is not None:
         set_row_head(act, row)
         reads = "loc_U+" if row.w_loc is not None else ""
-        summary.update(units=row.rule, inputs=f"{reads}recent[:{row.recent_count}] in row units", loss=row.linear.loss,
-                       ridge_lambda=row.linear.lam, bf16_shift=0.0, w_recent_norm=float(row.linear.w.norm()),
-                       units_score=row.units_score, adapter_units_score=row.adapter_score,
-                       width_power=row.width_power)
+        summary.units, summary.inputs = row.rule, f"{reads}recent[:{row.recent_count}] in row units"
+        summary.loss, summary.ridge_lambda, summary.bf16_shift = row.linear.loss, row.linear.lam, 0.0
+        summary.w_recent_norm = float(row.linear.w.norm())
+        summary.row = RowUnitsSummary(units_score=row.units_score, adapter_units_score=row.adapter_score,
+                                      width_power=row.width_power)
         if row.net_mae is not None:  # the correction was tried: validation MAEs in row units
-            summary.update(row_net="kept" if row.net is not None else "not kept", row_net_mae=row.net_mae,
-                           row_linear_mae=row.linear_mae)
+            summary.row.row_net = "kept" if row.net is not None else "not kept"
+            summary.row.row_net_mae, summary.row.row_linear_mae = row.net_mae, row.linear_mae
         if row.scale_tried:
-            summary.update(row_scale="kept" if row.scale is not None else "not kept")
+            summary.row.row_scale = "kept" if row.scale is not None else "not kept"
         return summary
-    summary["units"] = "adapter"
     with torch.no_grad():
         act.w_reg.copy_(fit.w[:C].to(act.w_reg.dtype))
         act.b_reg.fill_(fit.b)
@@ -366,8 +408,8 @@ def fit_head(inner, rows: WarmStartRows, *, loss: str = ROBUST_LOSS, max_shift: 
                 depth = DepthStats(depth.mean, depth.basis, torch.zeros_like(depth.weight),
                                    torch.zeros_like(depth.resid), depth.ref)
             act.set_depth(depth)
-            summary.update(scale_lambda=sfit.lam, scale_w_norm=float(sfit.w.norm()),
-                           depth="loc_U" if reads_u else "off")
+            summary.scale_lambda, summary.scale_w_norm = sfit.lam, float(sfit.w.norm())
+            summary.depth = "loc_U" if reads_u else "off"
         if act.b_noise_Y is not None:
             act.b_noise_Y.fill_(scale)
     return summary
