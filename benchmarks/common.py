@@ -1,22 +1,17 @@
-"""Code the benchmark scripts share (not a benchmark itself): `import common` / `from common import ...`.
+"""Code the benchmark scripts share (not a benchmark itself; benchmarks/README.md, "Shared code").
 
-A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and baselines.py, the
-series, baselines and scoring of the series benchmarks) imports as is; no script imports another script. A test
-that imports a script puts benchmarks/ on sys.path itself. Sections: output (`write_report`: the tables, the JSON
-beside them, the RESULT line last), least squares, the CLI recipe (`train_and_predict`, `run_arguments`), models,
-training runs, the fused loss's accuracy, device helpers (each also runs on CPU).
+Sections: output (`write_report`: the tables, the JSON beside them, the RESULT line last), least squares, the CLI
+recipe (`train_and_predict`, `run_arguments`), models, training runs, device helpers (each also runs on CPU).
 """
 from __future__ import annotations
 
 import argparse
-import os
-
 import contextlib
 import gc
-import inspect
 import io
 import json
 import math
+import os
 import re
 import socket
 import subprocess
@@ -25,9 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-MIB = 2**20
-GEMMS = ("fp32", "tf32", "bf16")
 
 
 def free_port() -> int:
@@ -81,19 +73,6 @@ def ridge_fit(X: torch.Tensor, t: torch.Tensor, lam: float) -> torch.Tensor:
 
 def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return X @ w[:-1] + w[-1]
-
-
-def num_features(model, dataset, tokenizer, batch: int = 32, add_eos_token: bool = True) -> tuple:
-    """`num_label_features` (loc_U [n, C], targets [n], ...) at every <NUM> target of the raw `dataset`, on the CPU,
-    `batch` rows at a time: the value head's input features (the ridge probes' and the value-fit ablations')."""
-    from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
-    from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.training.value_head.warm_start import num_label_features
-
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    ds, collate = tokenize_dataset(dataset, ntok, add_eos_token=add_eos_token), NumericCollator(ntok.pad_token_id)
-    batches = (collate([ds[j] for j in range(i, min(i + batch, len(ds)))]) for i in range(0, len(ds), batch))
-    return num_label_features(model, batches, torch.device("cpu"), max_rows=10 ** 9)
 
 
 # ----------------------------------------------------------------------------- the CLI recipe, train then predict
@@ -154,23 +133,6 @@ def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[di
     return [preds[i] for i in range(len(test_rows))], info
 
 
-def shuffle_labels(ds, fraction: float, seed: int):
-    """The anchor experiment's corruption: `fraction` of the rows (seeded choice) get their completion and
-    target permuted among themselves (a random permutation of the chosen rows)."""
-    n = len(ds)
-    k = int(round(fraction * n))
-    if k < 2:
-        return ds
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randperm(n, generator=g)[:k].tolist()
-    perm = torch.randperm(k, generator=g).tolist()
-    comp, tgt = list(ds["completion"]), list(ds["target"])
-    new_comp, new_tgt = list(comp), list(tgt)
-    for i, j in zip(rows, perm):
-        new_comp[i], new_tgt[i] = comp[rows[j]], tgt[rows[j]]
-    ds = ds.remove_columns(["completion", "target"])
-    return ds.add_column("completion", new_comp).add_column("target", new_tgt)
-
 def run_arguments(doc: str, output: str, seed_help: str, rows: bool = True) -> argparse.ArgumentParser:
     """The parser of a script that trains with `train_and_predict`: --steps, --max-train-rows / --max-val-rows
     (`rows`), --output, --seed (`seed_help`); `check_run_arguments` checks them."""
@@ -222,29 +184,6 @@ def build_base(layers: int, seed: int = 0, vocab_size: int = 151_936, device=Non
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype or torch.float32).eval()
-
-
-def bf16_lora_model_and_batch(num_token_id: int = 300):
-    """(model, input_ids, numeric values): tests/test_mixed_precision.py's set-up. A tiny Qwen2 (vocab 320,
-    hidden 32, seed 2) held in bf16 with LoRA r 4 and learnable thresholds, value units 400 / 150; a batch of
-    2 x 24 tokens with <NUM> at every third position and values around 400."""
-    from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from causal_adapter.saving.assets import build_tiny_qwen
-
-    cfg = CausalAdapterConfig(num_token_id=num_token_id, learnable_threshold=True, lora=LoraSettings(r=4, alpha=8))
-    model = get_causal_model(build_tiny_qwen("qwen2", vocab_size=320, dtype=torch.bfloat16, seed=2, hidden_size=32),
-                             cfg)
-    model.set_value_units(400.0, 150.0)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 290, (2, 24), generator=g)
-    ids[:, 1::3] = num_token_id
-    noise = 400.0 + 150.0 * torch.randn(2, 24, generator=g)
-    return model, ids, torch.where(ids == num_token_id, noise, torch.zeros(2, 24))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.flatten(), b.flatten()
-    return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
 # ----------------------------------------------------------------------------- training runs
@@ -306,48 +245,6 @@ def bf16_against_fp32(corpus: str, steps: int, work: Path, device: str = "cpu", 
               + (f" (on {device}{' under bf16 autocast' if mp == 'bf16' else ''}: {run['device_test_mae']:.4g})"
                  if device_eval else ""), flush=True)
     return runs
-
-
-# ----------------------------------------------------------------------------- the fused loss's accuracy
-def loss_and_grads(fn, x: dict, dtype: torch.dtype, train_W: bool, **kw) -> tuple[float, dict]:
-    """The loss (float) and the gradients (float64) of fn on leaf copies of x in `dtype`. x: loc_U, scale_Up, W, b,
-    thr (the loss's arguments, W trained only with `train_W`) and labels."""
-    leaves = {k: x[k].detach().to(dtype, copy=True).requires_grad_(k != "W" or train_W)
-              for k in ("loc_U", "scale_Up", "W", "b", "thr")}
-    loss = fn(leaves["loc_U"], leaves["scale_Up"], leaves["W"], leaves["b"], leaves["thr"], x["labels"], **kw)
-    loss.backward()
-    return float(loss.detach()), {k: t.grad.double() for k, t in leaves.items() if t.grad is not None}
-
-
-def grad_errors(ref: tuple[float, dict], loss: float, grads: dict) -> dict:
-    """`loss` and `grads` against ref = (loss, grads) of the reference: the loss's relative error ("loss"), per
-    gradient of the reference ||g - g_ref|| / ||g_ref|| (under its name), the worst gradient cosine ("grad_cos")."""
-    ref_loss, ref_grads = ref
-    row = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
-    row.update({k: float((grads[k] - r).norm() / r.norm()) for k, r in ref_grads.items()})
-    row["grad_cos"] = min(cosine(grads[k], r) for k, r in ref_grads.items())
-    return row
-
-
-def gemm_errors(x: dict, train_W: bool, backends, gemms) -> list[dict]:
-    """`fused_ovr_loss` on x in float32 per backend and gemm_precision against `reference_ovr_loss` in float64 on
-    the same inputs: one row each, backend, gemm and `grad_errors`' figures, or "error" where the backend cannot
-    run here."""
-    from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
-
-    ref = loss_and_grads(reference_ovr_loss, x, torch.float64, train_W)
-    rows = []
-    for backend in backends:
-        for gemm in gemms:
-            row = dict(backend=backend, gemm=gemm)
-            try:
-                got = loss_and_grads(fused_ovr_loss, x, torch.float32, train_W, **ovr_loss_kwargs(backend, gemm))
-            except Exception as e:  # a backend that cannot run here: reported
-                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}"
-            else:
-                row.update(grad_errors(ref, *got))
-            rows.append(row)
-    return rows
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -414,28 +311,15 @@ def is_oom(e: BaseException) -> bool:
 
 
 def ovr_loss_kwargs(backend: str | None, gemm: str | None) -> dict:
-    """Keywords of `fused_ovr_loss` for a backend ("torch" / "triton" / None = the library's default) and a
-    GEMM precision (None = the default). A RuntimeError when the loss has no `backend` argument yet and
-    one other than "torch" is asked for (before the Triton kernel landed, "torch" was the only path)."""
-    from causal_adapter.modeling.loss import fused_ovr_loss
-
-    kw: dict = {"gemm_precision": gemm}
-    if backend is not None:
-        if "backend" in inspect.signature(fused_ovr_loss).parameters:
-            kw["backend"] = backend
-        elif backend != "torch":
-            raise RuntimeError(f"fused_ovr_loss has no backend argument: backend={backend!r} is not available")
-    return kw
+    """Keywords of `fused_ovr_loss` for a backend ("torch" / "triton" / None = the library's default) and a GEMM
+    precision (None = the default)."""
+    return {"gemm_precision": gemm, **({} if backend is None else {"backend": backend})}
 
 
 def triton_status(device) -> str:
     """Why the Triton backend cannot run here, or "" when it can be tried."""
     if torch.device(device).type != "cuda":
         return "needs CUDA (the Triton kernel runs on CPU only under TRITON_INTERPRET=1, in the tests)"
-    try:
-        ovr_loss_kwargs("triton", None)
-    except RuntimeError as e:
-        return str(e)
     return ""
 
 

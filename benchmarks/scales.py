@@ -1,30 +1,15 @@
-"""Value prediction across scales: does the value head predict as well at 10^-3 as at 10^5?
+"""Does the value head predict as well at 10^-3 as at 10^5? docs/numeric_quality.md, "Per-row units: the figures".
 
-    python benchmarks/scales.py                        # sets a, b, c; train's default steps (3 epochs)
-    python benchmarks/scales.py --sets a --steps 200   # one set, a fixed number of optimizer steps
+    python benchmarks/scales.py --steps 60             # sets a, b, c, every row (~20 min on 2 cores)
+    python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144   # ~5 min
     python benchmarks/scales.py --quick                # toy size (smoke test, ~60 s of CPU)
-    # every row, 60 steps: the figures of docs/numeric_quality.md (~20 min on a 2-core machine, see below)
-    python benchmarks/scales.py --steps 60
-    # smaller still (~5 min): the value head then sees the last 32 training rows of each series
-    python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144
-    # hold-out: eleven real quarterly series no set holds (60 steps unless told; ~3 min on 2 cores)
-    python benchmarks/scales.py --holdout [--steps N]
+    python benchmarks/scales.py --holdout [--steps N]  # eleven real quarterly series no set holds (~3 min)
 
-Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the default
-`TrainConfig` (the embedded tiny Qwen, the real tokenizer) and predicted by `commands.predict.predict_files`, so the
-values and calibrated 50% / 90% intervals are what a user gets: ``a`` the bundled series copied at `SCALES`
-(``co2@1e-3``); ``b`` the chat corpus's seven series; ``c`` a seeded synthetic panel (`--synthetic-series`,
-additive and, `MULT_FRACTION` of them, multiplicative seasons; ``mult_*`` / ``add_*`` keys). Every series is split
-70/15/15 by time (`SPLIT`); every choice (AR order, best baseline) on VALIDATION, every figure on TEST. Baselines:
-`baselines.one_step_baselines`; scoring: `baselines.score_entries` / `summarise`. The data, the baselines, the
-scores and the targets (`check_targets`, `TARGETS`: one PASS / FAIL line each) are described in
-docs/numeric_quality.md, "Per-row units: the figures".
-
-Output: markdown tables and JSON at ``--output`` (default /tmp/scales.md and .json), and ONE last line
-``RESULT key=value ...`` (``<set>_<summary key>``). The defaults take hours on a CPU: ``--steps``,
-``--max-train-rows`` / ``--max-val-rows`` (the last rows of each series' split in the adapter's files; the
-baselines still use every row) and ``--synthetic-lengths 144`` keep every series and test row; ``--quick`` also
-shrinks the tiny base (a smoke test of the pipeline, not of the figures).
+Three sets, each ONE training file and one adapter trained and predicted as the CLI does (`common.train_and_predict`):
+``a`` the bundled series copied at `SCALES`, ``b`` the chat corpus's seven series, ``c`` a seeded synthetic panel
+(additive and multiplicative seasons). Split 70/15/15 by time, choices on VALIDATION, figures on TEST against
+`baselines.one_step_baselines`; the targets print one PASS / FAIL line each. Tables and JSON at ``--output``, then
+ONE last line ``RESULT key=value ...`` (``<set>_<summary key>``).
 """
 from __future__ import annotations
 
