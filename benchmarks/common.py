@@ -1,18 +1,14 @@
 """Code the benchmark scripts share (not a benchmark itself; benchmarks/README.md, "Shared code").
 
 Sections: output (`write_report`: the tables, the JSON beside them, the RESULT line last), least squares, the CLI
-recipe (`train_and_predict`, `run_arguments`), models, training runs, device helpers (each also runs on CPU).
+recipe (`train_and_predict`, `run_arguments`), the random 0.5B-shape base, device helpers (each also runs on CPU).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import io
 import json
 import math
 import os
-import re
 import socket
 import subprocess
 import time
@@ -186,67 +182,6 @@ def build_base(layers: int, seed: int = 0, vocab_size: int = 151_936, device=Non
     return model.to(dtype or torch.float32).eval()
 
 
-# ----------------------------------------------------------------------------- training runs
-def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "sunspots", device: str = "cpu",
-              **overrides) -> dict:
-    """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir.
-    device "cpu" forces CPU (CPU autocast); "cuda": accelerate's own device choice (a GPU's autocast).
-    overrides: other TrainConfig fields (e.g. recent_values=0)."""
-    from causal_adapter.training.config import TrainConfig
-    from causal_adapter.training.loop import train
-
-    config = TrainConfig(dataset=corpus, max_steps=steps, mixed_precision=mixed_precision, output_dir=str(out_dir),
-                         cpu=device == "cpu", plot=False, progress=False, eval_steps=0, **overrides)
-    err = io.StringIO()
-    t0 = time.perf_counter()
-    with contextlib.redirect_stderr(err):
-        result = train(config=config)
-    seconds = time.perf_counter() - t0
-    summary = dict(re.findall(r"(\w+)=([^,\s]+)", next((line for line in err.getvalue().splitlines()
-                                                         if line.startswith("value head:")), "")))
-    return {"adapter": result.adapter_dir, "seconds": seconds, "val_mae": (result.eval_metrics or {}).get("value_mae"),
-            "ridge": {k: summary.get(k) for k in ("ridge_lambda", "w_norm", "loo_mae", "inputs")}}
-
-
-def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots", device: str = "cpu",
-             base_dtype: str = "float32") -> float:
-    """Test-split value MAE of a saved adapter, as `causal-adapter eval` computes it (fresh float32
-    model), optionally under bf16 autocast; on `device` ("cpu" as `eval` runs, or "cuda"); `base_dtype`:
-    the base's weights (as `eval --dtype`)."""
-    from causal_adapter.saving.assets import load_base
-    from causal_adapter.data.corpora import build_corpus
-    from causal_adapter.data.pipeline import tokenize_dataset
-    from causal_adapter.training.metrics import evaluate_dataset
-    from causal_adapter.model import CausalModel
-    from causal_adapter.numbers import NumberTokenizer
-
-    base, tokenizer = load_base(None, "qwen2", base_dtype, 64, 2)
-    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer).to(device)
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    ds = tokenize_dataset(build_corpus(corpus)["test"], ntok)
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-        return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
-
-
-def bf16_against_fp32(corpus: str, steps: int, work: Path, device: str = "cpu", device_eval: bool = False,
-                      **overrides) -> dict[str, dict]:
-    """The CLI recipe on `corpus` for `steps` steps with mixed_precision "no", then "bf16" (accelerate's autocast
-    on `device`): per run ("no", "bf16") `train_run`'s dict plus ``test_mae`` (as `causal-adapter eval` computes
-    it: CPU, float32, no autocast) and, with `device_eval`, ``device_test_mae`` (on `device`, the bf16 run under
-    bf16 autocast, the fp32 run without). One line per run on stdout."""
-    runs = {}
-    for mp in ("no", "bf16"):
-        run = runs[mp] = train_run(mp, steps, work / mp, corpus, device, **overrides)
-        run["test_mae"] = test_mae(run["adapter"], False, corpus)
-        if device_eval:
-            run["device_test_mae"] = test_mae(run["adapter"], mp == "bf16", corpus, device)
-        print(f"{corpus} {steps} steps on {device}, mixed_precision={mp}: {run['seconds']:.0f} s, value fit "
-              f"{run['ridge']}, validation MAE {run['val_mae']:.4g}, test MAE {run['test_mae']:.4g}"
-              + (f" (on {device}{' under bf16 autocast' if mp == 'bf16' else ''}: {run['device_test_mae']:.4g})"
-                 if device_eval else ""), flush=True)
-    return runs
-
-
 # ----------------------------------------------------------------------------- device helpers
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
@@ -271,56 +206,6 @@ def best_time(step: Callable[[], object], device, warmup: int = 2, repeats: int 
         synchronize(device)
         times.append(time.perf_counter() - t)
     return min(times), times
-
-
-class PeakMemory:
-    """The CUDA allocator's peak above what was allocated at `start()` (bytes; None off CUDA).
-
-    start(): collect garbage, reset the peak statistics and note the current allocation;
-    extra(): torch.cuda.max_memory_allocated() since then minus that allocation."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.device = device
-        self.base = 0
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-
-    def extra(self) -> int | None:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-def free_device_memory(device) -> None:
-    """Drop cached blocks after a variant (and after an out-of-memory error)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def ovr_loss_kwargs(backend: str | None, gemm: str | None) -> dict:
-    """Keywords of `fused_ovr_loss` for a backend ("torch" / "triton" / None = the library's default) and a GEMM
-    precision (None = the default)."""
-    return {"gemm_precision": gemm, **({} if backend is None else {"backend": backend})}
-
-
-def triton_status(device) -> str:
-    """Why the Triton backend cannot run here, or "" when it can be tried."""
-    if torch.device(device).type != "cuda":
-        return "needs CUDA (the Triton kernel runs on CPU only under TRITON_INTERPRET=1, in the tests)"
-    return ""
 
 
 def machine_line(device) -> str:

@@ -17,21 +17,23 @@ figures: docs/design-notes/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import gc
+
+import torch
+
+from common import best_time, machine_line
 
 MIB = 2**20
 
 
-# --------------------------------------------------------------------------- GPU (one process)
 DEVICE_VARIANTS = ["ce", "liger", "cce", "ovr_triton_bf16", "ovr_triton_tf32", "ovr_torch_tf32"]
 OVR_LIMIT_SLACK_MIB = 32  # the limit: extra memory <= the gradients returned + 32 MiB
 
 
 def _device_inputs(N: int, V: int, C: int, trainable: bool, device, bf16_copies: bool, w_dtype=None):
-    """The problem of the CPU children, on `device`: W [V, C] (x0.02, in `w_dtype`, default float32), loc_U [N, C] (x3),
+    """The problem on `device`: W [V, C] (x0.02, in `w_dtype`, default float32), loc_U [N, C] (x3),
     scale_U' = 10 + U(0, 1), b_cls = 0 (trains), threshold 100, labels; bf16 leaf copies of loc_U and W for
     the bf16 peers."""
-    import torch
-
     g = torch.Generator(device=device).manual_seed(0)
     W = (torch.randn(V, C, generator=g, device=device) * 0.02).to(w_dtype or torch.float32)
     x = dict(W=W.requires_grad_(trainable),
@@ -48,7 +50,6 @@ def _device_inputs(N: int, V: int, C: int, trainable: bool, device, bf16_copies:
 
 def _device_step(variant: str, x: dict, device):
     """(step function, the leaves that get gradients) of one variant."""
-    import torch
     import torch.nn.functional as F
 
     W, y = x["W"], x["labels"]
@@ -69,33 +70,25 @@ def _device_step(variant: str, x: dict, device):
         return (lambda: linear_cross_entropy(x["h16"], x["W16"], y).backward()), [x["h16"], x["W16"]]
     if variant.startswith("ovr_"):
         from causal_adapter.modeling.loss import fused_ovr_loss
-        from common import ovr_loss_kwargs
 
         _, backend, gemm = variant.split("_")
-        kw = ovr_loss_kwargs(backend, gemm)
 
         def step():
-            fused_ovr_loss(x["loc_U"], x["scale_Up"], W, x["b"], x["thr"], y, **kw).backward()
+            fused_ovr_loss(x["loc_U"], x["scale_Up"], W, x["b"], x["thr"], y, backend=backend,
+                           gemm_precision=gemm).backward()
         return step, [x["loc_U"], x["scale_Up"], x["b"], W]
     raise ValueError(f"unknown variant {variant!r}; choose from {DEVICE_VARIANTS}")
 
 
-def _ce_need_bytes(N: int, V: int) -> int:
-    """CE's extra memory, about 12 bytes per logit (bf16 logits, their float32 copy, log-softmax, grads;
-    measured: 14.2 GiB at N = 8,192 on an H200)."""
-    return 12 * N * V
-
-
 def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, device, warmup: int,
                        repeats: int, w_dtype=None) -> dict:
-    import torch
-
-    from common import PeakMemory, best_time, free_device_memory, is_oom
-
-    if variant == "ce" and torch.device(device).type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        if _ce_need_bytes(N, V) > 0.95 * free:
-            return dict(skip=f"needs ~{_ce_need_bytes(N, V) / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
+    cuda = torch.device(device).type == "cuda"
+    # CE's extra memory: about 12 bytes per logit (bf16 logits, their float32 copy, log-softmax, grads; 14.2 GiB
+    # at N = 8,192 on an H200)
+    if variant == "ce" and cuda:
+        need, free = 12 * N * V, torch.cuda.mem_get_info(device)[0]
+        if need > 0.95 * free:
+            return dict(skip=f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
     try:
         x = _device_inputs(N, V, C, trainable, device, variant in ("liger", "cce"), w_dtype)
         step, leaves = _device_step(variant, x, device)
@@ -104,14 +97,17 @@ def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, de
             for t in leaves:
                 t.grad = None
 
-        mem = PeakMemory(device)
         for _ in range(warmup):  # before the reset: one-time workspaces and autotuning are not the loss's
             drop_grads()
             step()
         drop_grads()
-        mem.start()
+        gc.collect()
+        if cuda:  # the allocator's peak above what the inputs hold
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
         best, times = best_time(step, device, warmup=0, repeats=repeats, before_each=drop_grads)
-        extra = mem.extra()
+        extra = torch.cuda.max_memory_allocated(device) - start if cuda else None
         grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
         res = dict(time=best, times=[round(t * 1e3, 2) for t in times], grads_mib=grads / MIB,
                    extra_mib=None if extra is None else extra / MIB)
@@ -119,17 +115,17 @@ def run_device_variant(variant: str, N: int, V: int, C: int, trainable: bool, de
         res = dict(skip=f"not installed ({e.name or e})")
     except Exception as e:  # OOM, a kernel that fails to compile, a missing backend: reported, not fatal
         first = (str(e).strip().splitlines() or [""])[0][:160]
-        res = dict(skip="out of memory" if is_oom(e) else f"{type(e).__name__}: {first}")
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        res = dict(skip="out of memory" if oom else f"{type(e).__name__}: {first}")
     x = step = leaves = None  # noqa: F841 (free the inputs before the next variant)
-    free_device_memory(device)
+    gc.collect()
+    if cuda:  # and the cached blocks (after an out-of-memory error too)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     return res
 
 
 def device_main(args) -> None:
-    import torch
-
-    from common import machine_line, triton_status
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -141,9 +137,8 @@ def device_main(args) -> None:
     print(f"OvR loss on {device.type}: C={C} V={V} N={sizes}, W {args.w_dtype} (ce / ovr); best of {args.repeats} "
           f"after {args.warmup} warm-ups", flush=True)
     print(machine_line(device), flush=True)
-    why = triton_status(device)
-    if why:
-        print(f"triton backend: {why}", flush=True)
+    if device.type != "cuda":
+        print("triton backend: needs CUDA (on CPU only under TRITON_INTERPRET=1, in the tests)", flush=True)
     # the reference (the chunked torch loop, compiled on first use) goes last, after a first report: a
     # compile that outlasts the caller's timeout then leaves the main comparison printed (complete=0)
     main_jobs = [(N, mode, v) for N in sizes for mode in args.modes for v in variants if not v.startswith("ovr_torch")]
@@ -230,8 +225,6 @@ def main(argv=None) -> None:
                     help="the ovr_torch reference only up to this N (it is ~10x slower)")
     args = ap.parse_args(argv)
     if args.device is None:
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device_main(args)
 

@@ -84,8 +84,6 @@ def make_step(mode: str, layers: int, r: int, ids: torch.Tensor, base=None, acce
 # --------------------------------------------------------------------------- GPU: one process per mode
 DEVICE_MODES = ("plain_lora", "plain_lora_liger", "causal_lora", "frozen")
 GIB = 2**30
-
-
 LIGER_KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")  # apply_liger_kernel_to_qwen2's defaults
 
 
@@ -105,8 +103,6 @@ def loss_defaults(device) -> str:
     """The backend and GEMM precision the causal modes' fused loss resolves to here."""
     from causal_adapter.modeling import loss
 
-    if not hasattr(loss, "resolve_backend"):
-        return f"gemm={loss.resolve_gemm_precision(None)}"
     backend = loss.resolve_backend(None, torch.float32, device.type)
     return f"backend={backend} gemm={loss.resolve_gemm_precision(None, backend, device.type)}"
 
@@ -148,9 +144,9 @@ def run_mode(mode: str, args) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     if mode in ("causal_lora", "frozen"):
-        for flag, var in ((args.loss_gemm, "CAUSAL_ADAPTER_LOSS_GEMM"), (args.loss_backend, "CAUSAL_ADAPTER_LOSS_BACKEND")):
+        for flag, var in ((args.loss_gemm, "GEMM"), (args.loss_backend, "BACKEND")):
             if flag:
-                env[var] = flag
+                env[f"CAUSAL_ADAPTER_LOSS_{var}"] = flag
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--device", args.device, "--dtype", args.dtype,
            "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--lora-r", str(args.lora_r), "--threads", str(args.threads),
@@ -227,7 +223,6 @@ def device_main(args) -> int:
     print("the GPU targets: causal_lora >= 0.95x plain LoRA's speed at <= 0.55x its peak memory; frozen >= 2x")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
     return 0
-
 
 
 def main(argv=None) -> int:
