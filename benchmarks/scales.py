@@ -23,8 +23,8 @@ import numpy as np
 
 from baselines import (AR_MAX_P, BOOT_LEVEL, BUNDLED, CHAT_SEASON, COVERAGE_BANDS, COVERAGE_OFF_QUANTILE,
                        COVERAGE_TEST_ALPHA, MIN_COVERAGE_ROWS, SCALES, SPLIT, SYNTHETIC_LENGTHS, SYNTHETIC_WINDOW,
-                       gmean, in_band, last_rows, scale_label, score_entries, series_entry, set_a, split_rows, summarise,
-                       synthetic_panel)
+                       gmean, in_band, last_rows, scale_label, score_entries, series_entry, set_a, split_rows,
+                       summarise, synthetic_panel)
 from common import (check_run_arguments, code_state, fmt as _fmt, log as _log, offline, run_arguments,
                     train_and_predict, write_report)
 
@@ -213,14 +213,18 @@ def holdout_series():
 
     m = sm.datasets.macrodata.load_pandas().data
     t = [f"{int(y)} Q{int(q)}" for y, q in zip(m.year, m.quarter)]
-    titles = {"realcons": "US real personal consumption (bn 2005 USD)", "realinv": "US real private investment (bn 2005 USD)",
-              "realgovt": "US real government spending (bn 2005 USD)", "realdpi": "US real disposable income (bn 2005 USD)",
-              "cpi": "US consumer price index", "m1": "US M1 money stock (bn USD)", "tbilrate": "US 3-month T-bill rate (%)",
+    titles = {"realcons": "US real personal consumption (bn 2005 USD)",
+              "realinv": "US real private investment (bn 2005 USD)",
+              "realgovt": "US real government spending (bn 2005 USD)",
+              "realdpi": "US real disposable income (bn 2005 USD)",
+              "cpi": "US consumer price index", "m1": "US M1 money stock (bn USD)",
+              "tbilrate": "US 3-month T-bill rate (%)",
               "pop": "US population (millions)", "realint": "US real interest rate (%)"}
     out = [(k, v + ".", t, [float(x) for x in m[k]]) for k, v in titles.items()]
     ii = sm.datasets.interest_inflation.load_pandas().data
     t2 = [f"{int(y)} Q{int(q)}" for y, q in zip(ii.year, ii.quarter)]
-    out += [("de/Dp", "German quarterly inflation (log difference of the deflator).", t2, [round(float(x), 5) for x in ii.Dp]),
+    out += [("de/Dp", "German quarterly inflation (log difference of the deflator).", t2,
+             [round(float(x), 5) for x in ii.Dp]),
             ("de/R", "German long-term interest rate (fraction).", t2, [round(float(x), 5) for x in ii.R])]
     return out
 
@@ -238,10 +242,12 @@ def run_holdout(args) -> int:
     for r, e in zip(rows, entries):
         print(f"| {r['series']} | {np.median(np.abs(e['y'])):.4g} | {r['n_test']} | {r['vs_persistence']:.3f} "
               f"| {r['vs_best']:.3f} ({r['best_baseline']}) | {r['cov50']:.2f} | {r['cov90']:.2f} |")
-    gm = gmean(r["vs_persistence"] for r in rows); gb = gmean(r["vs_best"] for r in rows)
+    gm = gmean(r["vs_persistence"] for r in rows)
+    gb = gmean(r["vs_best"] for r in rows)
     print(f"RESULT holdout_gm_vs_persistence={gm:.4g} holdout_gm_vs_best={gb:.4g} "
           f"min_cov90={min(r['cov90'] for r in rows):.3g} n_beat_persistence="
-          f"{sum(r['vs_persistence'] < 1 for r in rows)}/{len(rows)} calibrated={info['calibrated']} steps={info['steps']}")
+          f"{sum(r['vs_persistence'] < 1 for r in rows)}/{len(rows)} calibrated={info['calibrated']} "
+          f"steps={info['steps']}")
     return 0
 
 
