@@ -132,7 +132,7 @@ def device_main(args) -> None:
     if device.type == "cpu":
         torch.set_num_threads(2)
     C, V = 896, args.vocab or 151936
-    sizes = args.sizes or [8192, 65536]
+    sizes = args.sizes or ([8192, 65536] if device.type == "cuda" else [512, 2048])  # a CPU's memory and time
     variants = args.variants or DEVICE_VARIANTS
     print(f"OvR loss on {device.type}: C={C} V={V} N={sizes}, W {args.w_dtype} (ce / ovr); best of {args.repeats} "
           f"after {args.warmup} warm-ups", flush=True)
@@ -213,7 +213,7 @@ def device_report(seen: dict, sizes, modes, variants, device, complete: bool) ->
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
-    ap.add_argument("--sizes", type=int, nargs="*", help="the N values (default 8192 65536)")
+    ap.add_argument("--sizes", type=int, nargs="*", help="the N values (default 8192 65536; on a CPU 512 2048)")
     ap.add_argument("--variants", nargs="*", default=None, help=" ".join(DEVICE_VARIANTS) + " (default all)")
     ap.add_argument("--modes", nargs="*", default=["frozen", "trainable"])
     ap.add_argument("--vocab", type=int, default=None, help="V (default 151,936)")
