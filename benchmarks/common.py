@@ -1,23 +1,14 @@
-"""Code the benchmark scripts share (not a benchmark itself): `import common` / `from common import ...`.
+"""Code the benchmark scripts share (not a benchmark itself; benchmarks/README.md, "Shared code").
 
-A script run as ``python benchmarks/X.py`` has benchmarks/ first on sys.path, so this module (and baselines.py, the
-series, baselines and scoring of the series benchmarks) imports as is; no script imports another script. A test
-that imports a script puts benchmarks/ on sys.path itself. Sections: output (`write_report`: the tables, the JSON
-beside them, the RESULT line last), least squares, the CLI recipe (`train_and_predict`, `run_arguments`), models,
-training runs, the fused loss's accuracy, device helpers (each also runs on CPU).
+Sections: output (`write_report`: the tables, the JSON beside them, the RESULT line last), least squares, the CLI
+recipe (`train_and_predict`, `run_arguments`), the random 0.5B-shape base, device helpers (each also runs on CPU).
 """
 from __future__ import annotations
 
 import argparse
-import os
-
-import contextlib
-import gc
-import inspect
-import io
 import json
 import math
-import re
+import os
 import socket
 import subprocess
 import time
@@ -25,9 +16,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-MIB = 2**20
-GEMMS = ("fp32", "tf32", "bf16")
 
 
 def free_port() -> int:
@@ -81,19 +69,6 @@ def ridge_fit(X: torch.Tensor, t: torch.Tensor, lam: float) -> torch.Tensor:
 
 def ridge_predict(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return X @ w[:-1] + w[-1]
-
-
-def num_features(model, dataset, tokenizer, batch: int = 32, add_eos_token: bool = True) -> tuple:
-    """`num_label_features` (loc_U [n, C], targets [n], ...) at every <NUM> target of the raw `dataset`, on the CPU,
-    `batch` rows at a time: the value head's input features (the ridge probes' and the value-fit ablations')."""
-    from causal_adapter.data.pipeline import NumericCollator, tokenize_dataset
-    from causal_adapter.numbers import NumberTokenizer
-    from causal_adapter.training.value_head.warm_start import num_label_features
-
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    ds, collate = tokenize_dataset(dataset, ntok, add_eos_token=add_eos_token), NumericCollator(ntok.pad_token_id)
-    batches = (collate([ds[j] for j in range(i, min(i + batch, len(ds)))]) for i in range(0, len(ds), batch))
-    return num_label_features(model, batches, torch.device("cpu"), max_rows=10 ** 9)
 
 
 # ----------------------------------------------------------------------------- the CLI recipe, train then predict
@@ -154,23 +129,6 @@ def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[di
     return [preds[i] for i in range(len(test_rows))], info
 
 
-def shuffle_labels(ds, fraction: float, seed: int):
-    """The anchor experiment's corruption: `fraction` of the rows (seeded choice) get their completion and
-    target permuted among themselves (a random permutation of the chosen rows)."""
-    n = len(ds)
-    k = int(round(fraction * n))
-    if k < 2:
-        return ds
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randperm(n, generator=g)[:k].tolist()
-    perm = torch.randperm(k, generator=g).tolist()
-    comp, tgt = list(ds["completion"]), list(ds["target"])
-    new_comp, new_tgt = list(comp), list(tgt)
-    for i, j in zip(rows, perm):
-        new_comp[i], new_tgt[i] = comp[rows[j]], tgt[rows[j]]
-    ds = ds.remove_columns(["completion", "target"])
-    return ds.add_column("completion", new_comp).add_column("target", new_tgt)
-
 def run_arguments(doc: str, output: str, seed_help: str, rows: bool = True) -> argparse.ArgumentParser:
     """The parser of a script that trains with `train_and_predict`: --steps, --max-train-rows / --max-val-rows
     (`rows`), --output, --seed (`seed_help`); `check_run_arguments` checks them."""
@@ -224,132 +182,6 @@ def build_base(layers: int, seed: int = 0, vocab_size: int = 151_936, device=Non
     return model.to(dtype or torch.float32).eval()
 
 
-def bf16_lora_model_and_batch(num_token_id: int = 300):
-    """(model, input_ids, numeric values): tests/test_mixed_precision.py's set-up. A tiny Qwen2 (vocab 320,
-    hidden 32, seed 2) held in bf16 with LoRA r 4 and learnable thresholds, value units 400 / 150; a batch of
-    2 x 24 tokens with <NUM> at every third position and values around 400."""
-    from causal_adapter import CausalAdapterConfig, LoraSettings, get_causal_model
-    from causal_adapter.saving.assets import build_tiny_qwen
-
-    cfg = CausalAdapterConfig(num_token_id=num_token_id, learnable_threshold=True, lora=LoraSettings(r=4, alpha=8))
-    model = get_causal_model(build_tiny_qwen("qwen2", vocab_size=320, dtype=torch.bfloat16, seed=2, hidden_size=32),
-                             cfg)
-    model.set_value_units(400.0, 150.0)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 290, (2, 24), generator=g)
-    ids[:, 1::3] = num_token_id
-    noise = 400.0 + 150.0 * torch.randn(2, 24, generator=g)
-    return model, ids, torch.where(ids == num_token_id, noise, torch.zeros(2, 24))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.flatten(), b.flatten()
-    return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
-
-
-# ----------------------------------------------------------------------------- training runs
-def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "sunspots", device: str = "cpu",
-              **overrides) -> dict:
-    """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir.
-    device "cpu" forces CPU (CPU autocast); "cuda": accelerate's own device choice (a GPU's autocast).
-    overrides: other TrainConfig fields (e.g. recent_values=0)."""
-    from causal_adapter.training.config import TrainConfig
-    from causal_adapter.training.loop import train
-
-    config = TrainConfig(dataset=corpus, max_steps=steps, mixed_precision=mixed_precision, output_dir=str(out_dir),
-                         cpu=device == "cpu", plot=False, progress=False, eval_steps=0, **overrides)
-    err = io.StringIO()
-    t0 = time.perf_counter()
-    with contextlib.redirect_stderr(err):
-        result = train(config=config)
-    seconds = time.perf_counter() - t0
-    summary = dict(re.findall(r"(\w+)=([^,\s]+)", next((line for line in err.getvalue().splitlines()
-                                                         if line.startswith("value head:")), "")))
-    return {"adapter": result.adapter_dir, "seconds": seconds, "val_mae": (result.eval_metrics or {}).get("value_mae"),
-            "ridge": {k: summary.get(k) for k in ("ridge_lambda", "w_norm", "loo_mae", "inputs")}}
-
-
-def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots", device: str = "cpu",
-             base_dtype: str = "float32") -> float:
-    """Test-split value MAE of a saved adapter, as `causal-adapter eval` computes it (fresh float32
-    model), optionally under bf16 autocast; on `device` ("cpu" as `eval` runs, or "cuda"); `base_dtype`:
-    the base's weights (as `eval --dtype`)."""
-    from causal_adapter.saving.assets import load_base
-    from causal_adapter.data.corpora import build_corpus
-    from causal_adapter.data.pipeline import tokenize_dataset
-    from causal_adapter.training.metrics import evaluate_dataset
-    from causal_adapter.model import CausalModel
-    from causal_adapter.numbers import NumberTokenizer
-
-    base, tokenizer = load_base(None, "qwen2", base_dtype, 64, 2)
-    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer).to(device)
-    ntok = NumberTokenizer(tokenizer, model.num_token_id)
-    ds = tokenize_dataset(build_corpus(corpus)["test"], ntok)
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-        return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
-
-
-def bf16_against_fp32(corpus: str, steps: int, work: Path, device: str = "cpu", device_eval: bool = False,
-                      **overrides) -> dict[str, dict]:
-    """The CLI recipe on `corpus` for `steps` steps with mixed_precision "no", then "bf16" (accelerate's autocast
-    on `device`): per run ("no", "bf16") `train_run`'s dict plus ``test_mae`` (as `causal-adapter eval` computes
-    it: CPU, float32, no autocast) and, with `device_eval`, ``device_test_mae`` (on `device`, the bf16 run under
-    bf16 autocast, the fp32 run without). One line per run on stdout."""
-    runs = {}
-    for mp in ("no", "bf16"):
-        run = runs[mp] = train_run(mp, steps, work / mp, corpus, device, **overrides)
-        run["test_mae"] = test_mae(run["adapter"], False, corpus)
-        if device_eval:
-            run["device_test_mae"] = test_mae(run["adapter"], mp == "bf16", corpus, device)
-        print(f"{corpus} {steps} steps on {device}, mixed_precision={mp}: {run['seconds']:.0f} s, value fit "
-              f"{run['ridge']}, validation MAE {run['val_mae']:.4g}, test MAE {run['test_mae']:.4g}"
-              + (f" (on {device}{' under bf16 autocast' if mp == 'bf16' else ''}: {run['device_test_mae']:.4g})"
-                 if device_eval else ""), flush=True)
-    return runs
-
-
-# ----------------------------------------------------------------------------- the fused loss's accuracy
-def loss_and_grads(fn, x: dict, dtype: torch.dtype, train_W: bool, **kw) -> tuple[float, dict]:
-    """The loss (float) and the gradients (float64) of fn on leaf copies of x in `dtype`. x: loc_U, scale_Up, W, b,
-    thr (the loss's arguments, W trained only with `train_W`) and labels."""
-    leaves = {k: x[k].detach().to(dtype, copy=True).requires_grad_(k != "W" or train_W)
-              for k in ("loc_U", "scale_Up", "W", "b", "thr")}
-    loss = fn(leaves["loc_U"], leaves["scale_Up"], leaves["W"], leaves["b"], leaves["thr"], x["labels"], **kw)
-    loss.backward()
-    return float(loss.detach()), {k: t.grad.double() for k, t in leaves.items() if t.grad is not None}
-
-
-def grad_errors(ref: tuple[float, dict], loss: float, grads: dict) -> dict:
-    """`loss` and `grads` against ref = (loss, grads) of the reference: the loss's relative error ("loss"), per
-    gradient of the reference ||g - g_ref|| / ||g_ref|| (under its name), the worst gradient cosine ("grad_cos")."""
-    ref_loss, ref_grads = ref
-    row = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
-    row.update({k: float((grads[k] - r).norm() / r.norm()) for k, r in ref_grads.items()})
-    row["grad_cos"] = min(cosine(grads[k], r) for k, r in ref_grads.items())
-    return row
-
-
-def gemm_errors(x: dict, train_W: bool, backends, gemms) -> list[dict]:
-    """`fused_ovr_loss` on x in float32 per backend and gemm_precision against `reference_ovr_loss` in float64 on
-    the same inputs: one row each, backend, gemm and `grad_errors`' figures, or "error" where the backend cannot
-    run here."""
-    from causal_adapter.modeling.loss import fused_ovr_loss, reference_ovr_loss
-
-    ref = loss_and_grads(reference_ovr_loss, x, torch.float64, train_W)
-    rows = []
-    for backend in backends:
-        for gemm in gemms:
-            row = dict(backend=backend, gemm=gemm)
-            try:
-                got = loss_and_grads(fused_ovr_loss, x, torch.float32, train_W, **ovr_loss_kwargs(backend, gemm))
-            except Exception as e:  # a backend that cannot run here: reported
-                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}"
-            else:
-                row.update(grad_errors(ref, *got))
-            rows.append(row)
-    return rows
-
-
 # ----------------------------------------------------------------------------- device helpers
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
@@ -374,69 +206,6 @@ def best_time(step: Callable[[], object], device, warmup: int = 2, repeats: int 
         synchronize(device)
         times.append(time.perf_counter() - t)
     return min(times), times
-
-
-class PeakMemory:
-    """The CUDA allocator's peak above what was allocated at `start()` (bytes; None off CUDA).
-
-    start(): collect garbage, reset the peak statistics and note the current allocation;
-    extra(): torch.cuda.max_memory_allocated() since then minus that allocation."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.device = device
-        self.base = 0
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-
-    def extra(self) -> int | None:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-def free_device_memory(device) -> None:
-    """Drop cached blocks after a variant (and after an out-of-memory error)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
-def ovr_loss_kwargs(backend: str | None, gemm: str | None) -> dict:
-    """Keywords of `fused_ovr_loss` for a backend ("torch" / "triton" / None = the library's default) and a
-    GEMM precision (None = the default). A RuntimeError when the loss has no `backend` argument yet and
-    one other than "torch" is asked for (before the Triton kernel landed, "torch" was the only path)."""
-    from causal_adapter.modeling.loss import fused_ovr_loss
-
-    kw: dict = {"gemm_precision": gemm}
-    if backend is not None:
-        if "backend" in inspect.signature(fused_ovr_loss).parameters:
-            kw["backend"] = backend
-        elif backend != "torch":
-            raise RuntimeError(f"fused_ovr_loss has no backend argument: backend={backend!r} is not available")
-    return kw
-
-
-def triton_status(device) -> str:
-    """Why the Triton backend cannot run here, or "" when it can be tried."""
-    if torch.device(device).type != "cuda":
-        return "needs CUDA (the Triton kernel runs on CPU only under TRITON_INTERPRET=1, in the tests)"
-    try:
-        ovr_loss_kwargs("triton", None)
-    except RuntimeError as e:
-        return str(e)
-    return ""
 
 
 def machine_line(device) -> str:

@@ -1,28 +1,15 @@
-"""A horizon: H values ahead with their intervals (`CausalModel.predict_horizon`, `predict --horizon`), per step.
+"""H values ahead with their intervals (`predict --horizon H --paths N`), per step: docs/predict.md, "A horizon".
 
     python benchmarks/horizon.py --speed                       # the path-sampling time alone (~1 min)
     python benchmarks/horizon.py --quick                       # toy size, every part (a few minutes on 2 cores)
     python benchmarks/horizon.py --steps 60 --max-train-rows 32 --max-val-rows 8 --synthetic-lengths 144
 
-The data are `scales.py`'s sets a, b, c (`baselines`), each series cut as a user writes a forecasting file: the
-prompt a window of "time: value" pairs ending with the next label, the completion the next H values with their
-labels; a row belongs to the split all its values lie in (`baselines.split_bounds`). One adapter per set (the
-default `TrainConfig`; the per-step maps fitted on the validation rows), every test row predicted as
-``causal-adapter predict --horizon H --paths N`` with its ``continuations``. Figures: docs/predict.md, "A horizon".
-
-Per step h = 1..H, pooled over each set's series: the MAE of each series against baselines iterated from the row's
-window (persistence, seasonal naive where the season fits in the window, window drift, AR(p) fitted on the training
-part, p chosen on validation, iterated on its own forecasts), the best window baseline per series and step chosen on
-VALIDATION MAE; the geometric mean over series of MAE / best window baseline and MAE / persistence; the coverage of
-the 50% and 90% intervals; the Winkler score of the 90% interval divided by the series' mean absolute one-step change
-on its training part (scale-free, averaged over rows).
-
-Speed (`--speed`, also part of every run): one row, H = 12 with continuations, the deterministic path alone
-(``paths=0``) against N = 100 paths, in the same process, on the embedded default base (64 hidden, 2 layers) with a
-fresh adapter (value units set, the value head reading u through its random w_reg), and again with each set's trained
-adapter (its per-row value head); one intra-op thread; the best of `SPEED_REPEATS` alternated runs each. Target <= 8x.
-
-Output: markdown tables and JSON at ``--output`` (default /tmp/horizon.md and .json), and ONE last line ``RESULT ...``.
+`scales.py`'s sets a, b, c cut as forecasting files (the prompt a window, the completion the next H values), one
+adapter per set (the default `TrainConfig`, per-step maps fitted on validation). Per step: MAE against baselines
+iterated from the row's window (persistence, seasonal naive, window drift, AR(p)) and the best of them chosen on
+VALIDATION, 50% / 90% coverage, a scale-free Winkler 90. Speed (`--speed`, also part of every run): one row, H = 12,
+the deterministic path alone against N = 100 paths in the same process (target <= 8x). Tables and JSON at
+``--output``, then ONE last line ``RESULT ...``.
 """
 from __future__ import annotations
 

@@ -1,96 +1,91 @@
-"""bf16 against fp32: does mixed precision keep the adapter's gradients, loc_Y and the CLI recipe's test MAE?
+"""Does bf16 (or fp16) mixed precision keep the CLI recipe's test MAE of fp32? docs/mixed_precision.md.
 
-    python benchmarks/mixed_precision.py                      # the three checks below, sunspots, 60 steps (~6 min)
-    python benchmarks/mixed_precision.py --corpora sunspots,co2,macro --steps 300 [--device cuda] [--variants fp16,bf16-base]
+    python benchmarks/mixed_precision.py                      # sunspots, 60 steps, CPU autocast
+    python benchmarks/mixed_precision.py --corpora sunspots,co2,macro --steps 300 [--device cuda]
+    python benchmarks/mixed_precision.py --corpora sunspots --device cuda --variants fp16,bf16-base
 
-Default: three measurements on CPU, each against its own baseline in the same run (docs/mixed_precision.md):
-
-* ``grads``: a bf16 tiny Qwen (vocab 320, LoRA r 4) under ``torch.autocast('cpu', bfloat16)`` against the
-  same model without autocast: the worst cosine over the adapter gradients and max |loc_Y| difference
-  / value_scale. Baseline: the same with autocast reaching the heads and losses (the code before
-  `heads.full_precision`, simulated by switching that context off).
-* ``sunspots``: the CLI's default recipe (`common.bf16_against_fp32`) for ``--steps`` steps,
-  ``mixed_precision="no"`` against ``"bf16"``; the saved adapters scored on the TEST split as `causal-adapter
-  eval` does (a fresh float32 model, no autocast), and the bf16 run again under bf16 autocast.
-* ``gemm``: `common.gemm_errors` (`fused_ovr_loss` with ``gemm_precision`` fp32 / tf32 / bf16, emulated by
-  operand rounding on CPU, against `reference_ovr_loss` in float64) on the tiny Qwen's own inputs at the real
-  vocabulary (151,936 rows, 128 positions; W frozen); and the bf16-W product `heads.linear_in_dtype` against
-  the x-cast-down product.
-
-One ``RESULT`` line: ``bf16_vs_fp32_value_mae`` (goal <= 1.15), ``bf16_vs_fp32_value_mae_autocast_eval``,
-``worst_grad_cos``, ``loc_Y_err_over_scale``, ``gemm_<p>_loss_rel_err`` / ``gemm_<p>_grad_cos``.
-
-``--corpora A,B``: the recipe per corpus instead (the second question): ``--mixed-precision no`` then ``bf16``
-in this process, validation MAE and test MAE as `eval` computes it; ``--device cuda`` trains on the GPU
-(CUDA autocast) and scores the test split again there under bf16 autocast (``gpu_autocast_ratio``);
-``--variants fp16,bf16-base``: more runs against the same fp32 one (fp16 mixed precision: accelerate's
-GradScaler on a GPU; a base held in bf16 under bf16 mixed precision, scored on a bf16 base). One ``RESULT
-corpus=... test_ratio=... val_ratio=...`` line per corpus (and per variant).
+Per corpus, the CLI's default recipe (`bf16_against_fp32`) with ``--mixed-precision no`` then ``bf16`` in this
+process; validation MAE and test MAE as `causal-adapter eval` computes it (a fresh float32 model, no autocast).
+``--device cuda`` trains on the GPU (CUDA autocast) and scores the test split again there under bf16 autocast
+(``gpu_autocast_ratio``); ``--variants fp16,bf16-base``: more runs against the same fp32 one (fp16: accelerate's
+GradScaler on a GPU; a base held in bf16, scored on a bf16 base). One ``RESULT corpus=... test_ratio=...
+val_ratio=...`` line per corpus (and per variant). The gradients and loc_Y under autocast are checked by
+tests/test_mixed_precision.py; the earlier default run (gradients, GEMM precision, sunspots) was measured here up to
+commit 1c2f799 (docs/design-notes/benchmarks.md).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import re
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from common import (GEMMS, bf16_against_fp32, bf16_lora_model_and_batch, cosine, gemm_errors, offline, test_mae,
-                    train_run)
+from common import offline
 
 
-# ----------------------------------------------------------------------------- gradients
-def grad_check(heads_in_autocast: bool) -> dict:
-    """Worst adapter-gradient cosine and max |loc_Y| error / value_scale, bf16 autocast vs none."""
-    from unittest import mock
+def train_run(mixed_precision: str, steps: int, out_dir: Path, corpus: str = "sunspots", device: str = "cpu",
+              **overrides) -> dict:
+    """The CLI's default recipe for `steps` steps; the value-head summary it prints; the adapter dir.
+    device "cpu" forces CPU (CPU autocast); "cuda": accelerate's own device choice (a GPU's autocast).
+    overrides: other TrainConfig fields (e.g. recent_values=0)."""
+    from causal_adapter.training.config import TrainConfig
+    from causal_adapter.training.loop import train
 
-    model, ids, values = bf16_lora_model_and_batch()
-    ctx = (mock.patch("causal_adapter.modeling.heads.full_precision", lambda device: contextlib.nullcontext())
-           if heads_in_autocast else contextlib.nullcontext())
+    config = TrainConfig(dataset=corpus, max_steps=steps, mixed_precision=mixed_precision, output_dir=str(out_dir),
+                         cpu=device == "cpu", plot=False, progress=False, eval_steps=0, **overrides)
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        result = train(config=config)
+    seconds = time.perf_counter() - t0
+    summary = dict(re.findall(r"(\w+)=([^,\s]+)", next((line for line in err.getvalue().splitlines()
+                                                         if line.startswith("value head:")), "")))
+    return {"adapter": result.adapter_dir, "seconds": seconds, "val_mae": (result.eval_metrics or {}).get("value_mae"),
+            "ridge": {k: summary.get(k) for k in ("ridge_lambda", "w_norm", "loo_mae", "inputs")}}
+
+
+def test_mae(adapter_dir: Path, autocast: bool, corpus: str = "sunspots", device: str = "cpu",
+             base_dtype: str = "float32") -> float:
+    """Test-split value MAE of a saved adapter, as `causal-adapter eval` computes it (fresh float32
+    model), optionally under bf16 autocast; on `device` ("cpu" as `eval` runs, or "cuda"); `base_dtype`:
+    the base's weights (as `eval --dtype`)."""
+    from causal_adapter.saving.assets import load_base
+    from causal_adapter.data.corpora import build_corpus
+    from causal_adapter.data.pipeline import tokenize_dataset
+    from causal_adapter.training.metrics import evaluate_dataset
+    from causal_adapter.model import CausalModel
+    from causal_adapter.numbers import NumberTokenizer
+
+    base, tokenizer = load_base(None, "qwen2", base_dtype, 64, 2)
+    model = CausalModel.from_pretrained(base, adapter_dir, tokenizer=tokenizer).to(device)
+    ntok = NumberTokenizer(tokenizer, model.num_token_id)
+    ds = tokenize_dataset(build_corpus(corpus)["test"], ntok)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        return float(evaluate_dataset(model, ds, ntok.pad_token_id, batch_size=16)["value_mae"])
+
+
+def bf16_against_fp32(corpus: str, steps: int, work: Path, device: str = "cpu", device_eval: bool = False,
+                      **overrides) -> dict[str, dict]:
+    """The CLI recipe on `corpus` for `steps` steps with mixed_precision "no", then "bf16" (accelerate's autocast
+    on `device`): per run ("no", "bf16") `train_run`'s dict plus ``test_mae`` (as `causal-adapter eval` computes
+    it: CPU, float32, no autocast) and, with `device_eval`, ``device_test_mae`` (on `device`, the bf16 run under
+    bf16 autocast, the fp32 run without). One line per run on stdout."""
     runs = {}
-    with ctx:
-        for autocast in (False, True):  # the reference without autocast, then under bf16 autocast
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = model(ids, values, labels=ids)
-            out.loss.backward()
-            runs[autocast] = out, {n: p.grad.detach().double().clone() for n, p in model.trainable_parameters()}
-    (ref, ref_grads), (amp, amp_grads) = runs[False], runs[True]
-    cos = {n: cosine(amp_grads[n], g) for n, g in ref_grads.items() if g.abs().sum() > 0}
-    worst = min(cos, key=cos.get)
-    err = float((amp.loc_Y.double() - ref.loc_Y.double()).abs().max()) / model.action.head_scale
-    return {"worst_grad_cos": cos[worst], "worst_param": worst, "num_row_cos": cos.get("action.num_row"),
-            "loc_Y_err_over_scale": err}
-
-
-# ----------------------------------------------------------------------------- GEMM precision
-def gemm_accuracy(rows: int = 128) -> dict:
-    """Fused-loss accuracy per gemm_precision against float64 (`common.gemm_errors`) on the tiny Qwen's inputs
-    at the real vocabulary; the bf16-W products of `linear_in_dtype`."""
-    from causal_adapter import CausalAdapterConfig, get_causal_model
-    from causal_adapter.saving.assets import build_tiny_qwen
-    from causal_adapter.modeling.heads import linear_in_dtype
-
-    model = get_causal_model(build_tiny_qwen("qwen2", seed=0), CausalAdapterConfig(num_token_id=151665))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 151000, (1, rows + 1), generator=g)
-    with torch.no_grad():
-        out = model(ids)
-    lu, su = out.loc_U[0, :rows], model.action.noisy_scale(out.scale_U[0, :rows])
-    W, y = model.W_cls.detach(), ids[0, 1:]
-    b = model.action.b_cls.detach() + 0.1 * torch.randn(W.shape[0], generator=g)  # a trained-like bias
-    x = dict(loc_U=lu, scale_Up=su, W=W, b=b, thr=model.action.thresholds.detach(), labels=y)
-    res = {r["gemm"]: {"loss_rel_err": r["loss"], "grad_cos": r["grad_cos"]}
-           for r in gemm_errors(x, False, ["torch"], GEMMS)}
-    Wb = W.bfloat16()
-    exact = lu.double() @ Wb.double().T
-    scale = float(exact.abs().max())
-    res["linear_in_dtype"] = {
-        "W_upcast_max_err_rel": float((linear_in_dtype(lu, Wb).double() - exact).abs().max()) / scale,
-        "x_downcast_max_err_rel": float(((lu.bfloat16() @ Wb.T).double() - exact).abs().max()) / scale,
-    }
-    return res
+    for mp in ("no", "bf16"):
+        run = runs[mp] = train_run(mp, steps, work / mp, corpus, device, **overrides)
+        run["test_mae"] = test_mae(run["adapter"], False, corpus)
+        if device_eval:
+            run["device_test_mae"] = test_mae(run["adapter"], mp == "bf16", corpus, device)
+        print(f"{corpus} {steps} steps on {device}, mixed_precision={mp}: {run['seconds']:.0f} s, value fit "
+              f"{run['ridge']}, validation MAE {run['val_mae']:.4g}, test MAE {run['test_mae']:.4g}"
+              + (f" (on {device}{' under bf16 autocast' if mp == 'bf16' else ''}: {run['device_test_mae']:.4g})"
+                 if device_eval else ""), flush=True)
+    return runs
 
 
 def corpora_main(args) -> None:
@@ -104,63 +99,30 @@ def corpora_main(args) -> None:
             amp = {mp: r["device_test_mae"] for mp, r in runs.items() if "device_test_mae" in r}
             for variant in filter(None, args.variants.split(",")):
                 mp, dtype = {"fp16": ("fp16", "float32"), "bf16-base": ("bf16", "bfloat16")}[variant]
-                run = train_run(mp, args.steps, Path(tmp) / variant, corpus, args.device, torch_dtype=dtype, **overrides)
+                run = train_run(mp, args.steps, Path(tmp) / variant, corpus, args.device, torch_dtype=dtype,
+                                **overrides)
                 v_test = test_mae(run["adapter"], False, corpus, args.device, base_dtype=dtype)
                 print(f"{corpus} {variant}: {run['seconds']:.0f} s, value fit {run['ridge']}, validation MAE "
                       f"{run['val_mae']:.4g}, test MAE {v_test:.4g} (base {dtype})", flush=True)
-                print(f"RESULT corpus={corpus} variant={variant} device={args.device} test_ratio={v_test / test['no']:.4g} "
-                      f"val_ratio={run['val_mae'] / val['no']:.4g}", flush=True)
+                print(f"RESULT corpus={corpus} variant={variant} device={args.device} "
+                      f"test_ratio={v_test / test['no']:.4g} val_ratio={run['val_mae'] / val['no']:.4g}", flush=True)
         gpu = f" gpu_autocast_ratio={amp['bf16'] / amp['no']:.4g}" if amp else ""
         k = "" if args.recent_values is None else f" recent_values={args.recent_values}"
-        print(f"RESULT corpus={corpus} steps={args.steps} device={args.device}{k} test_ratio={test['bf16'] / test['no']:.4g} "
-              f"val_ratio={val['bf16'] / val['no']:.4g}{gpu}", flush=True)
+        print(f"RESULT corpus={corpus} steps={args.steps} device={args.device}{k} "
+              f"test_ratio={test['bf16'] / test['no']:.4g} val_ratio={val['bf16'] / val['no']:.4g}{gpu}", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpora", default="sunspots", help="comma-separated corpora")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
-    parser.add_argument("--corpora", default=None, help="comma-separated: the recipe per corpus instead (see above)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="with --corpora")
-    parser.add_argument("--variants", default="", help="with --corpora, comma-separated: fp16, bf16-base")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--variants", default="", help="comma-separated: fp16, bf16-base")
     parser.add_argument("--recent-values", type=int, default=None,
-                        help="with --corpora: TrainConfig.recent_values (default: train's; 0: the head reads loc_U alone)")
+                        help="TrainConfig.recent_values (default: train's; 0: the head reads loc_U alone)")
     args = parser.parse_args()
     offline()
-    if args.corpora:
-        return corpora_main(args)
-    torch.set_num_threads(2)
-
-    before, after = grad_check(heads_in_autocast=True), grad_check(heads_in_autocast=False)
-    print(f"grads (bf16 base, bf16 autocast vs none): worst cosine {after['worst_grad_cos']:.6f} "
-          f"({after['worst_param']}), <NUM> row {after['num_row_cos']:.6f}, |dloc_Y|/value_scale "
-          f"{after['loc_Y_err_over_scale']:.2e}")
-    print(f"  baseline, autocast reaching the heads: worst cosine {before['worst_grad_cos']:.4f} "
-          f"({before['worst_param']}), <NUM> row {before['num_row_cos']:.4f}, |dloc_Y|/value_scale "
-          f"{before['loc_Y_err_over_scale']:.2e}")
-
-    gemm = gemm_accuracy()
-    for p in GEMMS:
-        print(f"fused loss gemm_precision={p}: loss rel. error {gemm[p]['loss_rel_err']:.2e}, worst grad cosine "
-              f"{gemm[p]['grad_cos']:.8f} (vs float64)")
-    lin = gemm["linear_in_dtype"]
-    print(f"loc_S from a bf16 W: W upcast by chunks max error {lin['W_upcast_max_err_rel']:.2e} of max|loc_S|; "
-          f"x cast down (before) {lin['x_downcast_max_err_rel']:.2e}")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = bf16_against_fp32("sunspots", args.steps, Path(tmp), device_eval=True)
-    print(f"  baseline: the fp32 run's test MAE {runs['no']['test_mae']:.2f}")
-
-    result = {
-        "bf16_vs_fp32_value_mae": runs["bf16"]["test_mae"] / runs["no"]["test_mae"],
-        "bf16_vs_fp32_value_mae_autocast_eval": runs["bf16"]["device_test_mae"] / runs["no"]["test_mae"],
-        "steps": args.steps,
-        "worst_grad_cos": after["worst_grad_cos"],
-        "worst_grad_cos_before": before["worst_grad_cos"],
-        "loc_Y_err_over_scale": after["loc_Y_err_over_scale"],
-        **{f"gemm_{p}_loss_rel_err": gemm[p]["loss_rel_err"] for p in GEMMS},
-        **{f"gemm_{p}_grad_cos": gemm[p]["grad_cos"] for p in GEMMS},
-    }
-    print("RESULT " + " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    corpora_main(args)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,15 @@
-"""Value prediction across scales: does the value head predict as well at 10^-3 as at 10^5?
+"""Does the value head predict as well at 10^-3 as at 10^5? docs/numeric_quality.md, "Per-row units: the figures".
 
-    python benchmarks/scales.py                        # sets a, b, c; train's default steps (3 epochs)
-    python benchmarks/scales.py --sets a --steps 200   # one set, a fixed number of optimizer steps
+    python benchmarks/scales.py --steps 60             # sets a, b, c, every row (~20 min on 2 cores)
+    python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144   # ~5 min
     python benchmarks/scales.py --quick                # toy size (smoke test, ~60 s of CPU)
-    # every row, 60 steps: the figures of docs/numeric_quality.md (~20 min on a 2-core machine, see below)
-    python benchmarks/scales.py --steps 60
-    # smaller still (~5 min): the value head then sees the last 32 training rows of each series
-    python benchmarks/scales.py --steps 60 --max-train-rows 32 --max-val-rows 4 --synthetic-lengths 144
-    # hold-out: eleven real quarterly series no set holds (60 steps unless told; ~3 min on 2 cores)
-    python benchmarks/scales.py --holdout [--steps N]
+    python benchmarks/scales.py --holdout [--steps N]  # eleven real quarterly series no set holds (~3 min)
 
-Three data sets, each ONE training file and so one adapter, trained by `training.loop.train` with the default
-`TrainConfig` (the embedded tiny Qwen, the real tokenizer) and predicted by `commands.predict.predict_files`, so the
-values and calibrated 50% / 90% intervals are what a user gets: ``a`` the bundled series copied at `SCALES`
-(``co2@1e-3``); ``b`` the chat corpus's seven series; ``c`` a seeded synthetic panel (`--synthetic-series`,
-additive and, `MULT_FRACTION` of them, multiplicative seasons; ``mult_*`` / ``add_*`` keys). Every series is split
-70/15/15 by time (`SPLIT`); every choice (AR order, best baseline) on VALIDATION, every figure on TEST. Baselines:
-`baselines.one_step_baselines`; scoring: `baselines.score_entries` / `summarise`. The data, the baselines, the
-scores and the targets (`check_targets`, `TARGETS`: one PASS / FAIL line each) are described in
-docs/numeric_quality.md, "Per-row units: the figures".
-
-Output: markdown tables and JSON at ``--output`` (default /tmp/scales.md and .json), and ONE last line
-``RESULT key=value ...`` (``<set>_<summary key>``). The defaults take hours on a CPU: ``--steps``,
-``--max-train-rows`` / ``--max-val-rows`` (the last rows of each series' split in the adapter's files; the
-baselines still use every row) and ``--synthetic-lengths 144`` keep every series and test row; ``--quick`` also
-shrinks the tiny base (a smoke test of the pipeline, not of the figures).
+Three sets, each ONE training file and one adapter trained and predicted as the CLI does (`common.train_and_predict`):
+``a`` the bundled series copied at `SCALES`, ``b`` the chat corpus's seven series, ``c`` a seeded synthetic panel
+(additive and multiplicative seasons). Split 70/15/15 by time, choices on VALIDATION, figures on TEST against
+`baselines.one_step_baselines`; the targets print one PASS / FAIL line each. Tables and JSON at ``--output``, then
+ONE last line ``RESULT key=value ...`` (``<set>_<summary key>``).
 """
 from __future__ import annotations
 
@@ -38,8 +23,8 @@ import numpy as np
 
 from baselines import (AR_MAX_P, BOOT_LEVEL, BUNDLED, CHAT_SEASON, COVERAGE_BANDS, COVERAGE_OFF_QUANTILE,
                        COVERAGE_TEST_ALPHA, MIN_COVERAGE_ROWS, SCALES, SPLIT, SYNTHETIC_LENGTHS, SYNTHETIC_WINDOW,
-                       gmean, in_band, last_rows, scale_label, score_entries, series_entry, set_a, split_rows, summarise,
-                       synthetic_panel)
+                       gmean, in_band, last_rows, scale_label, score_entries, series_entry, set_a, split_rows,
+                       summarise, synthetic_panel)
 from common import (check_run_arguments, code_state, fmt as _fmt, log as _log, offline, run_arguments,
                     train_and_predict, write_report)
 
@@ -228,14 +213,18 @@ def holdout_series():
 
     m = sm.datasets.macrodata.load_pandas().data
     t = [f"{int(y)} Q{int(q)}" for y, q in zip(m.year, m.quarter)]
-    titles = {"realcons": "US real personal consumption (bn 2005 USD)", "realinv": "US real private investment (bn 2005 USD)",
-              "realgovt": "US real government spending (bn 2005 USD)", "realdpi": "US real disposable income (bn 2005 USD)",
-              "cpi": "US consumer price index", "m1": "US M1 money stock (bn USD)", "tbilrate": "US 3-month T-bill rate (%)",
+    titles = {"realcons": "US real personal consumption (bn 2005 USD)",
+              "realinv": "US real private investment (bn 2005 USD)",
+              "realgovt": "US real government spending (bn 2005 USD)",
+              "realdpi": "US real disposable income (bn 2005 USD)",
+              "cpi": "US consumer price index", "m1": "US M1 money stock (bn USD)",
+              "tbilrate": "US 3-month T-bill rate (%)",
               "pop": "US population (millions)", "realint": "US real interest rate (%)"}
     out = [(k, v + ".", t, [float(x) for x in m[k]]) for k, v in titles.items()]
     ii = sm.datasets.interest_inflation.load_pandas().data
     t2 = [f"{int(y)} Q{int(q)}" for y, q in zip(ii.year, ii.quarter)]
-    out += [("de/Dp", "German quarterly inflation (log difference of the deflator).", t2, [round(float(x), 5) for x in ii.Dp]),
+    out += [("de/Dp", "German quarterly inflation (log difference of the deflator).", t2,
+             [round(float(x), 5) for x in ii.Dp]),
             ("de/R", "German long-term interest rate (fraction).", t2, [round(float(x), 5) for x in ii.R])]
     return out
 
@@ -253,10 +242,12 @@ def run_holdout(args) -> int:
     for r, e in zip(rows, entries):
         print(f"| {r['series']} | {np.median(np.abs(e['y'])):.4g} | {r['n_test']} | {r['vs_persistence']:.3f} "
               f"| {r['vs_best']:.3f} ({r['best_baseline']}) | {r['cov50']:.2f} | {r['cov90']:.2f} |")
-    gm = gmean(r["vs_persistence"] for r in rows); gb = gmean(r["vs_best"] for r in rows)
+    gm = gmean(r["vs_persistence"] for r in rows)
+    gb = gmean(r["vs_best"] for r in rows)
     print(f"RESULT holdout_gm_vs_persistence={gm:.4g} holdout_gm_vs_best={gb:.4g} "
           f"min_cov90={min(r['cov90'] for r in rows):.3g} n_beat_persistence="
-          f"{sum(r['vs_persistence'] < 1 for r in rows)}/{len(rows)} calibrated={info['calibrated']} steps={info['steps']}")
+          f"{sum(r['vs_persistence'] < 1 for r in rows)}/{len(rows)} calibrated={info['calibrated']} "
+          f"steps={info['steps']}")
     return 0
 
 

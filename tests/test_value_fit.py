@@ -1,6 +1,6 @@
 """Value units, the ridge warm start, scale calibration and value rounding (docs/values.md).
 
-The full numeric-quality figures live in benchmarks/numeric_quality.py; these tests pin the
+The numeric-quality figures are on docs/numeric_quality.md and docs/values.md; these tests pin the
 mechanics at toy size: exact Cauchy mapping, reproducible fitted statistics, save/load of the
 units, exact leave-one-out residuals, and a trained head that beats the constant with a sane
 90% coverage on a synthetic series."""
