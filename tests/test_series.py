@@ -21,7 +21,7 @@ import torch
 
 from causal_adapter.commands.main import main
 from causal_adapter.data.corpora import series_rows
-from causal_adapter.modeling.series import MIN_SERIES_ROWS, last_keys, position_keys, row_key
+from causal_adapter.modeling.series import MIN_SERIES_ROWS, last_keys, position_keys, positive_series, row_key
 from test_default_recipe import TINY32, _jsonl
 
 TITLES = {"count": "Yearly storm counts", "small": "Quarterly ratio of sales", "rate": "Monthly real rate"}
@@ -119,6 +119,14 @@ def test_a_zero_in_one_series_leaves_another_on_log_y(panel, qwen_tokenizer):
         lo, hi = number["raw_interval_90"]
         assert number["value"] == pytest.approx(p["value"], abs=0.006)  # written with the data's 2 decimals
         assert 0 < lo < number["exact"] < hi and hi - number["exact"] > number["exact"] - lo
+
+
+def test_only_a_positive_series_of_enough_values_is_told_on_log_y():
+    """A table's rows, each a "series" of one value by its text, would each tell the sign of its own target."""
+    table = {"a": {"support": "positive", "rows": MIN_SERIES_ROWS}, "b": {"support": "positive", "rows": 1},
+             "c": {"support": "nonneg", "rows": 50}, "d": {"support": "signed", "rows": 50}}
+    assert positive_series(["a", "b", "c", "d", "unseen"], table) == [True, False, False, False, False]
+    assert positive_series(["a"], None) == [False]
 
 
 def test_an_unseen_title_falls_back_to_the_rows_numbers(panel, qwen_tokenizer):

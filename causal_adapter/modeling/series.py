@@ -195,11 +195,13 @@ def prompt_support(ids: Sequence[int], values: Sequence[float], num_token_id: in
 
 
 def positive_series(keys: Sequence[str], table: dict | None) -> list[bool]:
-    """Per key: its series is positive in `table` (every value training and validation saw > 0): the rows a
-    "series" head tells on log y (`value_transform`). An unseen series is not (its own numbers cannot say that a 0
-    will never come)."""
+    """Per key: its series is positive in `table` (every value training and validation saw > 0, at least
+    `MIN_SERIES_ROWS` of them): the rows a "series" head tells on log y (`value_transform`). An unseen series is
+    not (its own numbers cannot say that a 0 will never come), nor one of a few values: a table's rows, each its own
+    "series" by its text, would each say the sign of its own target."""
     table = table or {}
-    return [table.get(k, {}).get("support") == "positive" for k in keys]
+    return [table.get(k, {}).get("support") == "positive" and table[k].get("rows", 0) >= MIN_SERIES_ROWS
+            for k in keys]
 
 
 def series_log_rows(input_ids: Tensor, numeric_values: Tensor | None, num_token_id: int, table: dict | None,
