@@ -187,10 +187,13 @@ class StepLoop:
                 g.settings = prepare(model, g, self.scorers)
         dev = model.input_device
         lanes = rows
-        if batch is FORK:  # one prefill for the lanes of one prompt
+        # one prefill for the lanes of one prompt, never from the prefix cache: a horizon's figures are the same
+        # whatever was asked before (in the server as in `predict_horizon`)
+        prefix = self.prefix if batch is not FORK else None
+        if batch is FORK:
             rows, batch = rows[:1], None
         hits = [(0, [])] * len(rows)
-        if batch is None and self.prefix is not None and self.kv_only:
+        if batch is None and prefix is not None and self.kv_only:
             hits = [self.prefix.lookup(self._prefix_key(r), r.ids, r.values) for r in rows]
         if batch is not None:
             ids, values, mask = batch
@@ -217,7 +220,7 @@ class StepLoop:
             self.fixed_reason, self.kv_only = movable(new_cache), key_value_only(new_cache)
             if self.fixed_reason is not None and self.max_rows is not None:
                 log.info("rows join a running batch only when it is empty: %s", self.fixed_reason)
-        if self.prefix is not None and self.kv_only and batch is None:
+        if prefix is not None and self.kv_only and batch is None:
             self._store_prefixes(rows, hits, new_cache, mask)
         z = out.last_hidden_state[:, -1]
         if lanes is not rows:
