@@ -119,7 +119,10 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     value = s.value_map.to_value(val)
     if floored is not None:
         value = torch.where(floored.to(value.device) & (value < 0), torch.zeros_like(value), value)
-    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, s.value_map.writable(val), eps)
+    writable = s.value_map.writable(val)
+    if given is not None:  # a lane's value is written where to_value puts it (a log head's clamped), if finite
+        writable = torch.where(given, torch.isfinite(value), writable)
+    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, writable, eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:
