@@ -30,6 +30,12 @@ Phases:
    prompt tokens computed and read from the cache (/health), TTFT p50 / p99 with and without.
 
 Ends with ``RESULT key=value ...`` and one ``TARGET`` line per target (PASS / FAIL).
+
+    python benchmarks/serving.py --horizon-itl    # alone: 4 streams' ITL with and without a horizon beside them
+
+--horizon-itl: 4 streams of 256 tokens to the step server, alone and with a horizon (/v1/predict, 100 paths x 12
+steps, its lanes rows of the running batch) sent once they write, twice each way in turn: their ITL p50 and longest
+gap each way (the run of the smaller p50), and the horizon's seconds.
 """
 from __future__ import annotations
 
@@ -250,6 +256,24 @@ async def poisson(url: str, bodies: list[dict], times: list[float], chat: bool =
             "reused_tokens": after["prefix_reused_tokens"] - before["prefix_reused_tokens"]}
 
 
+async def horizon_itl(url: str, prompts: list[str], horizon: bool) -> dict:
+    """The ITL p50 and longest gap of 4 streams, with a horizon of 100 paths x 12 steps sent beside them or not."""
+    async with client() as http:
+        streams = [asyncio.ensure_future(request(http, url, {"model": "a0", "prompt": p, "max_tokens": 256,
+                                                             "ignore_eos": True})) for p in prompts[:4]]
+        took = math.nan
+        if horizon:
+            await asyncio.sleep(0.3)  # the streams write
+            body = {"model": "a0", "prompts": prompts[4:5], "horizon": 12, "paths": 100,
+                    "continuations": [[f", {1990 + h}:" for h in range(11)]]}
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/predict", json=body) as r:
+                assert r.status == 200, await r.text()
+            took = time.perf_counter() - t0
+        gaps = [g for r in await asyncio.gather(*streams) for g in r["gaps"]]
+    return {"p50": pct(gaps, 0.5), "max": max(gaps), "horizon_s": took}
+
+
 class InProcess:
     """The same base and adapters in this process: generate_batched at batch 32, the two adapters alternating."""
 
@@ -298,6 +322,7 @@ def main() -> None:
     ap.add_argument("--chat-load", type=float, default=0.3,
                     help="prefix phase: the rate as a fraction of the capacity at 16 tokens per request (chat prompts "
                          "are three times longer than the sunspot ones: their prefill is a larger part of the work)")
+    ap.add_argument("--horizon-itl", action="store_true", help="only the streams' ITL beside a horizon (docstring)")
     args = ap.parse_args()
     keep_large_blocks()  # the allocator settings of the servers (commands/serve.py), for the in-process baseline too
     per_round = 32 * args.requests
@@ -311,6 +336,16 @@ def main() -> None:
         paths = make_adapters(Path(tmp), args.hidden_size, args.layers)
         servers = {}
         try:
+            if args.horizon_itl:
+                servers["step"] = start_server(paths, [], args)
+                asyncio.run(closed_loop(servers["step"][1], take(4), 4, 1, 4))  # warm-up
+                r = {}
+                for k in ("alone", "with") * 2:  # alternated, the smaller p50 of each kept: the machine's noise
+                    x = asyncio.run(horizon_itl(servers["step"][1], take(5), k == "with"))
+                    r[k] = x if k not in r or x["p50"] < r[k]["p50"] else r[k]
+                print("RESULT " + " ".join(f"itl_{m}_ms_{k}={v[m] * 1000:.1f}" for k, v in r.items()
+                                           for m in ("p50", "max")) + f" horizon_s={r['with']['horizon_s']:.2f}")
+                return
             servers["step"] = start_server(paths, [], args)
             servers["tick"] = start_server(paths, ["--scheduler", "tick"], args)
             local = InProcess(paths, args)

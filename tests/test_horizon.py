@@ -337,21 +337,18 @@ def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path)
 
 
 def _lanes(model, tokenizer, prompt, horizon, paths, conts, individual, seed=0):
-    """`run_paths` on one prompt exactly as `predict_horizon` runs it (the same prefill, generator and groups): the
-    `Paths` of its 1 + `paths` lanes (lane 0 deterministic, lanes 1.. sampled)."""
+    """The lanes of one prompt exactly as `predict_horizon` runs them (the same prompt ids, generator and rows of the
+    step loop, `horizon.run_lanes`): the `Paths` of its 1 + `paths` lanes (lane 0 deterministic, lanes 1.. sampled)."""
     from causal_adapter.modeling.generation.prepare import text_prompts_tokenizer
-    from causal_adapter.modeling.prediction import encoded_batches, predict_forward
+    from causal_adapter.modeling.prediction import encoded_batches
 
     ntok = text_prompts_tokenizer(model, [prompt], tokenizer, "test")
     gen = torch.Generator(device=model.device).manual_seed(seed)
     model.eval()
     ((_, enc),) = encoded_batches(model, ntok, [prompt], 1)
-    with torch.no_grad():
-        *_, fwd = predict_forward(model, enc, use_cache=True)
-    ids, vals = enc["input_ids"].to(model.input_device), enc["numeric_values"].to(model.input_device)
+    ids, vals = enc["input_ids"][0].tolist(), enc["numeric_values"][0].tolist()
     cont = None if conts is None else hz.continuation_tokens(model, ntok, conts)
-    groups = None if conts is not None else hz.text_groups(model, ntok, gen, individual)
-    return hz.run_paths(model, fwd, 0, 0, ids, vals, cont, horizon, paths, gen, individual, groups)
+    return hz.run_lanes(model, ntok, ids, vals, cont, horizon, paths, gen, individual)
 
 
 def _assert_lanes_part(p, paths, horizon):
@@ -494,7 +491,7 @@ def test_raw_intervals_are_the_sampled_lanes_mixture_and_the_spread_its_quartile
     """Without a per-step map, step h's interval at level q is the central q interval of the equal mixture of the
     SAMPLED lanes' Cauchy(loc_Y, scale_Y) at step h (lane 0 left out), its value the deterministic lane's; with maps,
     the spread s_h the maps multiply is that mixture's 50% half-width (checked with maps of multiplier 1), centred on
-    the deterministic lane's location. The lanes are `run_paths`' for the same prompt, seed and paths."""
+    the deterministic lane's location. The lanes are `run_lanes`' for the same prompt, seed and paths."""
     _, model = saved
     vm, H, paths = model.value_map, 4, 20
     conts = CONTS[0] + ["; 1977: "]
@@ -531,7 +528,7 @@ def test_fit_horizon_calibration_keeps_the_better_way_and_each_steps_own_scores(
     """`fit_horizon_calibration` on tokenized validation rows of a forecasting file (3 values each): the way of
     drawing u it keeps is the one with the smaller held-out score it reports ("path" on a tie), and the map of step
     h (h = 2, 3) holds that way's scores |y_h - v_h| / s_h of step h: v_h the deterministic lane's location at step h,
-    s_h the mixture's 50% half-width, from `run_paths` of the rows (the residuals here are far above the written
+    s_h the mixture's 50% half-width, from `run_lanes` of the rows (the residuals here are far above the written
     resolution: no floor applies)."""
     from datasets import Dataset
 

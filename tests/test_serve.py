@@ -484,6 +484,44 @@ def test_predict_equals_the_predict_command(url, adapters, local, qwen_tokenizer
                                          "raw_upper_90", "series", "support", "transform"]
 
 
+def test_a_stream_keeps_writing_while_a_horizon_runs_beside_it(client, local, qwen_tokenizer):
+    """A horizon of 100 paths x 12 steps (its lanes: rows of the running batch, `serving.horizons`) sent while a
+    stream runs: the stream's tokens keep arriving while the horizon is still running (the worker ran the whole
+    horizon between two of the stream's steps before: no token in between), and both answers are what they are
+    alone (the stream's text `generate`'s, the horizon `predict_horizon`'s in-process)."""
+    prompt = "Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6; 1972:"
+    conts = [f"; {1973 + h}:" for h in range(11)]
+    body = {"model": "a", "prompts": [prompt], "horizon": 12, "paths": 100, "continuations": [conts], "seed": 5}
+    first, times, answer = threading.Event(), [], {}
+
+    def horizon():
+        first.wait(60)
+        answer["sent"] = time.perf_counter()
+        answer["rows"] = client.post("/predict", cast_to=object, body=body)
+        answer["done"] = time.perf_counter()
+
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(horizon)
+        text = ""
+        for chunk in client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text
+            times.append(time.perf_counter())
+            first.set()
+        job.result()
+    during = [t for t in times if answer["sent"] < t < answer["done"]]
+    assert len(during) >= 10, (len(during), len(times), answer["done"] - answer["sent"])
+    assert times[-1] > answer["done"]  # the stream was still running when the horizon answered
+    ref = generate(local["a"], PROMPTS[1], tokenizer=qwen_tokenizer, max_new_tokens=400, eos_token_id=[])
+    assert text == ref.texts[0]
+    want = local["a"].predict_horizon([prompt], tokenizer=qwen_tokenizer, horizon=12, paths=100,
+                                      continuations=[conts], seed=5)
+    got = answer["rows"]["data"]
+    for g, w in zip(got[0]["horizon"], want[0]["horizon"]):  # float rounding of another batch shape
+        g.pop("calibrated"), g.pop("intervals")
+        assert g == pytest.approx(w, rel=1e-4)
+
+
 # --------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("body, status, names", [
     (b'{"model": "a", "prompt": "x",', 400, "not valid JSON"),

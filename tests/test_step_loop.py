@@ -280,3 +280,66 @@ def test_a_cache_that_cannot_be_left_padded_runs_one_batch_at_a_time():
         alone = generate(m, torch.tensor([ids]), numeric_values=torch.tensor([vals], dtype=torch.float64),
                          max_new_tokens=k, eos_token_id=[])
         assert row.tokens == alone.new_tokens[0].tolist()
+
+
+def test_a_fork_of_one_prefill_gets_what_each_row_gets_alone_and_takes_one_row(model):
+    """`StepLoop.add(rows, fork=True)`: the rows of one prompt (a horizon's lanes) join a running batch from ONE
+    prefill (`cache.fork_rows`); each writes what it writes alone, and the fork takes one row of max_rows (lane 0)."""
+    requests = _requests(model, 7, n=3)
+    groups = _groups(requests)
+    others = [Row(ids, vals, groups[(a, m, tuple(e))], k) for ids, vals, a, m, k, e in requests[:2]]
+    ids, vals, a, m, k, e = requests[2]
+    lanes = [Row(ids, vals, groups[(a, m, tuple(e))], k, lane=i) for i in range(4)]
+    loop = StepLoop(model, max_rows=2)
+    loop.add(others[:1])
+    sizes = []
+    with torch.no_grad():
+        loop.step()
+        loop.add(lanes, fork=True)
+        loop.add(others[1:])
+        while loop.busy:
+            loop.step()
+            sizes.append(len(loop.rows))
+    assert loop.prefills == 3 and max(sizes) == 5  # one prefill for the 4 lanes; 1 row + the fork (one row of 2)
+    _assert_alone(model, requests[:2], others)
+    _assert_alone(model, [requests[2]] * 4, lanes)
+
+
+def test_forced_tokens_are_written_and_a_lane_stops_after_its_values(model):
+    """A row's `forced` tokens (a horizon's continuation): a given (id, value) is written as given, (<NUM>, None) with
+    the value head's value at that position (deterministic mode: loc_Y, as an uncached forward gives it); a row with
+    `max_values` is done after that many values, one whose values come after `value_after` counts only those, and
+    one that writes `max_text` tokens without a value ends saying so."""
+    requests = _requests(model, 3, n=1)
+    ids, vals, a = requests[0][:3]
+    g = _groups([(ids, vals, a, "deterministic", 9, [])])[(a, "deterministic", ())]  # no eos: the lengths are ours
+    forced = [(17, 0.0), (NUM, 4.5), (23, 0.0), (NUM, None), (29, 0.0), (NUM, None), (31, 0.0)]
+    full, short = Row(ids, vals, g, 9, forced=forced, max_values=2), Row(ids, vals, g, 9, forced=forced, max_values=1)
+    loop = StepLoop(model)
+    loop.add([full, short])
+    with torch.no_grad():
+        while loop.busy:
+            loop.step()
+    assert full.tokens == [t for t, _ in forced[:6]] and full.value_steps == [3, 5]
+    assert short.tokens == [t for t, _ in forced[:4]] and short.value_steps == [3]
+    assert full.fed_values[1] == 4.5 and full.fed_values[0] == full.fed_values[2] == 0.0
+    model.set_adapter(a)
+    try:
+        for at in (3, 5):
+            seq = ids + full.tokens[:at]
+            seq_vals = vals + full.fed_values[:at]
+            with torch.no_grad():
+                ref = model(torch.tensor([seq]), torch.tensor([seq_vals], dtype=torch.float64))
+            assert full.loc_Y[at] == pytest.approx(float(ref.loc_Y[0, -1]), rel=1e-9)
+            assert full.exact[at] == pytest.approx(float(model.value_map.to_value(ref.loc_Y[0, -1])), rel=1e-9)
+    finally:
+        model.set_adapter("frozen")
+    # values only after the two tokens (23, <NUM>): the <NUM> at 1 is text; none within 2 tokens: it ends
+    text = Row(ids, vals, g, 9, forced=forced, max_values=9, value_after=(23, NUM), max_text=8)
+    quiet = Row(ids, vals, g, 9, forced=[(17, 0.0)] * 5, max_values=1, value_after=(23, NUM), max_text=2)
+    loop.add([text, quiet])
+    with torch.no_grad():
+        while loop.busy:
+            loop.step()
+    assert text.value_steps == [3, 5] and len(text.tokens) == 9
+    assert quiet.tokens == [17] * 3 and "wrote no value within 2 tokens" in quiet.stop_reason

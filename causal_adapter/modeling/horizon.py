@@ -46,16 +46,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .._compat import cache_kwargs
 from ..numbers import find_numbers
 from .cauchy import cauchy_cdf
-from .generation.cache import cache_from, key_value_only
-from .generation.choose import choose, draw_eps
-from .generation.options import DecodingOptions
-from .generation.prepare import Group, prepare, text_prompts_tokenizer
-from .heads import full_precision, individual_draw, recent_values
+from .generation.api import batched_options
+from .generation.loop import StepLoop
+from .generation.prepare import Group, text_prompts_tokenizer
+from .generation.record import Row
 from .intervals import conformal_multiplier
-from .value_transform import ValueMap
 from .prediction import (DEFAULT_LEVELS, batch_series, check_levels, encoded_batches, level_name, predict_forward,
                          prediction_rows)
 
@@ -68,8 +65,6 @@ MAX_PATHS = 10000
 DEFAULT_PATHS = 100
 #: tokens a lane may write between two values when it writes the text itself (no continuations)
 MAX_TEXT_TOKENS = 48
-#: a sampled value beyond this magnitude ends its lane (a Cauchy draw fed back can grow past float32's range)
-MAX_FED_VALUE = 1e30
 #: u drawn once per path ("path": one individual throughout) or afresh at every step ("step")
 INDIVIDUALS = ("path", "step")
 DEFAULT_INDIVIDUAL = "path"
@@ -149,242 +144,78 @@ def continuation_tokens(model, ntok, texts: Sequence[str]) -> list[tuple[list[in
     return out
 
 
-def _lane_cache(model, out, row: int, pad: int, n: int, ids: Tensor, vals: Tensor):
-    """The prompt's cache expanded to n lanes (its left padding cut): a view of the one prefill, copied once by the
-    first step's concatenation. A cache that is not all key/value layers (a hybrid family's recurrent state) is
-    prefilled again for the n lanes."""
-    cache = out.cache
-    if key_value_only(cache):
-        layers = [(layer.keys[row:row + 1, :, pad:].expand(n, -1, -1, -1),
-                   layer.values[row:row + 1, :, pad:].expand(n, -1, -1, -1)) for layer in cache.layers]
-        return cache_from(layers)
-    seq_ids, seq_vals = ids[row:row + 1, pad:].expand(n, -1), vals[row:row + 1, pad:].expand(n, -1)
-    return model(seq_ids, seq_vals, torch.ones_like(seq_ids), use_cache=True).cache
+def lane_rows(model, ntok, ids: list[int], values: list[float], continuation: list | None, horizon: int, paths: int,
+              gen: torch.Generator | None, individual: str = DEFAULT_INDIVIDUAL, adapter: str | None = None,
+              floored: bool | None = None, log: bool = False) -> list[Row]:
+    """The 1 + `paths` rows of the step loop that run one prompt's lanes (ids / values: the prompt, no padding), to
+    add with ``StepLoop.add(rows, fork=True)``: lane 0 in the deterministic mode, lanes 1.. in the causal mode
+    (`individual` "path": one eps per lane, `shared_individual`; "step": drawn at each value, or at each token of a
+    lane's own text, from `gen`). `continuation`: (ids, values) of the text before values 2..H
+    (`continuation_tokens`): every lane writes <NUM>, it, <NUM>, ..., its values the head's; None: a lane writes
+    <NUM> then its own text, a <NUM> after the two tokens the prompt ends with being its next value. `floored`: the
+    row's series never goes below 0 (None: the loop reads it, and `log`, from the prompt); `log`: a "series" head tells
+    it on log y."""
+    num = model.num_token_id
+    forced, after, limit = [(num, None)], None, None
+    if continuation is None:
+        after, limit = (ids[-2] if len(ids) >= 2 else -1, ids[-1]), MAX_TEXT_TOKENS
+        budget = 1 + (horizon - 1) * (MAX_TEXT_TOKENS + 1)
+    else:
+        for c_ids, c_vals in continuation[:horizon - 1]:
+            forced += list(zip(c_ids, c_vals)) + [(num, None)]
+        budget = len(forced)
+
+    def group(mode: str) -> Group:
+        shared = mode == "causal" and individual == "path"
+        # with continuations every lane draws at the same steps: one [N, C] draw a value (fixed slots, as predict's
+        # paths always drew); writing its own text a lane draws while it writes (the rows present)
+        return Group(adapter, batched_options(dict(mode=mode, shared_individual=shared))[0], ntok, gen,
+                     fixed_slots=mode == "causal" and continuation is not None, slots=paths)
+
+    det, cau = group("deterministic"), group("causal")
+    return [Row(list(ids), list(values), det if lane == 0 else cau, budget, forced=forced, max_values=horizon,
+                value_after=after, max_text=limit, lane=lane, slot=max(lane - 1, 0), floored=floored,
+                log=log and floored is not None)
+            for lane in range(1 + paths)]
 
 
-@dataclass
-class StepOutput:
-    """The heads at the last fed position of n lanes: loc_U, scale_U [n, 1, C], loc_Y, scale_Y [n, 1], recent
-    [n, 1, K] (None without), hidden_states z [n, 1, H] (the layout of `CausalOutput`, one position)."""
-
-    loc_U: Tensor
-    scale_U: Tensor
-    loc_Y: Tensor
-    scale_Y: Tensor
-    recent: Tensor | None
-    hidden_states: Tensor
-
-
-def step_forward(model, cache, ids: Tensor, values: Tensor, recent_before: Tensor | None, length: int,
-                 regression: bool = True, log_rows: Tensor | None = None) -> StepOutput:
-    """ids / values [n, s] fed after `length` cached positions (no padding: every lane has the same length): the
-    backbone over them (`cache` grows in place), then the heads on the LAST position only, as `CausalModel.forward`
-    computes them there (the value head's recent numbers from `recent_before` [n, K] and the fed ones).
-    regression=False: loc_Y / scale_Y left None (only the backbone's state and the recent numbers are needed)."""
-    n, s = ids.shape
-    mask = torch.ones((n, length + s), dtype=torch.long, device=ids.device)
-    pos = torch.arange(length, length + s, device=ids.device).expand(n, s)
-    out = model.decoder(inputs_embeds=model.embed(ids, values), attention_mask=mask, position_ids=pos, use_cache=True,
-                        **cache_kwargs(model.decoder, cache))
-    z = out.last_hidden_state[:, -1:]
-    with full_precision(z.device):
-        loc_U, scale_U = model.abduction(z)
-        recent = None
-        if model.action.recent_values:
-            dev = loc_U.device
-            width = getattr(model.action, "recent_window", None) or model.action.recent_values  # as forward reads
-            recent = recent_values(ids.to(dev), values.to(dev), model.num_token_id, width, recent_before)[:, -1:]
-        loc_Y = scale_Y = None
-        if regression:
-            loc_Y, scale_Y = model.action.regression(loc_U, model.action.noisy_scale(scale_U), recent, log_rows)
-    return StepOutput(loc_U, scale_U, loc_Y, scale_Y, recent, z)
-
-
-def _draw(gen, n: int, C: int, like: Tensor) -> Tensor:
-    return draw_eps(n, C, like.dtype, like.device, gen)
+def lane_paths(rows: list[Row], horizon: int, free_text: bool) -> Paths:
+    """The `Paths` of one prompt's finished lane rows (`lane_rows`); the deterministic lane must have written its
+    `horizon` values (a ValueError says why it did not)."""
+    det = rows[0]
+    if len(det.value_steps) < horizon:
+        k = len(det.value_steps)
+        if free_text and det.stop_reason is not None and det.stop_reason.startswith("stopped"):
+            raise ValueError(f"the deterministic path chose a number after value {k} that the value head cannot "
+                             f"write ({det.stop_reason}): give the row's continuations (the text before each value)")
+        if free_text:
+            raise ValueError(f"the deterministic path wrote no value (a number after the text the prompt ends with) "
+                             f"within {MAX_TEXT_TOKENS} tokens after value {k}: give the row's continuations (the "
+                             "text before each value)")
+        raise ValueError(f"the deterministic path's value {k + 1} cannot be written: {det.stop_reason}")
+    nan = torch.full((len(rows), horizon), math.nan, dtype=torch.float64)
+    value, loc_Y, scale_Y = nan.clone(), nan.clone(), nan.clone()
+    for lane, r in enumerate(rows):
+        at = r.value_steps[:horizon]
+        h = len(at)
+        value[lane, :h] = torch.tensor([r.exact[i] for i in at], dtype=torch.float64)
+        loc_Y[lane, :h] = torch.tensor([r.loc_Y[i] for i in at], dtype=torch.float64)
+        scale_Y[lane, :h] = torch.tensor([r.scale_Y[i] for i in at], dtype=torch.float64)
+    return Paths(value, loc_Y, scale_Y)
 
 
 @torch.no_grad()
-def run_paths(model, out, row: int, pad: int, ids: Tensor, vals: Tensor, continuation: list | None, horizon: int,
-              paths: int, gen: torch.Generator | None, individual: str = DEFAULT_INDIVIDUAL,
-              groups: tuple[Group, Group] | None = None, floored: bool = False, log: bool = False) -> Paths:
-    """The 1 + `paths` lanes of prompt `row` of a prefill `out` (`predict_forward` with use_cache; `pad` its left
-    padding, ids / vals [B, S] its inputs), `horizon` values each; `floored`: the row's series never goes below 0
-    (`series.RowSeries.floored`), so no lane writes (or feeds back) a value below it; `log`: a "series" head tells
-    it on log y (`series.RowSeries.log`). `continuation`: (ids, values) of the text before
-    values 2..H (`continuation_tokens`), or None (the lanes write it, with `groups`: `text_groups`)."""
-    n = 1 + paths
-    cache = _lane_cache(model, out, row, pad, n, ids, vals)
-    L = ids.shape[1] - pad
-    act = model.action
-
-    def at(o, i: int | slice = -1):
-        return (o.loc_U[:, i], o.scale_U[:, i], o.loc_Y[:, i], o.scale_Y[:, i],
-                None if o.recent is None else o.recent[:, i], o.hidden_states[:, i])
-
-    loc_U, scale_U, loc_Y, scale_Y, recent, z = (t[row:row + 1].expand(n, *t.shape[1:]) if t is not None else None
-                                                  for t in at(out))
-    dev = loc_U.device
-    value = torch.full((n, horizon), math.nan, dtype=torch.float64, device=dev)
-    locs, scales = value.clone(), value.clone()
-    vm, decimals = model.value_map.row(floored, log), model.causal_config.value_decimals
-    log_rows = torch.full((n, 1), log, device=dev) if model.value_map.series else None  # the lanes' scale
-    C = loc_U.shape[-1]
-    eps_path = _draw(gen, paths, C, loc_U) if individual == "path" and paths else None
-
-    def draw_values(loc_U, scale_U, loc_Y, scale_Y, eps):
-        """The sampled lanes' values [N] on the head's scale: the head's Cauchy at the quantile their u gives it
-        (`individual_draw`)."""
-        with full_precision(dev):
-            t = individual_draw(act, eps, act.noisy_scale(scale_U))
-        return loc_Y.double() + scale_Y.double() * t.double()
-
-    def fed(v: Tensor) -> Tensor:  # as generation writes a value and feeds it back (`record.written_values`)
-        return v if decimals is None else torch.round(v, decimals=decimals)
-
-    def forward(new_ids: Tensor, new_vals: Tensor, recent_before, length: int, regression: bool = True):
-        """The lanes' next tokens [n, s] through the backbone (cache grown in place); the heads at the last one."""
-        return step_forward(model, cache, new_ids, new_vals, recent_before, length, regression, log_rows)
-
-    in_dev = model.input_device
-    num = model.num_token_id
-    vdtype = vals.dtype
-    if continuation is not None or horizon == 1:
-        dead = torch.zeros(n, dtype=torch.bool, device=dev)  # lanes whose value left the finite range: ended
-        for h in range(horizon):
-            if h:  # the lanes' own heads after what they fed (step 1: the prompt's, lane 0 `predict_values`' row)
-                with full_precision(dev):
-                    loc_Y, scale_Y = act.regression(loc_U, act.noisy_scale(scale_U), recent, log_rows)
-            head = loc_Y.double().clone()
-            if paths:
-                eps = eps_path if eps_path is not None else _draw(gen, paths, C, loc_U)
-                head[1:] = draw_values(loc_U[1:], scale_U[1:], loc_Y[1:], scale_Y[1:], eps)
-            v = vm.to_value(head)
-            dead |= ~torch.isfinite(v) | (v.abs() > MAX_FED_VALUE) | ~torch.isfinite(loc_Y) | ~torch.isfinite(scale_Y)
-            nan = torch.full_like(v, math.nan)
-            value[:, h] = torch.where(dead, nan, v)
-            locs[:, h] = torch.where(dead, nan, loc_Y.double())
-            scales[:, h] = torch.where(dead, nan, scale_Y.double())
-            if h == horizon - 1:
-                break
-            if bool(dead[0]):
-                raise ValueError(f"the deterministic path's value {h + 1} is {float(v[0])!r} (not finite)")
-            c_ids, c_vals = continuation[h]
-            new_ids = torch.tensor([[num] + c_ids], dtype=torch.long, device=in_dev).expand(n, -1)
-            new_vals = torch.tensor([[0.0] + c_vals], dtype=vdtype, device=in_dev).repeat(n, 1)
-            new_vals[:, 0] = fed(value[:, h].nan_to_num(0.0)).to(in_dev, vdtype)  # an ended lane feeds 0, unread
-            o = forward(new_ids, new_vals, recent, L, regression=False)
-            L += new_ids.shape[1]
-            loc_U, scale_U, recent = o.loc_U[:, -1], o.scale_U[:, -1], None if o.recent is None else o.recent[:, -1]
-        return Paths(value, locs, scales)
-    if groups is None:
-        raise ValueError("a prompt without continuations needs the decoding groups (`text_groups`)")
-    context = (int(ids[row, -2]) if ids.shape[1] - pad >= 2 else -1, int(ids[row, -1]))
-    return _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, forward,
-                            (loc_U, scale_U, loc_Y, scale_Y, recent, z), value, locs, scales, draw_values, fed, context,
-                            vm)
-
-
-def text_groups(model, ntok, gen: torch.Generator | None, individual: str) -> tuple[Group, Group]:
-    """The decoding groups of the lanes that write their own text: the deterministic mode (lane 0) and the causal
-    mode (lanes 1..N, `individual` "path": one eps per lane, given; "step": drawn at each token from `gen`)."""
-    def options(mode: str) -> DecodingOptions:
-        return DecodingOptions(mode=mode, max_new_tokens=None, max_length=None, min_new_tokens=0, eos_token_id=None,
-                               pad_token_id=None, stop_strings=[], do_sample=False, temperature=None, top_k=None,
-                               top_p=None, repetition_penalty=None, logits_processor=None,
-                               shared_individual=mode == "causal" and individual == "path", return_eps=False)
-
-    groups = []
-    for mode in ("deterministic", "causal"):
-        g = Group(adapter=None, opts=options(mode), ntok=ntok, gen=gen)
-        g.settings = prepare(model, g)
-        groups.append(g)
-    return groups[0], groups[1]
-
-
-def _free_text_paths(model, cache, L, horizon, paths, gen, groups, eps_path, forward, state, value, locs,
-                     scales, draw_values, fed, context: tuple[int, int], vm: ValueMap) -> Paths:
-    """`run_paths` without continuations: each lane writes its own text between the values (module docstring). A
-    number the lane writes after `context`, the two tokens the prompt ends with (``": "``), is its next value; any
-    other number it writes (a label's year) is text: written and fed back, not a step."""
-    loc_U, scale_U, loc_Y, scale_Y, recent, z = state
-    n = 1 + paths
-    dev = loc_U.device
-    num = model.num_token_id
-    # step 1 at the prompt's end (a number comes there, as in `predict_values`)
-    head = loc_Y.double().clone()
-    if paths:
-        eps = eps_path if eps_path is not None else _draw(gen, paths, loc_U.shape[-1], loc_U)
-        head[1:] = draw_values(loc_U[1:], scale_U[1:], loc_Y[1:], scale_Y[1:], eps)
-    value[:, 0], locs[:, 0], scales[:, 0] = vm.to_value(head), loc_Y.double(), scale_Y.double()
-    if horizon == 1:
-        return Paths(value, locs, scales)
-
-    det, cau = groups
-    eos = det.settings.eos_set
-    lanes = torch.arange(n, device=dev)  # the lanes still writing, in cache order
-    step = torch.ones(n, dtype=torch.long, device=dev)  # values written so far per lane
-    written = torch.zeros(n, dtype=torch.long, device=dev)  # tokens since the lane's last value
-    tok = torch.full((n,), num, dtype=torch.long, device=dev)
-    fed_val = fed(value[:, 0]).to(dev)
-    prev = tok.clone()  # the last token each lane fed, and the one before it
-    prev2 = torch.full((n,), context[1], dtype=torch.long, device=dev)
-    pending = torch.zeros(n, dtype=torch.bool, device=dev)
-    in_dev = model.input_device
-    while True:
-        o = forward(tok.unsqueeze(1).to(in_dev), fed_val.unsqueeze(1).to(in_dev, torch.float32), recent, L, False)
-        L += 1
-        recent = None if o.recent is None else o.recent[:, -1]
-        z = o.hidden_states[:, -1]
-        tok = torch.empty_like(tok)
-        val = torch.full(tok.shape, math.nan, dtype=torch.float64, device=dev)
-        ly, sy = val.clone(), val.clone()
-        writable = torch.ones(tok.shape, dtype=torch.bool, device=dev)
-        pend = torch.zeros_like(pending)
-        for g, rows in ((det, (lanes == 0).nonzero().squeeze(1)), (cau, (lanes > 0).nonzero().squeeze(1))):
-            if not rows.numel():
-                continue
-            shared = None if eps_path is None or g is det else eps_path[lanes[rows] - 1]
-            with full_precision(dev):
-                c = choose(model, g, z[rows], prev=prev[rows], pending=pending[rows],
-                           recent=None if recent is None else recent[rows], shared_eps=shared,
-                           log=torch.full(rows.shape, vm.log, device=dev))
-            tok[rows], pend[rows], writable[rows] = c.tok, c.pending, c.writable
-            # the causal lanes' value: the head's own Cauchy where the lane's u puts it (`heads.individual_draw`)
-            val[rows], ly[rows], sy[rows] = c.val.double(), c.loc_Y.double(), c.scale_Y.double()
-        if vm.positive:  # the row's series never goes below 0 (`ValueMap.floored`)
-            val = val.clamp_min(0.0)
-        is_num = tok == num
-        is_val = is_num & (prev2 == context[0]) & (prev == context[1])  # written where value 1 was
-        prev2, prev, pending = prev, tok, pend
-        written = torch.where(is_val, torch.zeros_like(written), written + 1)
-        for i in is_val.nonzero().squeeze(1).tolist():
-            lane, h = int(lanes[i]), int(step[i])
-            if bool(writable[i]) and math.isfinite(float(val[i])) and abs(float(val[i])) <= MAX_FED_VALUE:
-                value[lane, h], locs[lane, h], scales[lane, h] = val[i], ly[i], sy[i]
-        step = step + is_val.long()
-        bad = is_num & (~torch.isfinite(val) | (val.abs() > MAX_FED_VALUE) | ~writable)  # as `generation.record.faults`
-        ended = (written > MAX_TEXT_TOKENS) | torch.isin(tok, torch.tensor(sorted(eos), dtype=torch.long, device=dev))
-        ended |= bad
-        done = (step >= horizon) | ended
-        if bool(bad[lanes == 0].any()):
-            raise ValueError(f"the deterministic path chose a number after value {int(step[0])} that the value head "
-                             "cannot write (not finite, or outside a log head's bounds: a position it was not fitted "
-                             "at): give the row's continuations (the text before each value)")
-        if bool(ended[lanes == 0].any()):
-            raise ValueError(f"the deterministic path wrote no value (a number after the text the prompt ends with) "
-                             f"within {MAX_TEXT_TOKENS} tokens after value {int(step[0])}: give the row's "
-                             "continuations (the text before each value)")
-        fed_val = torch.where(is_num, fed(val).nan_to_num(0.0), torch.zeros_like(val))
-        if bool(done.all()):
-            break
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)
-            cache.reorder_cache(keep.to(in_dev))
-            lanes, step, written, tok, fed_val = lanes[keep], step[keep], written[keep], tok[keep], fed_val[keep]
-            prev, prev2, pending = prev[keep], prev2[keep], pending[keep]
-            recent = None if recent is None else recent[keep]
-    return Paths(value, locs, scales)
+def run_lanes(model, ntok, ids: list[int], values: list[float], continuation: list | None, horizon: int, paths: int,
+              gen: torch.Generator | None, individual: str = DEFAULT_INDIVIDUAL, floored: bool | None = None,
+              log: bool = False) -> Paths:
+    """One prompt's lanes (`lane_rows`) run alone on a step loop, to their `horizon` values: their `Paths`."""
+    rows = lane_rows(model, ntok, ids, values, continuation, horizon, paths, gen, individual, floored=floored,
+                     log=log)
+    loop = StepLoop(model)
+    loop.add(rows, fork=True)
+    while loop.busy:
+        loop.step()
+    return lane_paths(rows, horizon, continuation is None)
 
 
 # ----------------------------------------------------------------------------- intervals
@@ -476,6 +307,82 @@ def horizon_steps(model, first: dict, p: Paths | None, levels: tuple[float, ...]
 
 
 # ----------------------------------------------------------------------------- the entry point
+class HorizonRun:
+    """A horizon call, prompt after prompt: the checks, step 1 of every prompt (`predict_values`' rows, from one
+    forward a batch), then each prompt's lanes as rows of a step loop (`lanes(i)`, one prompt at a time: the paths'
+    draws come from one generator in prompt order) and its output row once they are done (`row(i)`).
+    `predict_horizon` runs them on a loop of its own; the server on its running batch (`serving.engine`)."""
+
+    def __init__(self, model, prompts: Sequence[str], tokenizer, horizon: int, paths: int,
+                 levels: Sequence[float] | None, continuations, seed: int | None, batch_size: int,
+                 individual: str | None, adapter: str | None = None):
+        check_horizon(horizon)
+        self.want = levels is not None
+        self.levels = check_levels(levels) if self.want else ()
+        check_paths(paths, intervals=self.want and horizon > 1)
+        self.texts = check_continuations(continuations, prompts, horizon)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if model.causal_config.value_loc is None:
+            raise ValueError("the adapter has no value units (value_loc / value_scale): train it first, or load a "
+                             "trained adapter with CausalModel.from_pretrained")
+        self.calibration = model.causal_config.horizon_calibration
+        self.individual = check_individual(individual or (self.calibration or {}).get("individual",
+                                                                                       DEFAULT_INDIVIDUAL))
+        self.ntok = text_prompts_tokenizer(model, prompts, tokenizer, "predict_horizon")
+        self.model, self.horizon, self.paths, self.adapter = model, horizon, paths, adapter
+        self.gen = None if seed is None else torch.Generator(device=model.device).manual_seed(int(seed))
+        self.firsts: list[dict] = []
+        self.floored: list[bool] = []
+        self.logs: list[bool] = []  # a "series" head's rows on log y (`series.RowSeries.log`)
+        self.prompts: list[tuple[list[int], list[float]]] = []
+        with torch.no_grad():
+            for start, enc in encoded_batches(model, self.ntok, prompts, batch_size):
+                loc, scale, p_num, fwd = predict_forward(model, enc)
+                series = batch_series(model, enc, fwd)
+                self.firsts += prediction_rows(model, loc, scale, p_num, self.levels or DEFAULT_LEVELS, start, series)
+                self.floored += series.floored.tolist()
+                self.logs += [False] * len(loc) if series.log is None else series.log.tolist()
+                for ids, vals, mask in zip(enc["input_ids"].tolist(), enc["numeric_values"].tolist(),
+                                           enc["attention_mask"].tolist()):
+                    pad = mask.count(0)
+                    self.prompts.append((ids[pad:], vals[pad:]))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def lanes(self, i: int) -> list[Row] | None:
+        """Prompt i's lane rows (`lane_rows`), None with horizon 1 (predict's row alone: no path to run)."""
+        if self.horizon == 1:
+            return None
+        ids, vals = self.prompts[i]
+        cont = None if self.texts[i] is None else continuation_tokens(self.model, self.ntok, self.texts[i])
+        return lane_rows(self.model, self.ntok, ids, vals, cont, self.horizon, self.paths, self.gen, self.individual,
+                         self.adapter, bool(self.floored[i]), bool(self.logs[i]))
+
+    def row(self, i: int, rows: list[Row] | None) -> dict[str, Any]:
+        """Prompt i's output row from its finished lanes (`lanes(i)`)."""
+        first = self.firsts[i]
+        row = first if self.want else {k: first[k] for k in ("row", "value", "scale", "p_num")}
+        p = None
+        if rows is not None:
+            try:
+                p = lane_paths(rows, self.horizon, self.texts[i] is None)
+            except ValueError as e:
+                raise ValueError(f"row {i}: {e}") from None
+        if self.want:
+            row["horizon"] = horizon_steps(self.model, first, p, self.levels, self.calibration, self.floored[i],
+                                           self.logs[i])
+        else:
+            row["horizon"] = [{"step": h + 1, "value": float(p.value[0, h]) if h else first["value"]}
+                              for h in range(self.horizon)]
+        for s in row["horizon"]:
+            if not math.isfinite(s["value"]):
+                raise FloatingPointError(f"prompt {row['row']}: the value of step {s['step']} is {s['value']} "
+                                         "(not finite)")
+        return row
+
+
 def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon: int = 1, paths: int = DEFAULT_PATHS,
                     levels: Sequence[float] | None = DEFAULT_LEVELS, continuations=None, seed: int | None = 0,
                     batch_size: int = 16, individual: str | None = None,
@@ -509,66 +416,23 @@ def predict_horizon(model, prompts: str | Sequence[str], tokenizer=None, horizon
         prompts = [prompts]
         if continuations is not None and all(isinstance(t, str) for t in continuations):
             continuations = [continuations]
-    check_horizon(horizon)
-    want = levels is not None
-    levels = check_levels(levels) if want else ()
-    check_paths(paths, intervals=want and horizon > 1)
-    texts = check_continuations(continuations, prompts, horizon)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if model.causal_config.value_loc is None:
-        raise ValueError("the adapter has no value units (value_loc / value_scale): train it first, or load a "
-                         "trained adapter with CausalModel.from_pretrained")
-    calibration = model.causal_config.horizon_calibration
-    individual = check_individual(individual or (calibration or {}).get("individual", DEFAULT_INDIVIDUAL))
-    ntok = text_prompts_tokenizer(model, prompts, tokenizer, "predict_horizon")
-    gen = None if seed is None else torch.Generator(device=model.device).manual_seed(int(seed))
     was_training = model.training
     model.eval()
-    out: list[dict[str, Any]] = []
-    groups = None
     try:
-        for start, enc in encoded_batches(model, ntok, prompts, batch_size):
-            loc, scale, p_num, fwd = predict_forward(model, enc, use_cache=True)
-            series = batch_series(model, enc, fwd)
-            firsts = prediction_rows(model, loc, scale, p_num, levels or DEFAULT_LEVELS, start, series)
-            pads = (enc["attention_mask"] == 0).sum(-1).tolist()
-            floored = series.floored.tolist()
-            logs = [False] * len(floored) if series.log is None else series.log.tolist()
-            if groups is None and any(texts[i] is None for i in range(start, start + len(firsts))) and horizon > 1:
-                groups = text_groups(model, ntok, gen, individual)
-            ids, vals = enc["input_ids"].to(model.input_device), enc["numeric_values"].to(model.input_device)
-            for b, first in enumerate(firsts):
-                i = start + b
-                row = first if want else {k: first[k] for k in ("row", "value", "scale", "p_num")}
-                if horizon == 1:  # predict's row alone: no path to run
-                    row["horizon"] = horizon_steps(model, first, None, levels, calibration, floored[b], logs[b]) \
-                        if want else \
-                        [{"step": 1, "value": first["value"]}]
-                    out.append(row)
-                    if progress is not None:
-                        progress(1)
-                    continue
-                cont = None if texts[i] is None else continuation_tokens(model, ntok, texts[i])
-                try:
-                    p = run_paths(model, fwd, b, int(pads[b]), ids, vals, cont, horizon, paths, gen, individual,
-                                  groups, floored[b], logs[b])
-                except ValueError as e:
-                    raise ValueError(f"row {i}: {e}") from None
-                if want:
-                    row["horizon"] = horizon_steps(model, first, p, levels, calibration, floored[b], logs[b])
-                else:
-                    row["horizon"] = [{"step": h + 1, "value": float(p.value[0, h]) if h else first["value"]}
-                                      for h in range(horizon)]
-                out.append(row)
-                if progress is not None:
-                    progress(1)
-            del fwd
+        run = HorizonRun(model, prompts, tokenizer, horizon, paths, levels, continuations, seed, batch_size,
+                         individual)
+        out = []
+        loop = StepLoop(model)
+        for i in range(len(run)):
+            rows = run.lanes(i)
+            if rows is not None:
+                loop.add(rows, fork=True)
+                with torch.no_grad():
+                    while loop.busy:
+                        loop.step()
+            out.append(run.row(i, rows))
+            if progress is not None:
+                progress(1)
     finally:
         model.train(was_training)
-    for r in out:
-        for s in r["horizon"]:
-            if not math.isfinite(s["value"]):
-                raise FloatingPointError(f"prompt {r['row']}: the value of step {s['step']} is {s['value']} "
-                                         "(not finite)")
     return out

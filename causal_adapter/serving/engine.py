@@ -14,6 +14,9 @@ cut before it (OpenAI); ``finish_reason`` is "stop" (eos or a stop string) or "l
 ``stop_reason`` sentence (vLLM's field) for a row that ended on a value or a hidden state that is not finite. Each
 row's ``values``: its numbers (before the cut) with its adapter's intervals at the requested levels
 (`CausalModel.value_interval`).
+
+A horizon (/v1/predict with ``horizon``): its lanes are rows of the same batch (`serving.horizons`), so streams beside
+it go on writing while it runs.
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ from ..modeling.generation.prepare import Group, make_generator
 from ..modeling.generation.record import Row
 from ..modeling.generation.stream import decode_text, first_stop, streamable
 from ..modeling.intervals import interval
-from ..modeling.horizon import predict_horizon, step_intervals
+from ..modeling.horizon import HorizonRun
 from ..modeling.prediction import level_name, predict_values
 from ..numbers import NumberTokenizer
+from .horizons import Horizons, Lane
 from .logprobs import completion_logprobs
 from .registry import Registry
 from .scheduler import Job, RequestError
@@ -141,6 +145,7 @@ class Engine:
         self.context = getattr(text_config(model.backbone), "max_position_embeddings", None)
         self.groups: dict[tuple, Group] = {}  # unseeded groups, by (adapter, decoding without its stops)
         self.requests: dict[Job, Request] = {}
+        self.horizons = Horizons(model)  # horizon requests whose lanes run in the batch
         self.deferred: list[Job] = []  # calls waiting for an adapter's rows to leave
         # what /health reports of the work: steps, steps with rows of several adapters, rows, seconds in steps
         self.steps = self.mixed_steps = self.generated_rows = 0
@@ -165,7 +170,7 @@ class Engine:
 
     def waiting_requests(self) -> int:
         """Requests whose rows all wait to join the batch."""
-        return len(self.requests) - self.running()
+        return len(self.requests) + len(self.horizons) - self.running()
 
     def accept(self, job: Job) -> None:
         if job.kind == "generate":
@@ -180,7 +185,7 @@ class Engine:
 
     def fail_running(self) -> list[Job]:
         """After an error inside a step: the requests of the batch (they fail), and a fresh batch."""
-        jobs = list(self.requests)
+        jobs = list(self.requests) + self.horizons.clear()
         self.requests.clear()
         self.loop = self._new_loop()
         return jobs
@@ -206,7 +211,10 @@ class Engine:
         for r in stepped:  # the tokens go out before the backbone's pass for the next step
             self._wrote(r, now)
         for r in finished:
-            self._finished(r)
+            if isinstance(r.tag, Lane):
+                self.horizons.lane_done(r, self.loop)
+            else:
+                self._finished(r)
         self.loop.feed()
         self._drop_cancelled()  # rows cancelled left at this step: forget their request now (no step may follow)
         self.step_s += time.perf_counter() - t0
@@ -257,6 +265,7 @@ class Engine:
         """Rows of a request whose client went away leave at the next step; the request is forgotten once none of
         its rows is in the batch (rows still waiting are dropped when their turn comes)."""
         running = set(self.loop.rows)
+        self.horizons.drop_cancelled(running)
         for job, request in list(self.requests.items()):
             if not job.cancelled:
                 continue
@@ -440,18 +449,13 @@ class Engine:
             prompts, field = self._prompts(spec, to_first_number=True)
             self._encode(prompts, field, 0)
             try:
-                if spec.horizon is None:
-                    rows = predict_values(self.model, prompts, tokenizer=self.ntok, levels=spec.levels,
-                                          batch_size=PREDICT_BATCH_SIZE)
-                else:
-                    rows = predict_horizon(self.model, prompts, tokenizer=self.ntok, horizon=spec.horizon,
-                                           paths=spec.paths, levels=spec.levels, continuations=spec.continuations,
-                                           seed=spec.seed, batch_size=PREDICT_BATCH_SIZE)
-                    # each step says how its intervals were made (the rule predict's stderr note follows)
-                    kinds = step_intervals(self.model.causal_config, spec.horizon)
-                    for r in rows:
-                        for s, kind in zip(r["horizon"], kinds):
-                            s.update(calibrated=kind == "calibrated", intervals=kind)
+                if spec.horizon is not None:
+                    run = HorizonRun(self.model, prompts, self.ntok, spec.horizon, spec.paths, spec.levels,
+                                     spec.continuations, spec.seed, PREDICT_BATCH_SIZE, None, adapter=spec.adapter)
+                    self.horizons.start(job, run, field, self.loop)
+                    return
+                rows = predict_values(self.model, prompts, tokenizer=self.ntok, levels=spec.levels,
+                                      batch_size=PREDICT_BATCH_SIZE)
             except ValueError as e:
                 raise RequestError(400, str(e), param=field) from None
         except RequestError as e:

@@ -2,7 +2,8 @@
 
 Rows leave a running batch with `select_rows` (the cache's `reorder_cache`, beam search's row selection), rows join
 with `merge_rows` (their prefill's cache, left padded to the batch's length, concatenated on the batch axis), and the
-padding every row has in common is cut with `trim_left`. A row's keys and values never move along its own sequence
+padding every row has in common is cut with `trim_left`. `fork_rows` turns the prefill of one prompt into the rows of
+several (a horizon's lanes: one prefill, 1 + N rows). A row's keys and values never move along its own sequence
 axis and its attention mask and position ids go with it, so joining and leaving change no row's attention.
 `movable` says whether a cache's layers allow it: key/value layers (`DynamicLayer`) and the linear-attention layers
 of the hybrid families (conv and recurrent states: one per row, nothing to pad); a sliding-window, static or quantized
@@ -93,6 +94,26 @@ def trim_left(cache: Any, n: int) -> None:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys = layer.keys[..., n:, :]
             layer.values = layer.values[..., n:, :]
+
+
+def fork_rows(cache: Any, n: int) -> None:
+    """A cache of one row made the cache of `n` rows that begin with it, in place: key/value layers expanded (a view:
+    the next step's concatenation copies it), linear-attention states repeated (each row updates its own)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.expand(n, *layer.keys.shape[1:])
+            layer.values = layer.values.expand(n, *layer.values.shape[1:])
+        for name in _STATES:
+            if not hasattr(layer, name):
+                continue
+            states = _states(layer, name)
+            for i, t in states.items():
+                if t is not None:
+                    many = t.repeat(n, *([1] * (t.dim() - 1)))
+                    if i is None:
+                        setattr(layer, name, many)
+                    else:
+                        states[i] = many
 
 
 def cache_from(layers: list[tuple[Tensor, Tensor]]) -> Any:

@@ -84,31 +84,50 @@ def approximate_product(g: Group) -> bool:
 def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent: Tensor | None = None,
            steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
            history: Callable[[], Tensor] | None = None, done: Heads | None = None,
-           vocab: Tensor | None = None, floored: Tensor | None = None, log: Tensor | None = None) -> Choice:
+           vocab: Tensor | None = None, floored: Tensor | None = None, log: Tensor | None = None,
+           forced: Tensor | None = None) -> Choice:
     """The group's rows: z [n, H] (its adapter active, unless `done` holds its heads and the mode reads W_cls loc_U:
     then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
     head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
     [n, C] (shared_individual); history() [n, L] the rows' tokens (for warpers that read them); vocab [n, V] W_cls
     loc_U computed with other groups' rows (one pass over W_cls for a step; the bf16 one where
     `approximate_product(g)`); floored [n] bool: rows whose series never goes below 0 (`record.Row.floored`): the
-    value they write is floored there; log [n] bool: a "series" head's rows on log y (`record.Row.log`)."""
+    value they write is floored there; log [n] bool: a "series" head's rows on log y (`record.Row.log`); forced [n]
+    the token a row must write (a horizon lane's <NUM>: its value is the mode's, its draws as any row's), -1 where it
+    chooses (None: every row chooses)."""
     s = g.settings
     h = done if done is not None else heads(model, g, z, recent, log)
     early = None
     if s.opts.min_new_tokens and s.eos and steps is not None:
         early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)
     eps = None
+    given = None if forced is None else forced.to(s.hdev) >= 0
+    everyone = given is not None and bool(given.all())  # no token to choose: the vocabulary is not read
     if s.opts.mode == "causal":
         eps = shared_eps if s.opts.shared_individual else _eps(g, z.shape[0], slots)
-        tok, val, prob = _choose_causal(model, s, h, eps, early)
+        if everyone:
+            tok, prob, val = forced, None, model.action.individual_value(h.loc_Y, h.scale_Y, eps, h.scale_Up)
+        else:
+            tok, val, prob = _choose_causal(model, s, h, eps, early)
+    elif everyone:
+        tok, prob, val = forced, None, h.loc_Y
     else:
         tok, val, prob = _choose_by_scores(g, h.loc_U, h.scale_Up, h.loc_Y, early, slots, history, vocab)
-    tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
-    vm = s.value_map.rows(log)
+    if not everyone:
+        tok, prob, pending = place_number(s, tok, prob, h.loc_U, h.scale_Up, prev, pending)
+    if given is not None:
+        tok = torch.where(given, forced.to(tok.device), tok)
+        p_given = s.scorer.row_probability(tok, s.scorer.row_locations(h.loc_U, tok), h.scale_Up)
+        prob = p_given if prob is None else torch.where(given, p_given, prob)
+        pending = pending & ~given
+    vm = s.value_map.rows(log)  # a "series" head: each row on its own scale
     value = vm.to_value(val)
     if floored is not None:
         value = torch.where(floored.to(value.device) & (value < 0), torch.zeros_like(value), value)
-    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, vm.writable(val), eps)
+    writable = vm.writable(val)
+    if given is not None:  # a lane's value is written where to_value puts it (a log head's clamped), if finite
+        writable = torch.where(given, torch.isfinite(value), writable)
+    return Choice(tok, value, prob, h.loc_Y, h.scale_Y, pending, writable, eps)
 
 
 def draw_eps(n: int, C: int, dtype: torch.dtype, device, gen) -> Tensor:

@@ -10,10 +10,13 @@ A step is five named steps:
 
 1. `_join`: the waiting rows that fit (`max_rows`) are prefilled together: one backbone pass over their prompts, left
    padded (a prefix the `PrefixCache` holds is read, not recomputed), whose cache is merged into the batch's
-   (`cache.merge_rows`): the new rows' decode rows join the others'.
+   (`cache.merge_rows`): the new rows' decode rows join the others'. A fork (a horizon's lanes: `add(fork=True)`) is
+   one prompt's prefill made the cache of its rows (`cache.fork_rows`).
 2. `_decide`: per group (adapter + decoding options + generator), the heads on each row's last hidden state z and the
-   mode's choice (`choose`), the number layout (`place`), the values as written (`record`); one copy to the host.
-3. per row: the step recorded and the stop checked (`stop`): eos, a stop string, its max_new_tokens, a cancel; a row
+   mode's choice (`choose`), the number layout (`place`), the values as written (`record`); one copy to the host. A
+   row's forced token (`Row.forced`: a lane's continuation, its values) is written as given, its value the head's.
+3. per row: the step recorded and the stop checked (`stop`): eos, a stop string, its max_new_tokens, a lane's values, a
+   cancel; a row
    whose hidden state or written value is not finite (`record.faults`) writes nothing more and ends with its
    `stop_reason` (`stop.stop_on_fault`): nothing that is not finite is fed back, and the other rows go on.
 4. `_leave`: finished rows leave at once: their cache rows are dropped (`cache.select_rows`) and the padding every
@@ -41,13 +44,17 @@ from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
 from ..series import prompt_support
 from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
-from .cache import PrefixCache, cache_from, key_value_only, left_pad, merge_rows, movable, select_rows, trim_left
+from .cache import (PrefixCache, cache_from, fork_rows, key_value_only, left_pad, merge_rows, movable, select_rows,
+                    trim_left)
 from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
-from .record import Row, append_step, faults, push_recent, recent_window, written_values
+from .record import (Row, append_step, counted_rows, faults, forced_tokens, push_recent, recent_window, write_given,
+                     written_values)
 from .stop import start_text, stop_after, stop_on_fault
 
 log = logging.getLogger("causal_adapter.generation")
+#: `StepLoop.add(fork=True)`'s mark in the queue
+FORK = "fork"
 
 
 class StepLoop:
@@ -70,11 +77,13 @@ class StepLoop:
         self.prefills = self.prefill_tokens = self.reused_tokens = 0
 
     # ------------------------------------------------------------------ the caller's side
-    def add(self, rows: list[Row], batch: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+    def add(self, rows: list[Row], batch: tuple[Tensor, Tensor, Tensor] | None = None, fork: bool = False) -> None:
         """Queue rows; they join at a next step. `batch`: their prompts already padded (input_ids, numeric_values,
-        attention_mask [B, S], `generate`'s inputs as given): they join together, prefilled from it."""
-        if batch is not None:
-            self.waiting.append((list(rows), batch))
+        attention_mask [B, S], `generate`'s inputs as given): they join together, prefilled from it. fork: the rows
+        share the first one's prompt (a horizon's lanes): they join together, from one prefill (`cache.fork_rows`),
+        and take one row of max_rows."""
+        if batch is not None or fork:
+            self.waiting.append((list(rows), FORK if fork else batch))
         else:
             self.waiting.extend(([r], None) for r in rows)
 
@@ -134,10 +143,15 @@ class StepLoop:
                 r.done = True
         if not self.waiting or (self.rows and (self.fixed_reason is not None or not self.join_running)):
             return
-        free = float("inf") if self.max_rows is None else self.max_rows - len(self.rows)
+        free = float("inf") if self.max_rows is None else self.max_rows - counted_rows(self.rows)
         take, batch = [], None
         while self.waiting:
             unit, given = self.waiting[0]
+            if given is FORK:
+                if not take and (counted_rows(unit) <= free or not self.rows):
+                    take, batch = unit, FORK
+                    self.waiting.popleft()
+                break
             if given is not None:
                 if not take:
                     take, batch = unit, given
@@ -172,8 +186,14 @@ class StepLoop:
                 self._use_adapter(g.adapter)
                 g.settings = prepare(model, g, self.scorers)
         dev = model.input_device
+        lanes = rows
+        # one prefill for the lanes of one prompt, never from the prefix cache: a horizon's figures are the same
+        # whatever was asked before (in the server as in `predict_horizon`)
+        prefix = self.prefix if batch is not FORK else None
+        if batch is FORK:
+            rows, batch = rows[:1], None
         hits = [(0, [])] * len(rows)
-        if batch is None and self.prefix is not None and self.kv_only:
+        if batch is None and prefix is not None and self.kv_only:
             hits = [self.prefix.lookup(self._prefix_key(r), r.ids, r.values) for r in rows]
         if batch is not None:
             ids, values, mask = batch
@@ -188,9 +208,10 @@ class StepLoop:
         new_cache = output_cache(out)
         for r in rows:
             s = r.group.settings
-            r.floored, r.series_scale, positive = prompt_support(r.ids, r.values, s.num_id, s.value_series,
-                                                                 max(s.recent_k, 1))
-            r.log = positive and s.value_map.series
+            if r.floored is None:
+                r.floored, r.series_scale, positive = prompt_support(r.ids, r.values, s.num_id, s.value_series,
+                                                                     max(s.recent_k, 1))
+                r.log = positive and s.value_map.series
         self.prefills += 1
         self.prefill_tokens += sum(len(r.ids) - n for r, (n, _) in zip(rows, hits))
         self.reused_tokens += sum(n for n, _ in hits)
@@ -200,9 +221,16 @@ class StepLoop:
             self.fixed_reason, self.kv_only = movable(new_cache), key_value_only(new_cache)
             if self.fixed_reason is not None and self.max_rows is not None:
                 log.info("rows join a running batch only when it is empty: %s", self.fixed_reason)
-        if self.prefix is not None and self.kv_only and batch is None:
+        if prefix is not None and self.kv_only and batch is None:
             self._store_prefixes(rows, hits, new_cache, mask)
-        self._merge(rows, new_cache, mask, position_ids[:, -1:], out.last_hidden_state[:, -1])
+        z = out.last_hidden_state[:, -1]
+        if lanes is not rows:
+            n = len(lanes)
+            fork_rows(new_cache, n)
+            mask, position_ids, z = mask.expand(n, -1), position_ids.expand(n, -1), z.expand(n, -1)
+            for r in lanes[1:]:
+                r.floored, r.series_scale, r.reused_tokens = rows[0].floored, rows[0].series_scale, hits[0][0]
+        self._merge(lanes, new_cache, mask, position_ids[:, -1:], z)
 
     def _prompt_inputs(self, rows: list[Row], hits, dev):
         """The new rows' prompts left padded, after the prefix each one reads from the prefix cache: (ids, values,
@@ -319,12 +347,20 @@ class StepLoop:
         model, rows = self.model, self.rows
         B, hdev = len(rows), model.device
         groups: dict[Group, list[int]] = {}
-        for i, r in enumerate(rows):
-            if not r.done:
-                groups.setdefault(r.group, []).append(i)
+        known: list[int] = []  # rows whose next token and value are given (a lane's continuation): nothing to choose
+        forcing: set[Group] = set()  # groups with a row whose next token is given (a lane's value: the head writes it)
         feed_dtype = torch.float32
-        for g in groups:
-            feed_dtype = torch.promote_types(feed_dtype, g.vdtype)
+        for i, r in enumerate(rows):
+            if r.done:
+                continue
+            feed_dtype = torch.promote_types(feed_dtype, r.group.vdtype)
+            f = r.forced_next()
+            if f is not None and f[1] is not None:
+                known.append(i)
+                continue
+            groups.setdefault(r.group, []).append(i)
+            if f is not None:
+                forcing.add(r.group)
         tok = torch.tensor([r.group.settings.pad_id for r in rows], dtype=torch.long, device=hdev)
         fed = torch.zeros(B, dtype=feed_dtype, device=hdev)
         host = torch.zeros(6, B, dtype=torch.float64, device=hdev)  # written, exact, P_k, loc_Y, scale_Y, fault
@@ -335,7 +371,7 @@ class StepLoop:
         def take(g: Group, t: Tensor | None) -> Tensor | None:
             return t if t is None or index[g] is None else t[index[g].to(t.device)]
 
-        done, vocab = self._heads(groups, take)
+        done, vocab = self._heads(groups, take, forcing)
         for g, at in groups.items():
             if g not in done:
                 self._use_adapter(g.adapter)
@@ -347,7 +383,8 @@ class StepLoop:
                            slots=torch.tensor([r.slot for r in mine], device=hdev) if g.fixed_slots else None,
                            shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
                            vocab=vocab.get(g), floored=torch.tensor([r.floored for r in mine], device=hdev),
-                           log=torch.tensor([r.log for r in mine], device=hdev))
+                           log=torch.tensor([r.log for r in mine], device=hdev),
+                           forced=forced_tokens(mine, hdev) if g in forcing else None)
             exact, written = written_values(g, c.tok, c.val)
             fault = faults(take(g, self.z), c.tok, written.to(feed_dtype), c.writable, g.settings.num_id)
             at_t = slice(None) if index[g] is None else index[g]
@@ -360,6 +397,8 @@ class StepLoop:
                                          c.loc_Y.to(hd).double(), c.scale_Y.to(hd).double(), fault.double()])
             if g.opts.return_eps:
                 eps.update(zip(mine, c.eps.to(g.settings.device)))
+        if known:
+            write_given([self.rows[i] for i in known], known, self.z, tok, fed, host, pending)
         self.prev, self.pending = tok, pending
         if self.recent is not None and self.recent.shape[1]:
             self.recent = push_recent(self.recent, tok, fed, model.num_token_id)
@@ -375,13 +414,14 @@ class StepLoop:
             stop_after(r, t, values[1][i], r.group.settings.eos_set)
         return tok, fed
 
-    def _heads(self, groups: dict, take) -> tuple[dict, dict]:
+    def _heads(self, groups: dict, take, forcing: set) -> tuple[dict, dict]:
         """With rows of several adapters whose choice starts from W_cls loc_U: every group's heads first (its adapter
         active), then ONE product with W_cls (the base's lm_head, shared) for all their rows: a step reads the
         vocabulary once, not once per adapter (once per kind: the float32 product, the bf16 one of the deterministic
-        mode where it is cheap). Returns ({group: Heads}, {group: its rows' W_cls loc_U})."""
+        mode where it is cheap). Returns ({group: Heads}, {group: its rows' W_cls loc_U}). Groups in `forcing` (a
+        lane's token given) read no product."""
         done, vocab = {}, {}
-        reading = [g for g in groups if reads_vocabulary_product(g)]
+        reading = [g for g in groups if reads_vocabulary_product(g) and g not in forcing]
         for approx in (False, True):
             shared = [g for g in reading if approximate_product(g) == approx]
             if len(shared) < 2 or len({g.settings.hdtype for g in shared}) > 1:

@@ -42,9 +42,36 @@ class Row:
     cancelled: bool = False
     reused_tokens: int = 0  # prompt tokens read from the prefix cache
     stop_reason: str | None = None  # why a row ended before its end (`stop.stop_on_fault`); None: it did not
-    floored: bool = False  # its series never goes below 0: no value it writes does (`series.prompt_support`)
-    series_scale: float = 1.0  # its series' width factor: its intervals' (`series.prompt_support`)
+    # its series never goes below 0: no value it writes does; its series' width factor (its intervals'); None: read
+    # from its prompt when it joins (`series.prompt_support`)
+    floored: bool | None = None
+    series_scale: float = 1.0
     log: bool = False  # a "series" head tells it on log y (a positive series: `series.prompt_support`)
+    # a horizon's lane (`modeling.horizon`): the tokens it writes, each (id, value), value None where the value head
+    # writes it (one of its values); `max_values`: it ends after that many values; `value_after`: a <NUM> it writes
+    # after these two tokens is one of its values (its own text between them, at most `max_text` tokens)
+    forced: list[tuple[int, float | None]] | None = None
+    max_values: int | None = None
+    value_after: tuple[int, int] | None = None
+    max_text: int | None = None
+    value_steps: list[int] = field(default_factory=list)  # where (in tokens) its values are
+    lane: int = 0  # its place among the rows of one fork (`StepLoop.add(fork=True)`): lanes > 0 take no row of max_rows
+
+    def forced_next(self) -> tuple[int, float | None] | None:
+        """The (id, value) it must write next, or None (it chooses)."""
+        if self.forced is None or len(self.tokens) >= len(self.forced):
+            return None
+        return self.forced[len(self.tokens)]
+
+
+def forced_tokens(rows: list[Row], device) -> Tensor:
+    """[n] the token each row must write next (`Row.forced`), -1 where it chooses."""
+    return torch.tensor([-1 if f is None else f[0] for f in (r.forced_next() for r in rows)], device=device)
+
+
+def counted_rows(rows: list[Row]) -> int:
+    """The rows that take a row of a batch's max_rows: a fork's lanes take one (lane 0's)."""
+    return sum(r.lane == 0 for r in rows)
 
 
 #: `faults` codes: the row's hidden state is not finite; the <NUM> it chose has no finite value
@@ -67,6 +94,21 @@ def faults(z: Tensor, tok: Tensor, fed: Tensor, writable: Tensor, num_id: int) -
     hidden = ~torch.isfinite(z).all(-1).to(tok.device)
     value = (tok == num_id) & ~(writable & torch.isfinite(fed))
     return torch.where(hidden, FAULT_HIDDEN, torch.where(value, FAULT_VALUE, 0))
+
+
+def write_given(rows: list[Row], known: list[int], z: Tensor, tok: Tensor, fed: Tensor, host: Tensor,
+            pending: Tensor) -> None:
+    """The rows (at batch indices `known`) write the token and value given them (a lane's continuation,
+    `Row.forced`) into the step's tok / fed / pending [B] and host [6, B] (`StepLoop._decide`): no head is read; a
+    hidden state z [B, H] that is not finite still ends a row (`faults`)."""
+    hdev, given = tok.device, [r.forced_next() for r in rows]
+    at, t = torch.tensor(known, device=hdev), torch.tensor([f[0] for f in given], dtype=torch.long, device=hdev)
+    v = torch.tensor([f[1] for f in given], dtype=fed.dtype, device=hdev)
+    hidden = ~torch.isfinite(z[at.to(z.device)]).all(-1).to(hdev)
+    pad = torch.tensor([r.group.settings.pad_id for r in rows], device=hdev)
+    tok[at], fed[at], pending[at] = torch.where(hidden, pad, t), torch.where(hidden, 0.0, v), False
+    nan = torch.full_like(v, math.nan, dtype=torch.float64)
+    host[:, at] = torch.stack([v.double(), v.double(), nan, nan, nan, hidden.double() * FAULT_HIDDEN])
 
 
 def recent_window(ids: list[int], values: list[float], num_id: int, k: int) -> list[float]:

@@ -5,7 +5,8 @@ rows that hold several values: a forecasting file's rows, prompt ``"...; 2016-06
 A row's values are read from its completion's tokens (`completion_steps`, by `records.record_values`: value 1 is
 the completion's first number, the next ones the numbers written after the same two tokens), the text between two
 values its continuation. The paths of
-each row (`modeling.horizon.run_paths`, `CALIBRATION_PATHS` per row, at most `MAX_ROWS` rows) give per step h >= 2
+each row (`modeling.horizon.run_lanes`: its lanes as rows of the step loop, as `predict_horizon` runs them;
+`CALIBRATION_PATHS` per row, at most `MAX_ROWS` rows) give per step h >= 2
 the deterministic value v_h and the spread s_h (`path_spread`); the map of step h is the split-conformal map of
 |y_h - v_h| / s_h (`intervals.fit_calibration`, on the head's scale; a residual below the written resolution counts
 at it, as the one-step map does). Steps are covered while at least `MIN_STEP_ROWS` rows reach them.
@@ -24,10 +25,9 @@ from typing import Any
 
 import torch
 
-from ...modeling.horizon import INDIVIDUALS, Paths, path_spread, run_paths
+from ...modeling.horizon import INDIVIDUALS, Paths, path_spread, run_lanes
 from ...modeling.intervals import crossfit_interval_score, fit_calibration, interval
-from ...modeling.prediction import predict_forward
-from ...numbers import pad_batch
+from ...modeling.series import positive_series, text_key
 from ...records import record_values
 from ...saving.unwrap import unwrap_causal_model
 from .calibration import written_resolution
@@ -39,8 +39,6 @@ MAX_ROWS = 256
 CALIBRATION_PATHS = 40
 #: the fewest rows that reach a step for it to get a map (a 90% quantile needs 9)
 MIN_STEP_ROWS = 10
-#: rows prefilled together
-PREFILL_BATCH = 16
 SEED = 0
 
 
@@ -75,22 +73,15 @@ def horizon_rows(eval_ds, num_id: int, max_rows: int = MAX_ROWS) -> list[tuple]:
 @torch.no_grad()
 def run_rows(inner, rows: list[tuple], individual: str, paths: int = CALIBRATION_PATHS, seed: int = SEED
              ) -> list[tuple[Paths, list[float], bool]]:
-    """The paths of every row (`run_paths` with the row's continuations), with its true values and whether a "series"
-    head tells it on log y."""
+    """The paths of every row (`run_lanes` with the row's continuations, one generator drawn row after row), with
+    its true values and whether a "series" head tells it on log y (`series.positive_series`)."""
     gen = torch.Generator(device=inner.device).manual_seed(seed)
+    table, num = inner.causal_config.value_series, inner.num_token_id
     out = []
-    dev = inner.input_device
-    for start in range(0, len(rows), PREFILL_BATCH):
-        chunk = rows[start:start + PREFILL_BATCH]
-        enc = pad_batch([r[0] for r in chunk], [r[1] for r in chunk], 0, padding_side="left")
-        _, _, _, fwd = predict_forward(inner, enc, use_cache=True)
-        pads = (enc["attention_mask"] == 0).sum(-1).tolist()
-        ids, vals = enc["input_ids"].to(dev), enc["numeric_values"].to(dev)
-        for b, r in enumerate(chunk):
-            log = fwd.value_log is not None and bool(fwd.value_log[b, -1])
-            p = run_paths(inner, fwd, b, int(pads[b]), ids, vals, r[3], len(r[2]), paths, gen, individual, log=log)
-            out.append((p, r[2], log))
-        del fwd
+    for r in rows:  # unfloored, as the maps were fitted before the lanes ran on the step loop
+        log = inner.value_map.series and positive_series([text_key(r[0], r[1], num)], table)[0]
+        out.append((run_lanes(inner, None, r[0], r[1], r[3], len(r[2]), paths, gen, individual, floored=False,
+                              log=log), r[2], log))
     return out
 
 
