@@ -4,11 +4,12 @@ tests/data/horizon_golden.json on main 1c2f799, when the horizon still ran a dec
 lanes became rows of `generation.loop.StepLoop`). Same seeds, same draws (one [N, C] draw per value, or one per path),
 so every figure is the same number.
 
-Tolerance: relative 1e-5. The lanes now feed a continuation one token per step (it was fed in one pass) and compute
-a sampled value in the heads' float32 (it was float64): float32 rounding of another order of operations, at most
-4.6e-7 relative over these figures when the lanes moved onto the step loop; a value fed back carries it into the next
-step, and the mixture's quantile (bisection to 1e-9) adds none. A change of draws or of what a lane feeds moves these
-figures by far more (planted: a continuation's numbers fed as 0, one extra draw a value; both fail here).
+Tolerance: relative 1e-5. A sampled value is now computed in the heads' float32 (it was float64, then rounded to
+float32 when fed back) and a value's heads read from another batch of rows: float32 rounding, at most 4.6e-7 relative
+over these figures when the lanes moved onto the step loop (the maps' scores, ratios of small residuals, the most);
+a value fed back carries it into the next step, and the mixture's quantile (bisection to 1e-9) adds none. A change of
+draws or of what a lane feeds moves these figures by far more (planted: a continuation's numbers fed as 0, one extra
+draw a value: each fails here).
 
 Regenerate (only when a change of figures is meant, saying why in the commit): ``python tests/test_horizon_golden.py``.
 """

@@ -48,8 +48,8 @@ from .cache import (PrefixCache, cache_from, fork_rows, key_value_only, left_pad
                     trim_left)
 from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
-from .record import (Row, append_step, counted_rows, faults, forced_tokens, push_recent, recent_window, write_given,
-                     written_values)
+from .record import (Row, append_step, counted_rows, faults, forced_tokens, push_recent, recent_window, with_given_run,
+                     write_given, written_values)
 from .stop import start_text, stop_after, stop_on_fault
 
 log = logging.getLogger("causal_adapter.generation")
@@ -126,7 +126,10 @@ class StepLoop:
         tok, fed = self._decide()
         keep = self._leave()
         if keep is not None and any(not r.done for r in self.rows):
-            self._next = (tok[keep] if len(keep) != tok.shape[0] else tok, fed[keep] if len(keep) != fed.shape[0] else fed)
+            tok, fed = (tok[keep], fed[keep]) if len(keep) != tok.shape[0] else (tok, fed)
+            tok, fed, self.recent = with_given_run(self.rows, tok, fed, self.recent, self.model.num_token_id)
+            self.prev = tok if tok.dim() == 1 else tok[:, -1]
+            self._next = (tok, fed)
         return stepped, [r for r in stepped if r.done]
 
     def feed(self) -> None:
@@ -465,12 +468,14 @@ class StepLoop:
 
     # ------------------------------------------------------------------ 5. feed
     def _feed(self, tok: Tensor, fed: Tensor) -> None:
-        model, dev = self.model, self.model.input_device
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
-        self.pos = self.pos + 1
+        """tok / fed [B] (or [B, s]: a step's token and the tokens given after it) through the backbone."""
+        model, dev, (tok, fed) = self.model, self.model.input_device, (t.reshape(len(self.rows), -1) for t in (tok, fed))
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), tok.shape[1])], 1)
+        pos = self.pos + torch.arange(1, tok.shape[1] + 1, device=self.pos.device)
+        self.pos = pos[:, -1:]
         with self._lora_rows([r.group.adapter for r in self.rows]):
-            out = model.decoder(inputs_embeds=self._embed(self.rows, tok.to(dev).unsqueeze(1), fed.to(dev).unsqueeze(1)),
-                                attention_mask=self.mask, position_ids=self.pos, use_cache=True,
+            out = model.decoder(inputs_embeds=self._embed(self.rows, tok.to(dev), fed.to(dev)),
+                                attention_mask=self.mask, position_ids=pos, use_cache=True,
                                 **cache_kwargs(model.decoder, self.cache))
         self.z = out.last_hidden_state[:, -1]
 

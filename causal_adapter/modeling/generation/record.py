@@ -111,6 +111,45 @@ def write_given(rows: list[Row], known: list[int], z: Tensor, tok: Tensor, fed: 
     host[:, at] = torch.stack([v.double(), v.double(), nan, nan, nan, hidden.double() * FAULT_HIDDEN])
 
 
+def given_run(rows: list[Row]) -> int:
+    """How many tokens every row is given next, values and all (`Row.forced`: a lane's continuation), after the
+    step's own: they go through the backbone with it in one pass, as a prompt does (0: none, or a row reads its
+    text: a stop string, a stream)."""
+    k = None
+    for r in rows:
+        at, n = len(r.tokens), 0
+        if r.done or r.forced is None or r.text is not None:
+            return 0
+        while at + n < min(len(r.forced), r.max_new_tokens - 1) and r.forced[at + n][1] is not None:
+            n += 1
+        k = n if k is None else min(k, n)
+        if not k:
+            return 0
+    return k or 0
+
+
+def with_given_run(rows: list[Row], tok: Tensor, fed: Tensor, recent: Tensor | None, num_id: int
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A step's tokens and values fed back, tok / fed [B], with the k tokens every row is given next (`given_run`)
+    recorded (nothing read from the heads: P_k, loc_Y, scale_Y NaN; a given token ends nothing) and appended: [B, 1 + k]
+    ([B] when k = 0); and the value head's window `recent` [B, K] after them."""
+    k = given_run(rows)
+    if not k:
+        return tok, fed, recent
+    toks, vals = [], []
+    for r in rows:
+        run = r.forced[len(r.tokens):len(r.tokens) + k]
+        for t, v in run:
+            append_step(r, t, v, v, math.nan, math.nan, math.nan, None)
+        toks.append([t for t, _ in run])
+        vals.append([v for _, v in run])
+    more = torch.tensor(toks, dtype=torch.long, device=tok.device)
+    more_fed = torch.tensor(vals, dtype=fed.dtype, device=fed.device)
+    for j in range(k):
+        recent = None if recent is None else push_recent(recent, more[:, j], more_fed[:, j], num_id)
+    return torch.cat([tok.unsqueeze(1), more], 1), torch.cat([fed.unsqueeze(1), more_fed], 1), recent
+
+
 def recent_window(ids: list[int], values: list[float], num_id: int, k: int) -> list[float]:
     """The k most recent numbers of a sequence, most recent first, NaN where it holds fewer (`recent_numbers.recent_values`
     at its last position)."""

@@ -35,11 +35,13 @@ def stop_after(row: Row, tok: int, value: float, eos: frozenset) -> None:
 
 def count_value(row: Row, tok: int) -> None:
     """A lane's last token: one of its values (a forced one the head wrote, or a <NUM> after `value_after`) is noted
-    in `value_steps`; the lane is done at `max_values` values, and ends (`stop_reason`) after `max_text` tokens
-    without one."""
+    in `value_steps`; the lane is done at `max_values` values, and ends (`stop_reason`) after `max_text` tokens of
+    its own text without one (given tokens count none)."""
     i = len(row.tokens) - 1
     if row.forced is not None and i < len(row.forced):
         is_value = row.forced[i][1] is None
+        if not is_value:
+            return
     else:
         seq = row.ids + row.tokens
         is_value = (tok == row.group.settings.num_id and row.value_after is not None
