@@ -41,8 +41,10 @@ def toy(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("vllm")
     build_tiny_qwen(**BASE).save_pretrained(d / "base")
     load_qwen_tokenizer().save_pretrained(d / "base")
+    # thresholds C = 3: the OvR choice (loc_S - C) / scale_S then differs from softmax's argmax loc_S on TEXTS (with
+    # C = 0, two steps leave the two modes' texts equal: the deterministic test could not tell them apart)
     cli("train", "--base", str(d / "base"), "--dataset", "sunspots", "--max-steps", "2", "--max-train-samples", "48",
-        "--max-eval-samples", "16", "--no-plot", "--no-progress", "--output-dir", str(d / "run"))
+        "--max-eval-samples", "16", "--threshold-init", "3", "--no-plot", "--no-progress", "--output-dir", str(d / "run"))
     cli("export-vllm", str(d / "run" / "adapter"), str(d / "out"))
     return d
 

@@ -101,6 +101,9 @@ class ValuesMixin:
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if self.lm_head.tp_size > 1 and self.causal.action.num_row is None:
+            raise ValueError("the value rows read W_cls's <NUM> row, which tensor parallelism splits across ranks: "
+                             "serve values with tensor_parallel_size=1, or an adapter trained with train_num_row")
         self.pooler = ValuePooler(self._heads, lambda: self.lm_head.weight)
 
 

@@ -53,8 +53,8 @@ class NumberIdsTokenizer:
             raise AttributeError(name)
         return getattr(self.hf, name)
 
-    def __len__(self) -> int:
-        return len(self.hf)
+    def __len__(self) -> int:  # <NUM> is ours: vLLM's detokenizer writes "" for an id >= len(tokenizer)
+        return max(len(self.hf), self.num_token_id + 1)
 
     def __hash__(self) -> int:
         return hash(id(self))
