@@ -24,6 +24,9 @@ SUNSPOTS = ["Yearly sunspot numbers. 1969: 105.5; 1970: 104.5; 1971: 66.6; 1972:
             "Yearly sunspot numbers. 1975: 15.5; 1976: 12.6; 1977: 27.5; 1978: 92.5; 1979:",
             "Yearly sunspot numbers. 1900: 9.5; 1901: 2.7; 1902: 5; 1903: 24.4; 1904: 42; 1905: 63.5; 1906: "]
 TEXTS = ["The cat sat on the mat and", "In 1749 the price was 99.9 yuan, and in 1750 it was"]
+#: tensor parallel over 2 CPU processes: vLLM's CPU workers each bind their OpenMP threads to a core; with one NUMA
+#: node it cannot pick them itself ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 
 def cli(*args: str) -> None:
@@ -64,9 +67,13 @@ class VllmServer:
     def __init__(self, folder: Path, flags: list[str], log: Path):
         self.port, self.log = _free_port(), log
         self._out = open(log, "w")
+        env = dict(os.environ)
+        if "--tensor-parallel-size" in flags:
+            cores = sorted(os.sched_getaffinity(0))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
         self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                                       *VLLM_FLAGS, *flags, "--port", str(self.port), "--served-model-name", "causal"],
-                                     stdout=self._out, stderr=subprocess.STDOUT)
+                                     stdout=self._out, stderr=subprocess.STDOUT, env=env)
 
     @property
     def url(self) -> str:

@@ -1,11 +1,12 @@
 """`vllm serve --runner pooling` of the folder's values class gives `causal-adapter predict`'s rows (value, scale,
-p_num, calibrated 50% / 90% intervals) within 1e-4, for a batch of prompts through the embeddings API."""
+p_num, calibrated 50% / 90% intervals) within 1e-4, for a batch of prompts through the embeddings API, with
+tensor_parallel_size=2 (2 CPU processes)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import SUNSPOTS, VllmServer, cli
+from conftest import SUNSPOTS, TP2, VllmServer, cli
 
 from causal_adapter.integrations.vllm.folder import ARCHITECTURES
 from causal_adapter.integrations.vllm.pooling import COLUMNS
@@ -14,7 +15,7 @@ from causal_adapter.integrations.vllm.pooling import COLUMNS
 @pytest.fixture(scope="module")
 def server(toy):
     overrides = json.dumps({"architectures": [ARCHITECTURES["qwen2"][1]]})
-    s = VllmServer(toy / "out", ["--runner", "pooling", "--hf-overrides", overrides], toy / "vllm_values.log")
+    s = VllmServer(toy / "out", ["--runner", "pooling", "--hf-overrides", overrides, *TP2], toy / "vllm_values.log")
     yield s.wait_ready()
     s.close()
 
