@@ -8,6 +8,7 @@
     verify    the initialization report for a base model
     data      write an offline corpus as jsonl files
     serve     adapters on one base behind an OpenAI-compatible HTTP server (pip install "causal_adapter[serve]")
+    export-vllm  a model folder `vllm serve` loads (pip install "causal_adapter[vllm]")
     lm-eval   lm-evaluation-harness with --model causal_adapter (pip install "causal_adapter[eval]")
 
 A user error (a missing file, a bad flag value, an incompatible adapter, an unreachable hub)
@@ -20,13 +21,13 @@ import argparse
 import sys
 
 from ..saving.process_groups import exit_without_teardown, kept_gloo_groups
-from . import data, demo, generate, harness, predict, serve, train, verify
+from . import data, demo, export_vllm, generate, harness, predict, serve, train, verify
 from . import eval as eval_command  # not the builtin
 from .parser import DEBUG_ENV, USER_ERRORS, CLIError, CliParser, DefaultsHelpFormatter, add_debug_argument, truthy
 
 #: command name -> its module (add_parser(subparsers, **fmt); run(args), or main(argv) when it owns its flags)
 COMMANDS = {"demo": demo, "train": train, "eval": eval_command, "generate": generate, "predict": predict, "verify": verify,
-            "data": data, "serve": serve, "lm-eval": harness}
+            "data": data, "serve": serve, "export-vllm": export_vllm, "lm-eval": harness}
 OWN_FLAGS = ("train", "data", "lm-eval")  # handed the rest of the command line: their parsers own --help
 
 
