@@ -42,14 +42,13 @@ from torch import Tensor
 from ..._compat import cache_kwargs, output_cache
 from ...numbers import pad_batch
 from ..heads import full_precision, linear_in_dtype
-from ..series import prompt_support
 from .adapters import embed_rows, lora_rows, tuner_layers, use_adapter
 from .cache import (PrefixCache, cache_from, fork_rows, key_value_only, left_pad, merge_rows, movable, select_rows,
                     trim_left)
 from .choose import approximate_product, choose, draw_eps, heads, reads_vocabulary_product
 from .prepare import Group, prepare
-from .record import (Row, append_step, counted_rows, faults, forced_tokens, push_recent, recent_window, with_given_run,
-                     write_given, written_values)
+from .record import (Row, append_step, counted_rows, faults, forced_tokens, push_recent, read_series, recent_window,
+                     with_given_run, write_given, written_values)
 from .stop import start_text, stop_after, stop_on_fault
 
 log = logging.getLogger("causal_adapter.generation")
@@ -210,11 +209,7 @@ class StepLoop:
                                 **({} if cache is None else cache_kwargs(model.decoder, cache)))
         new_cache = output_cache(out)
         for r in rows:
-            s = r.group.settings
-            if r.floored is None:
-                r.floored, r.series_scale, positive = prompt_support(r.ids, r.values, s.num_id, s.value_series,
-                                                                     max(s.recent_k, 1))
-                r.log = positive and s.value_map.series
+            read_series(r)
         self.prefills += 1
         self.prefill_tokens += sum(len(r.ids) - n for r, (n, _) in zip(rows, hits))
         self.reused_tokens += sum(n for n, _ in hits)

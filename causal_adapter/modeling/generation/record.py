@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..series import prompt_support
 from .prepare import Group
 from .stream import RowText
 
@@ -62,6 +63,16 @@ class Row:
         if self.forced is None or len(self.tokens) >= len(self.forced):
             return None
         return self.forced[len(self.tokens)]
+
+
+def read_series(row: Row) -> None:
+    """A row's series, read from its prompt as it joins, unless set (`Row.floored` not None, a horizon's lanes): its
+    floor, its width factor and, for a "series" head, whether it is on log y (`series.prompt_support`)."""
+    s = row.group.settings
+    if row.floored is None:
+        row.floored, row.series_scale, positive = prompt_support(row.ids, row.values, s.num_id, s.value_series,
+                                                                 max(s.recent_k, 1))
+        row.log = positive and s.value_map.series
 
 
 def forced_tokens(rows: list[Row], device) -> Tensor:
