@@ -261,7 +261,7 @@ def test_train_bf16_fits_and_evaluates_the_value_head_without_autocast(tmp_path,
     from test_train import quick_config, small_model, synthetic_dataset
 
     where, inside = ["step"], []  # what runs now; the autocast state inside the decoder's forward, per call
-    features = warm_start.num_label_features
+    features = warm_start.label_rows  # what the fits gather their rows with
 
     def recording(model, *a, **k):
         where[0] = "fit"
@@ -270,7 +270,7 @@ def test_train_bf16_fits_and_evaluates_the_value_head_without_autocast(tmp_path,
         finally:
             where[0] = "step"
 
-    monkeypatch.setattr(warm_start, "num_label_features", recording)
+    monkeypatch.setattr(warm_start, "label_rows", recording)
     model = small_model(lora=True)
     model.decoder.register_forward_pre_hook(lambda m, a: inside.append((where[0], torch.is_autocast_enabled("cpu"))))
     try:

@@ -135,8 +135,9 @@ class MetricAccumulator:
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
             self.y_series += _target_keys(batch, ids, values, at, self.num_token_id)
-            if output.value_log is not None:
-                self.y_log += output.value_log.to(heads)[:, :-1][at].tolist()
+            value_log = getattr(output, "value_log", None)  # a hand-made output may not carry it
+            if value_log is not None:
+                self.y_log += value_log.to(heads)[:, :-1][at].tolist()
         if "target" in batch and "previous" in batch:
             self.targets += [float(v) for v in batch["target"].tolist()]
             self.previous += [float(v) for v in batch["previous"].tolist()]
