@@ -129,6 +129,22 @@ def test_only_a_positive_series_of_enough_values_is_told_on_log_y():
     assert positive_series(["a"], None) == [False]
 
 
+def test_a_log_row_without_numbers_of_its_own_keeps_the_log_units(panel):
+    """A row on log y with too few numbers for units of its own takes the head's units on log y (`head_log_units`,
+    fitted on the positive series' logs), not the value's: the same standardised head, in the other units."""
+    model, _ = panel
+    act = model.action
+    assert act.head_log_units is not None and act.row_rule is not None
+    C = act.w_reg.numel()
+    loc_U = torch.zeros(2, C, dtype=act.b_reg.dtype)
+    recent = torch.full((2, act.recent_window), float("nan"), dtype=act.b_reg.dtype)
+    with torch.no_grad():
+        loc, _ = act.regression(loc_U, loc_U + 1, recent, torch.tensor([True, False]))
+    (log_loc, log_scale), (loc0, scale0) = act.head_log_units, (act.head_loc, act.head_scale)
+    assert (float(loc[0]) - log_loc) / log_scale == pytest.approx((float(loc[1]) - loc0) / scale0, rel=1e-4)
+    assert abs(log_loc - loc0) > 1e-3 or abs(log_scale - scale0) > 1e-3  # the two units differ here
+
+
 def test_an_unseen_title_falls_back_to_the_rows_numbers(panel, qwen_tokenizer):
     model, rows = panel
     count = next(r for r in rows["test"] if r["series"] == "count")
