@@ -4,6 +4,7 @@
 
     python benchmarks/serving.py                                              # CPU: embedded tiny Qwen2, h256, 4 layers
     python benchmarks/serving.py --hidden-size 896 --layers 8 --device cuda   # GPU (about 2 minutes on an H100)
+    python benchmarks/serving.py --engine vllm --vllm-python vllm-venv/bin/python   # ours against vLLM's server
 
 Two adapters on one base, requests alternating between them, prompts of 12 yearly sunspot counts (each phase its
 own: no shared prefix outside phase 5); servers ``step`` (the default), ``tick`` (`--scheduler tick`) and, in phase 5,
@@ -36,6 +37,10 @@ Ends with ``RESULT key=value ...`` and one ``TARGET`` line per target (PASS / FA
 --horizon-itl: 4 streams of 256 tokens to the step server, alone and with a horizon (/v1/predict, 100 paths x 12
 steps, its lanes rows of the running batch) sent once they write, twice each way in turn: their ITL p50 and longest
 gap each way (the run of the smaller p50), and the horizon's seconds.
+
+--engine vllm (docs/serve_at_scale.md, "Speed"): one adapter on the tiny base (saved), exported (softmax) and served by
+vLLM and by us, one at a time in turn for --rounds rounds, the best of each: idle TTFT (8 streamed requests) and the
+equal phase (32 clients). ``RESULT engine=vllm ...``: both and their ratios.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -86,14 +92,17 @@ def chat_requests(n: int) -> list[list[dict]]:
     return [m[:max(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in rows]
 
 
-def make_adapters(directory: Path, hidden_size: int, layers: int) -> list[Path]:
-    """Two saved adapters on the embedded tiny base."""
+def make_adapters(directory: Path, hidden_size: int, layers: int, save_base: bool = False) -> list[Path]:
+    """Two saved adapters on the embedded tiny base; save_base: the base too, with the real tokenizer, in .../base."""
     import torch
 
     from causal_adapter import CausalAdapterConfig, get_causal_model
     from causal_adapter.saving.assets import load_base
 
     base, tokenizer = load_base(None, "qwen2", "float32", hidden_size, layers)
+    if save_base:
+        base.save_pretrained(directory / "base")
+        tokenizer.save_pretrained(directory / "base")
     paths = []
     for i in range(2):
         model = get_causal_model(base, CausalAdapterConfig(num_token_id=len(tokenizer), seed=i, value_loc=80.0,
@@ -105,21 +114,25 @@ def make_adapters(directory: Path, hidden_size: int, layers: int) -> list[Path]:
     return paths
 
 
-def start_server(paths: list[Path], extra: list[str], args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_server(paths: list[Path], extra: list[str], args, vllm: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Ours of `paths` (a0, a1, ...), or vLLM's of the folder `vllm` (its worker's threads on all cores, as ours)."""
+    port, env, log = free_port(), dict(os.environ), tempfile.TemporaryFile("w+")  # a pipe nobody reads would fill
     cmd = [sys.executable, "-m", "causal_adapter", "serve", "--port", str(port), "--max-batch-size", "32",
-           "--max-queue", "1024", "--tiny-hidden-size", str(args.hidden_size), "--tiny-layers", str(args.layers),
-           "--log-level", "warning", *extra]
-    for i, p in enumerate(paths):
-        cmd += ["--adapter", f"a{i}={p}"]
-    if args.device:
-        cmd += ["--device", args.device]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+           "--max-queue", "1024", "--log-level", "warning", *extra]
+    cmd += [] if "--base" in extra else ["--tiny-hidden-size", str(args.hidden_size), "--tiny-layers", str(args.layers)]
+    cmd += [f"--adapter=a{i}={p}" for i, p in enumerate(paths)] + (["--device", args.device] if args.device else [])
+    if vllm:
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm), "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--tokenizer-mode", "causal_adapter",
+               "--served-model-name", "causal", "--max-num-seqs", "32"]
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM reserves 92% of the machine's memory
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server exited: {log.read()[-3000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -181,15 +194,16 @@ async def health(http, url: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- phases
-async def idle_ttft(url: str, prompts: list[str], n: int = 8) -> float:
+async def idle_ttft(url: str, prompts: list[str], n: int = 8, models: tuple = ("a0", "a1")) -> float:
     async with client() as http:
-        out = [await request(http, url, {"model": f"a{i % 2}", "prompt": prompts[i], "max_tokens": 16,
+        out = [await request(http, url, {"model": models[i % len(models)], "prompt": prompts[i], "max_tokens": 16,
                                          "ignore_eos": True}) for i in range(n)]
     return pct([r["ttft"] for r in out], 0.5)
 
 
-async def closed_loop(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
-    """`clients` clients, each sending `per_client` non-streamed requests one after the other."""
+async def closed_loop(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,
+                      models: tuple = ("a0", "a1"), counters: bool = True) -> dict:
+    """`clients` clients, each sending `per_client` non-streamed requests in turn; counters: from /health (ours)."""
     import aiohttp
 
     results = []
@@ -197,7 +211,7 @@ async def closed_loop(url: str, prompts: list[str], clients: int, per_client: in
     async def one_client(c: int, http) -> None:
         for k in range(per_client):
             i = c * per_client + k
-            body = {"model": f"a{i % 2}", "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+            body = {"model": models[i % len(models)], "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True}
             t0 = time.perf_counter()
             try:
@@ -208,18 +222,19 @@ async def closed_loop(url: str, prompts: list[str], clients: int, per_client: in
                 results.append({"status": None, "tokens": 0, "error": repr(e)})
 
     async with client() as http:
-        before = await health(http, url)
+        before = await health(http, url) if counters else {}
         t0 = time.perf_counter()
         await asyncio.gather(*(one_client(c, http) for c in range(clients)))
         wall = time.perf_counter() - t0
-        after = await health(http, url)
-    n = clients * per_client
-    rows = after["generated_rows"] - before["generated_rows"]
-    steps = max(1, after["steps"] - before["steps"])
-    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "rps": len(results) / wall,
-            "ok": sum(r["status"] == 200 for r in results), "lost": n - sum(r["status"] is not None for r in results),
-            "status_5xx": sum((r["status"] or 0) >= 500 for r in results), "sent": n,
-            "rows_per_step": sum(r["tokens"] for r in results) / steps, "rows": rows}
+        after = await health(http, url) if counters else {}
+    n, tokens = clients * per_client, sum(r["tokens"] for r in results)
+    out = {"tokens_per_s": tokens / wall, "rps": len(results) / wall, "ok": sum(r["status"] == 200 for r in results),
+           "lost": n - sum(r["status"] is not None for r in results), "sent": n,
+           "status_5xx": sum((r["status"] or 0) >= 500 for r in results)}
+    if counters:
+        out.update(rows_per_step=tokens / max(1, after["steps"] - before["steps"]),
+                   rows=after["generated_rows"] - before["generated_rows"])
+    return out
 
 
 def poisson_schedule(n: int, rate: float, seed: int = 0) -> tuple[list[float], list[int]]:
@@ -323,6 +338,8 @@ def main() -> None:
                     help="prefix phase: the rate as a fraction of the capacity at 16 tokens per request (chat prompts "
                          "are three times longer than the sunspot ones: their prefill is a larger part of the work)")
     ap.add_argument("--horizon-itl", action="store_true", help="only the streams' ITL beside a horizon (docstring)")
+    ap.add_argument("--engine", default="ours", choices=["ours", "vllm"], help="vllm: ours against vLLM (docstring)")
+    ap.add_argument("--vllm-python", default=sys.executable, help="--engine vllm: a python with vllm (and us)")
     args = ap.parse_args()
     keep_large_blocks()  # the allocator settings of the servers (commands/serve.py), for the in-process baseline too
     per_round = 32 * args.requests
@@ -333,9 +350,11 @@ def main() -> None:
 
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_adapters(Path(tmp), args.hidden_size, args.layers)
+        paths = make_adapters(Path(tmp), args.hidden_size, args.layers, save_base=args.engine == "vllm")
         servers = {}
         try:
+            if args.engine == "vllm":
+                return versus_vllm(Path(tmp), paths[0], servers, take, args)
             if args.horizon_itl:
                 servers["step"] = start_server(paths, [], args)
                 asyncio.run(closed_loop(servers["step"][1], take(4), 4, 1, 4))  # warm-up
@@ -398,6 +417,29 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     report(res, idle, res["in_process"]["tokens_per_s"], args)
+
+
+def versus_vllm(tmp: Path, adapter: Path, servers: dict, take, args) -> None:
+    """--engine vllm: the idle TTFT and the equal phase, vLLM's server of the exported adapter and ours in turn."""
+    subprocess.run([sys.executable, "-m", "causal_adapter", "export-vllm", str(adapter), str(tmp / "out"), "--base",
+                    str(tmp / "base")], check=True, stdout=subprocess.DEVNULL)
+    servers["vllm"] = start_server([], [], args, vllm=tmp / "out")
+    servers["ours"] = start_server([adapter], ["--base", str(tmp / "base")], args)
+    models, best = {"vllm": ("causal",), "ours": ("a0",)}, {}
+    for name in servers:  # warm-up
+        asyncio.run(closed_loop(servers[name][1], take(4), 4, 1, 4, models[name], False))
+    for k in range(args.rounds):  # the two in turn, one at a time: the machine's noise hits them alike
+        idle, batch = take(8), take(32 * args.requests)
+        for name in servers:
+            ttft = asyncio.run(idle_ttft(servers[name][1], idle, 8, models[name]))
+            r = asyncio.run(closed_loop(servers[name][1], batch, 32, args.requests, 16, models[name], False))
+            print(line(f"round {k} {name}", {"idle_ttft_ms": ttft * 1000, **r}), flush=True)
+            b = best.setdefault(name, {"ttft": ttft, "tps": r["tokens_per_s"]})
+            b.update(ttft=min(b["ttft"], ttft), tps=max(b["tps"], r["tokens_per_s"]))
+    v, o = best["vllm"], best["ours"]
+    print(f"RESULT engine=vllm vllm_tokens_per_s={v['tps']:.1f} ours_tokens_per_s={o['tps']:.1f} "
+          f"vllm_vs_ours_tokens_per_s={v['tps'] / o['tps']:.2f} vllm_idle_ttft_ms={v['ttft'] * 1000:.1f} "
+          f"ours_idle_ttft_ms={o['ttft'] * 1000:.1f} vllm_vs_ours_ttft={v['ttft'] / o['ttft']:.2f}")
 
 
 def report(res: dict, idle: float, inproc: float, args) -> None:
