@@ -49,6 +49,21 @@ def test_a_family_without_a_class_fails(toy, tmp_path, capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
+def test_a_lora_on_expert_parameters_fails(toy, tmp_path, capsys):
+    """A LoRA adapter exports (test_lora.py), but not a LoRA on fused MoE expert parameters (peft's
+    target_parameters), which the export's peft folder does not carry."""
+    adapter = tmp_path / "adapter"
+    shutil.copytree(toy / "run" / "adapter", adapter)
+    meta = json.loads((adapter / "causal_adapter_config.json").read_text())
+    lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj"]}
+    meta["adapter_config"]["lora"] = lora
+    (adapter / "causal_adapter_config.json").write_text(json.dumps(meta))
+    assert main(["export-vllm", str(adapter), str(tmp_path / "o")]) == 1
+    assert "LoRA is on fused expert parameters ['mlp.experts.gate_up_proj']" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_folder_links_the_base(toy):
     out, base = toy / "out", toy / "base"
     assert (out / "model.safetensors").is_symlink()

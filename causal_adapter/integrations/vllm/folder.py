@@ -4,8 +4,13 @@
                                  `causal_adapter_decision` = "softmax" or "deterministic" (the token choice)
     OUT/<every other base file>  symlinks to the base checkpoint's files: weights, index, tokenizer (never copied)
     OUT/causal_adapter/          the adapter's own two files (heads, d, b_cls, calibration: a few MB), copied
+    OUT/lora/                    a LoRA adapter only: its LoRA in peft's format (adapter_config.json +
+                                 adapter_model.safetensors: the A and B matrices, never a weight of the base), which
+                                 vLLM serves with its LoRA support: `--enable-lora --lora-modules NAME=OUT/lora
+                                 --max-lora-rank R` (`serve_flags`), the requests naming NAME as their model
 
 vLLM loads the weights it finds at the folder's top level: the heads, one level down, are read by the plugin only.
+A LoRA is served, not merged: merging would write a full copy of the base (docs/serve_at_scale.md#a-lora-adapter).
 No vLLM import here: the export runs in the project's own environment.
 """
 from __future__ import annotations
@@ -15,9 +20,15 @@ import os
 import shutil
 from pathlib import Path
 
+from ...saving.adapter_io import read_adapter_tensors
 from ...saving.artifacts import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
+from ...saving.peft_lora import LORA_PREFIX, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 
 HEADS_DIR = "causal_adapter"
+#: a LoRA adapter's LoRA, peft's files, for `--lora-modules NAME=OUT/lora`
+LORA_DIR = "lora"
+#: the values vLLM's `--max-lora-rank` accepts (vllm/config/lora.py MaxLoRARanks, vLLM 0.32)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DECISION_KEY = "causal_adapter_decision"
 DECISIONS = ("softmax", "deterministic")
 #: `vllm serve OUT --tokenizer-mode causal_adapter`: prompt numbers become value ids (`value_ids`)
@@ -33,8 +44,8 @@ def export_folder(adapter_dir: str | os.PathLike, out: str | os.PathLike, base: 
                   decision: str = "softmax", overwrite: bool = False) -> Path:
     """Write the vLLM model folder of a saved adapter at `out` (see the module docstring) and return it. `base`: the
     folder of the base checkpoint (None: the one the adapter records). A ValueError names a family vLLM's plugin has
-    no class for, a LoRA adapter, a base whose family, hidden size or vocabulary differ from the adapter's, or an
-    `out` that holds files (unless `overwrite`)."""
+    no class for, a LoRA on fused expert parameters, a base whose family, hidden size or vocabulary differ from the
+    adapter's, or an `out` that holds files (unless `overwrite`). A LoRA adapter also gets OUT/lora (`serve_flags`)."""
     if decision not in DECISIONS:
         raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
     meta, _ = read_adapter_files(adapter_dir)  # checks the files (sha256, finite tensors)
@@ -42,9 +53,11 @@ def export_folder(adapter_dir: str | os.PathLike, out: str | os.PathLike, base: 
     if family not in ARCHITECTURES:
         raise ValueError(f"the vLLM plugin has classes for the {' and '.join(sorted(ARCHITECTURES))} families; this "
                          f"adapter's base is {family!r}: serve it with `causal-adapter serve`")
-    if meta["adapter_config"].get("lora") is not None:
-        raise ValueError("a LoRA adapter cannot be exported for vLLM yet (docs/serve_at_scale.md#limits): serve it "
-                         "with `causal-adapter serve`, or train the adapter on a frozen backbone")
+    lora = meta["adapter_config"].get("lora")
+    if lora is not None and lora.get("target_parameters"):
+        raise ValueError(f"this adapter's LoRA is on fused expert parameters {lora['target_parameters']}, which the "
+                         "vLLM export does not write (docs/serve_at_scale.md#a-lora-adapter): serve it with "
+                         "`causal-adapter serve`")
     base_dir = Path(base if base is not None else meta.get("base_model_name_or_path") or "")
     base_config = _base_config(base_dir)
     check_base_config(base_config, meta, str(adapter_dir))
@@ -62,7 +75,49 @@ def export_folder(adapter_dir: str | os.PathLike, out: str | os.PathLike, base: 
     src = Path(adapter_dir)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         shutil.copyfile(src / name, out / HEADS_DIR / name)
+    if lora is not None:
+        write_lora(src, out / LORA_DIR, base_dir)
     return out
+
+
+def write_lora(adapter_dir: Path, directory: Path, base_dir: Path) -> None:
+    """The adapter's LoRA as peft's adapter folder (what `PeftModel.save_pretrained` and `peft_lora.write_peft_lora`
+    write) at `directory`, read from the saved adapter: its peft file, or its own weights file in a checkpoint or an
+    adapter of an earlier version (`read_adapter_tensors`). Only the LoRA tensors: a few MB, never a weight of the
+    base."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    meta, tensors = read_adapter_tensors(adapter_dir)
+    lora = {"base_model.model." + k[len(LORA_PREFIX):]: v.contiguous() for k, v in tensors.items()
+            if k.startswith(LORA_PREFIX)}
+    if not lora:
+        raise ValueError(f"adapter {str(adapter_dir)!r} records a LoRA but holds no LoRA tensor")
+    s = meta["adapter_config"]["lora"]
+    directory.mkdir(parents=True)
+    save_file(lora, str(directory / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+    LoraConfig(r=s["r"], lora_alpha=s["alpha"], lora_dropout=s.get("dropout", 0.0),
+               target_modules=list(s["target_modules"]), task_type="CAUSAL_LM",
+               base_model_name_or_path=str(base_dir.resolve())).save_pretrained(str(directory))
+
+
+def lora_rank(folder: str | os.PathLike) -> int | None:
+    """The LoRA rank r of an exported folder (None: no LoRA, a frozen backbone)."""
+    config = Path(folder) / LORA_DIR / PEFT_CONFIG_NAME
+    return json.loads(config.read_text())["r"] if config.is_file() else None
+
+
+def serve_flags(folder: str | os.PathLike, name: str = "causal-lora") -> list[str]:
+    """vLLM's flags that serve the LoRA of an exported folder as the model `name` (none for a frozen backbone):
+    --enable-lora, --lora-modules name=FOLDER/lora, and --max-lora-rank, the smallest value vLLM accepts >= r."""
+    r = lora_rank(folder)
+    if r is None:
+        return []
+    fits = [m for m in MAX_LORA_RANKS if m >= r]
+    if not fits:
+        raise ValueError(f"LoRA rank {r} is above vLLM's largest --max-lora-rank {MAX_LORA_RANKS[-1]}")
+    path = (Path(folder) / LORA_DIR).resolve()
+    return ["--enable-lora", "--lora-modules", f"{name}={path}", "--max-lora-rank", str(fits[0])]
 
 
 def _base_config(base_dir: Path) -> dict:

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ...model import get_causal_model
 from ...model.causal_model import CausalModel
 from ...saving.adapter_io import HEAD_MODULES, adapter_config_for
+from ...saving.peft_lora import LORA_PREFIX
 from .folder import read_heads
 
 
@@ -23,6 +24,10 @@ def load_heads(folder: str | os.PathLike, dtype: torch.dtype, device: torch.devi
     head modules on `device`. Refuses an adapter made for another base (family, hidden size, vocabulary), naming
     both (`adapter_config_for`), and a missing or corrupted heads file (`read_heads`)."""
     meta, tensors = read_heads(folder)
+    # a LoRA adapter: vLLM applies its LoRA (OUT/lora, vLLM's LoRA support) to its own backbone; the heads here run
+    # on vLLM's hidden states, so they are built without LoRA (older adapters keep LoRA tensors in this file too)
+    meta = {**meta, "adapter_config": {**meta["adapter_config"], "lora": None}}
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(LORA_PREFIX)}
     config = AutoConfig.from_pretrained(str(folder))
     config.architectures = None  # ours, which transformers does not know; the family's class is built
     with torch.device("meta"):

@@ -32,6 +32,11 @@ from .value_ids import split_value_ids
 class CausalHeadsMixin:
     """What a vLLM `*ForCausalLM` becomes with a causal adapter (mixed in before it)."""
 
+    #: vLLM's LoRA support (`--enable-lora`, a LoRA adapter's OUT/lora) wraps the decoder's linear layers only: never
+    #: the embedding nor lm_head (Qwen3 lists both), whose weights our heads read directly (an adapter's LoRA never
+    #: targets them: config.FORBIDDEN_LORA_TARGETS), nor the logits processor, which compute_logits replaces
+    embedding_modules: dict[str, str] = {}
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         mc = vllm_config.model_config
