@@ -431,18 +431,28 @@ def _renamed_fields(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate_series(table: Any) -> None:
-    """{key: {"support": one of SERIES_SUPPORTS, "rows": int >= 0, "name": str, "scale": finite > 0 (optional)}}."""
+    """{key: {"support": one of SERIES_SUPPORTS, "rows": int >= 0, "name": str, "scale": finite > 0 (optional), "ar":
+    {"coef": 2..8 finite numbers, "mix": in [0, 1]} (optional, `modeling.series_ar`)}}."""
     if not isinstance(table, dict):
         raise ValueError(f"value_series must be a dict of series, got {type(table).__name__}")
     for key, entry in table.items():
         ok = (isinstance(key, str) and isinstance(entry, dict) and entry.get("support") in SERIES_SUPPORTS
-              and set(entry) <= {"support", "rows", "name", "scale"}
+              and set(entry) <= {"support", "rows", "name", "scale", "ar"} and _valid_ar(entry.get("ar"))
               and isinstance(entry.get("rows", 0), int) and isinstance(entry.get("name", ""), str))
         scale = entry.get("scale", 1.0) if isinstance(entry, dict) else None
         if not ok or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
                 math.isfinite(scale) and scale > 0):
             raise ValueError(f"value_series[{key!r}] must be {{'support': one of {SERIES_SUPPORTS}, 'rows': n, "
-                             f"'name': title, 'scale': > 0}}, got {str(entry)[:120]}")
+                             f"'name': title, 'scale': > 0, 'ar': {{'coef', 'mix'}}}}, got {str(entry)[:120]}")
+
+
+def _valid_ar(ar: Any) -> bool:
+    if ar is None:
+        return True
+    coef, mix = (ar.get("coef"), ar.get("mix")) if isinstance(ar, dict) and set(ar) == {"coef", "mix"} else (0, -1)
+    numbers = isinstance(coef, list) and 2 <= len(coef) <= 8 and all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coef)
+    return numbers and isinstance(mix, (int, float)) and not isinstance(mix, bool) and 0 <= mix <= 1
 
 
 def _validate_horizon_calibration(calibration: Any) -> None:

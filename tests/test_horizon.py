@@ -298,13 +298,13 @@ def test_train_fits_per_step_maps_on_forecasting_validation_rows(tmp_path, qwen_
 
 def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path):
     """`/v1/predict` with horizon / paths / continuations / seed: the rows `predict_horizon` gives in-process; bad
-    values get a 400 naming the field."""
+    values get a 400 naming the field, and so do more paths than the server's --max-paths."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from serve_fixtures import Server
 
     adapter, model = saved
-    server = Server(["--adapter", f"h={adapter}", *TINY32], tmp_path / "serve.log")
+    server = Server(["--adapter", f"h={adapter}", *TINY32, "--max-paths", "100"], tmp_path / "serve.log")
     try:
         url = server.wait_ready().url
 
@@ -328,7 +328,8 @@ def test_server_predict_takes_horizon_and_paths(saved, qwen_tokenizer, tmp_path)
             [("h", 1)]
         assert "horizon" not in post({}).json()["data"][0]  # without it: predict's rows as before
         for body, field in (({"horizon": 0}, "horizon"), ({"horizon": 3, "paths": 5}, "paths"),
-                            ({"paths": 30}, "paths"), ({"horizon": 3, "continuations": CONTS[:1]}, "continuations")):
+                            ({"paths": 30}, "paths"), ({"horizon": 3, "continuations": CONTS[:1]}, "continuations"),
+                            ({"horizon": 3, "paths": 101}, "serve --max-paths")):  # the server's own bound
             r = post(body)
             assert r.status_code == 400, r.text
             assert field in r.json()["error"]["message"], r.json()

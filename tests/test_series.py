@@ -35,12 +35,13 @@ def _series(n: int, seed: int) -> dict[str, list[float]]:
     return {"count": count, "small": small, "rate": rate}
 
 
-def _split_rows(n: int = 90, window: int = 6):
-    """(train, validation, test) rows: each series split by time 60 / 20 / 20%."""
+def _split_rows(n: int = 90, window: int = 6, series: dict[str, list[float]] | None = None,
+                titles: dict[str, str] = TITLES):
+    """(train, validation, test) rows: each series (default `_series(n, 0)`) split by time 60 / 20 / 20%."""
     out = {"train": [], "val": [], "test": []}
-    for name, values in _series(n, 0).items():
+    for name, values in (series or _series(n, 0)).items():
         times = [str(1900 + i) for i in range(n)]
-        rows = series_rows(name, TITLES[name], times, values, window)
+        rows = series_rows(name, titles[name], times, values, window)
         a, b = int(0.6 * len(rows)), int(0.8 * len(rows))
         out["train"] += rows[:a]
         out["val"] += rows[a:b]

@@ -59,6 +59,9 @@ def add_parser(sub, **fmt) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt (default: prompts that begin the same way read that beginning's "
                         "cached keys and values)")
+    p.add_argument("--max-paths", type=int, default=None,
+                   help="the most sample paths a /v1/predict horizon may ask for (default 1000): a prompt's 1 + paths "
+                        "lanes join the running batch at once")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted and not finished; beyond it the server answers 503 with Retry-After")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -189,6 +192,10 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--port", args.port, 0), ("--batch-wait-ms", args.batch_wait_ms, 0)):
         if value < low:
             raise CLIError(f"{flag} must be >= {low}, got {value}")
+    from ..modeling.horizon import MAX_PATHS, MIN_PATHS
+
+    if args.max_paths is not None and not MIN_PATHS <= args.max_paths <= MAX_PATHS:
+        raise CLIError(f"--max-paths must be in [{MIN_PATHS}, {MAX_PATHS}], got {args.max_paths}")
     if args.runtime_adapter_root is not None:
         from pathlib import Path
 
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                     enable_thinking=args.enable_thinking, prefix_cache=not args.no_prefix_cache)
     app = create_app(engine, api_key=args.api_key, runtime_root=args.runtime_adapter_root, max_queue=args.max_queue,
                      batch_wait_s=args.batch_wait_ms / 1000, scheduler=args.scheduler, worker_thread=False,
-                     ui=not args.no_ui)
+                     ui=not args.no_ui, **({} if args.max_paths is None else {"max_paths": args.max_paths}))
     logger = logging.getLogger("causal_adapter.serving")
     logger.setLevel(args.log_level.upper())
     if not logger.handlers:

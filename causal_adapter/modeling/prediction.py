@@ -27,6 +27,7 @@ from .heads import full_precision
 from .intervals import check_level
 from .loss import num_probability
 from .series import RowSeries, prompt_series
+from .series_ar import mixed_locations
 
 DEFAULT_LEVELS = (0.5, 0.9)
 
@@ -122,11 +123,14 @@ def batch_series(model, enc: dict, out) -> RowSeries:
 def prediction_rows(model, loc: torch.Tensor, scale: torch.Tensor, p_num: torch.Tensor, levels: tuple[float, ...],
                     start: int, series: RowSeries | None = None) -> list[dict[str, Any]]:
     """`predict_values`' dicts of rows start.. from the heads at their last position, loc / scale / p_num [n];
-    `series` (`batch_series`): each row's width factor multiplies scale_Y (the calibrated intervals'), and a
-    positive or nonneg series' value and bounds are floored at 0."""
+    `series` (`batch_series`): each row's location is its series' mix with its own AR (`series_ar`), its width
+    factor multiplies scale_Y (the calibrated intervals'), and a positive or nonneg series' value and bounds are
+    floored at 0."""
     raw_scale = scale
     floored = torch.zeros_like(loc, dtype=torch.bool)
     vm = model.value_map.rows(None if series is None else series.log)  # a "series" head: log y per row
+    if series is not None and series.ars is not None:  # each series' own AR where training chose one
+        loc = mixed_locations(loc, series.recent, vm.log if series.log is None else series.log, series.ars)
     if series is not None:
         scale, floored = scale * series.scale.to(scale), series.floored.to(loc.device)
 

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .row_units import MAX_PERIOD, row_period, same_role
+from .series_ar import row_ar
 
 #: validation rows a series needs before its width gets a factor of its own
 MIN_SERIES_ROWS = 20
@@ -159,11 +160,14 @@ def series_of(keys: Sequence[str], table: dict | None) -> list[str]:
 class RowSeries:
     """What each of n prompt rows gets: names [n] (its series' title, "" when unseen), supports [n] (`row_supports`),
     scale [n] (its width factor, `series_scales`), log [n] bool (on log y: a "series" head's rows of a positive
-    series, `series_log_rows`; None for any other head)."""
+    series, `series_log_rows`; None for any other head), ars [n] its series' own AR (`series_ar.row_ar`; None:
+    none) and recent [n, W] the numbers it reads (None: the head reads none)."""
     names: list[str]
     supports: list[str | None]
     scale: Tensor
     log: Tensor | None = None
+    ars: list[dict | None] | None = None
+    recent: Tensor | None = None
 
     @property
     def floored(self) -> Tensor:
@@ -178,20 +182,22 @@ def prompt_series(input_ids: Tensor, numeric_values: Tensor, attention_mask: Ten
     numbers (None: the head reads none), `like`: the dtype and device of the width factors."""
     keys = last_keys(input_ids.cpu(), numeric_values.cpu(), num_token_id,
                      None if attention_mask is None else attention_mask.cpu())
-    return RowSeries(series_of(keys, table), row_supports(keys, table, recent), series_scales(keys, table, like))
+    return RowSeries(series_of(keys, table), row_supports(keys, table, recent), series_scales(keys, table, like),
+                     ars=row_ar(keys, table), recent=recent)
 
 
 def prompt_support(ids: Sequence[int], values: Sequence[float], num_token_id: int, table: dict | None,
-                   window: int = 16) -> tuple[bool, float, bool]:
+                   window: int = 16) -> tuple[bool, float, bool, dict | None]:
     """One prompt (ids and values, no padding) -> (whether its series never goes below 0, its width factor, whether
-    it is positive): what generation floors the values a row writes by, widens its intervals by (`row_supports`, the
-    fallback reading its `window` most recent numbers; `series_scales`) and, for a "series" head, tells on log y
-    (`positive_series`)."""
+    it is positive, its series' own AR): what generation floors the values a row writes by, widens its intervals by
+    (`row_supports`, the fallback reading its `window` most recent numbers; `series_scales`), for a "series" head
+    tells on log y (`positive_series`) and mixes into its values (`series_ar.row_ar`)."""
     numbers = [float(v) for t, v in zip(ids, values) if t == num_token_id][::-1][:window]
     recent = torch.tensor([numbers + [math.nan] * (window - len(numbers))], dtype=torch.float64)
     key = text_key(list(ids), list(values), num_token_id)
     floored = row_supports([key], table, recent)[0] in ("positive", "nonneg")
-    return floored, float(series_scales([key], table, recent[0])[0]), positive_series([key], table)[0]
+    return (floored, float(series_scales([key], table, recent[0])[0]), positive_series([key], table)[0],
+            row_ar([key], table)[0])
 
 
 def positive_series(keys: Sequence[str], table: dict | None) -> list[bool]:

@@ -44,10 +44,12 @@ __all__ = ["create_app", "JSON", "error_response", "RETRY_AFTER_S", "RUNTIME_FLA
 
 def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str | None = None,
                max_queue: int = 256, batch_wait_s: float = 0.005, scheduler: str = "step",
-               worker_thread: bool = True, ui: bool = True) -> FastAPI:
+               worker_thread: bool = True, ui: bool = True, max_paths: int = routes_predict.DEFAULT_MAX_PATHS
+               ) -> FastAPI:
     """The app serving `engine`'s adapters; its scheduler's worker starts (in a thread of its own; worker_thread=False:
     the caller runs `app.state.scheduler.run()` in a thread of its choice) and stops with the app (lifespan).
-    ui: serve the playground page at ``GET /`` (`playground_page`)."""
+    ui: serve the playground page at ``GET /`` (`playground_page`). max_paths: the most paths of a horizon request
+    (`routes_predict`)."""
     registry = engine.registry
     worker = Scheduler(engine, max_queue=max_queue, batch_wait_s=batch_wait_s, policy=scheduler,
                        run_by_caller=not worker_thread)
@@ -76,6 +78,6 @@ def create_app(engine: Engine, *, api_key: str | None = None, runtime_root: str 
     routes_health.register(app, engine, worker, metrics)
     routes_models.register(app, registry)
     routes_completions.register(app, registry, jobs)
-    routes_predict.register(app, registry, jobs)
+    routes_predict.register(app, registry, jobs, max_paths)
     routes_adapters.register(app, engine, jobs, runtime_root)
     return app

@@ -15,6 +15,9 @@ from .jobs import Jobs
 from .registry import Registry
 from .scheduler import Job, RequestError
 
+#: the most paths a horizon request may ask for (``serve --max-paths``): 1 + paths rows join the running batch at once
+DEFAULT_MAX_PATHS = 1000
+
 
 def request_levels(levels: list[float] | None) -> tuple[float, ...]:
     """A request's interval levels (the default ones when it names none), checked (400 naming ``levels``)."""
@@ -24,8 +27,10 @@ def request_levels(levels: list[float] | None) -> tuple[float, ...]:
         raise RequestError(400, f"levels: {e}", param="levels") from None
 
 
-def _horizon(body: schemas.PredictRequest) -> dict:
-    """PredictSpec's horizon fields of a request (empty without `horizon`), checked (400 naming the field)."""
+def _horizon(body: schemas.PredictRequest, max_paths: int) -> dict:
+    """PredictSpec's horizon fields of a request (empty without `horizon`), checked (400 naming the field). A prompt's
+    1 + paths lanes are rows of the running batch (`serving.horizons`): `max_paths` (``serve --max-paths``) bounds
+    what one request adds to it."""
     if body.horizon is None:
         for name in ("paths", "continuations"):
             if getattr(body, name) is not None:
@@ -37,12 +42,15 @@ def _horizon(body: schemas.PredictRequest) -> dict:
             check()
         except ValueError as e:
             raise RequestError(400, str(e), param=name) from None
+    if paths > max_paths:
+        raise RequestError(400, f"paths: at most {max_paths} on this server (its lanes are rows of the running batch; "
+                                f"serve --max-paths), got {paths}", param="paths")
     return {"horizon": body.horizon, "paths": paths, "continuations": body.continuations,
             "seed": 0 if body.seed is None else body.seed}
 
 
-def register(app: FastAPI, registry: Registry, jobs: Jobs) -> None:
-    """``POST /v1/predict`` on `app`."""
+def register(app: FastAPI, registry: Registry, jobs: Jobs, max_paths: int = DEFAULT_MAX_PATHS) -> None:
+    """``POST /v1/predict`` on `app`; a horizon of at most `max_paths` paths."""
 
     @app.post("/v1/predict")
     async def predict(body: schemas.PredictRequest, request: Request):
@@ -58,7 +66,7 @@ def register(app: FastAPI, registry: Registry, jobs: Jobs) -> None:
             if not conversations:
                 raise RequestError(400, "messages: give a conversation or a non-empty list of them", param="messages")
         thinking = (body.chat_template_kwargs or {}).get("enable_thinking")
-        horizon = _horizon(body)
+        horizon = _horizon(body, max_paths)
         job = jobs.submit(Job("predict", PredictSpec(body.model, prompts, conversations, levels, thinking, **horizon),
                               rows=len(prompts or conversations)))
         rows = await jobs.result(job, request)

@@ -48,6 +48,7 @@ from ..modeling.adaptive import adaptive_interval
 from ..modeling.intervals import interval, winkler
 from ..modeling.loss import total_loss
 from ..modeling.series import position_keys
+from ..modeling.series_ar import mixed_locations, row_ar
 from ..modeling.value_transform import ValueMap
 from ..records import value_targets
 from ..saving.fsdp import whole_root_parameters
@@ -89,6 +90,7 @@ class MetricAccumulator:
         self.y_scale: list[float] = []
         self.y_series: list[str] = []  # the series key of each (`modeling.series.position_keys`)
         self.y_log: list[bool] = []  # a "series" head: whether each is told on log y (`CausalOutput.value_log`)
+        self.y_recent: list[list[float]] = []  # the numbers the value head read before each (`CausalOutput.recent`)
         # per row with baseline columns: target, previous value
         self.targets: list[float] = []
         self.previous: list[float] = []
@@ -131,13 +133,22 @@ class MetricAccumulator:
             y_true = values.to(heads)[:, 1:][at].to(torch.float64)
             loc = output.loc_Y[:, :-1][at].to(torch.float64)
             scale = output.scale_Y[:, :-1][at].to(torch.float64)
+            keys = _target_keys(batch, ids, values, at, self.num_token_id)
+            value_log = getattr(output, "value_log", None)  # a hand-made output may not carry it
+            log = None if value_log is None else value_log.to(heads)[:, :-1][at]
+            recent = getattr(output, "recent", None)
+            recent = None if recent is None else recent.to(heads)[:, :-1][at].double()
+            # each series' own AR where training chose one (`modeling.series_ar`), as predict reads the value
+            ars = row_ar(keys, getattr(model, "causal_config", None) and model.causal_config.value_series)
+            loc = mixed_locations(loc, recent, self.value_map.log if log is None else log, ars)
             self.y_true += y_true.tolist()
             self.y_loc += loc.tolist()
             self.y_scale += scale.tolist()
-            self.y_series += _target_keys(batch, ids, values, at, self.num_token_id)
-            value_log = getattr(output, "value_log", None)  # a hand-made output may not carry it
-            if value_log is not None:
-                self.y_log += value_log.to(heads)[:, :-1][at].tolist()
+            self.y_series += keys
+            if log is not None:
+                self.y_log += log.tolist()
+            if recent is not None:
+                self.y_recent += recent.tolist()
         if "target" in batch and "previous" in batch:
             self.targets += [float(v) for v in batch["target"].tolist()]
             self.previous += [float(v) for v in batch["previous"].tolist()]
@@ -171,7 +182,7 @@ class MetricAccumulator:
         for s in states:
             for k in ("n_tokens", "n_num_labels", "sum_cls", "sum_reg", "correct", "tp", "fp", "fn", "softmax_nll"):
                 setattr(self, k, getattr(self, k) + s[k])
-            for k in ("y_true", "y_loc", "y_scale", "y_series", "y_log", "targets", "previous"):
+            for k in ("y_true", "y_loc", "y_scale", "y_series", "y_log", "y_recent", "targets", "previous"):
                 getattr(self, k).extend(s.get(k, []))
         return self
 
@@ -229,10 +240,11 @@ class MetricAccumulator:
         return self.value_map.rows(torch.tensor(self.y_log))
 
     def predictions(self) -> dict[str, list[float]]:
-        """Per <NUM> label: true value, loc_Y, scale_Y (on the head's scale) and the point value (in evaluation
-        order)."""
+        """Per <NUM> label: true value, loc_Y, scale_Y (on the head's scale), the point value, its series key, whether
+        it is on log y and the numbers the head read before it (in evaluation order)."""
         return {"y_true": list(self.y_true), "loc": list(self.y_loc), "scale": list(self.y_scale),
-                "value": self._values(), "series": list(self.y_series), "log": list(self.y_log)}
+                "value": self._values(), "series": list(self.y_series), "log": list(self.y_log),
+                "recent": list(self.y_recent)}
 
 
 def _target_keys(batch: Mapping[str, Any], ids: Tensor, values: Tensor, at: Tensor, num_token_id: int) -> list[str]:

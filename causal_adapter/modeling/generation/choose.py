@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..cauchy import cauchy_icdf
+from ..series_ar import mixed_locations
 from .place import place_number
 from .prepare import Group, Settings
 
@@ -58,15 +59,21 @@ class Heads:
     scale_Y: Tensor
 
 
-def heads(model, g: Group, z: Tensor, recent: Tensor | None = None, log: Tensor | None = None) -> Heads:
-    """The abduction and the value head on z [n, H]; recent [n, K] the numbers the value head reads; log [n] bool
-    a "series" head's rows on log y (`record.Row.log`)."""
+def heads(model, g: Group, z: Tensor, recent: Tensor | None = None, log: Tensor | None = None,
+          ars: list | None = None) -> Heads:
+    """The abduction and the value head on z [n, H]; recent [n, W] the numbers the value head reads (its first
+    K); log [n] bool a "series" head's rows on log y (`record.Row.log`); ars [n] each row's series' own AR
+    (`record.Row.ar`), mixed into loc_Y (`series_ar.mixed_locations`)."""
     loc_U, scale_U = model.abduction(z)
     scale_Up = model.action.noisy_scale(scale_U)
+    window = recent
     if recent is not None:
         recent = recent[:, :g.settings.recent_k].to(g.vdtype)
     log = None if log is None or not model.action.value_map.series else log.to(loc_U.device)
-    return Heads(loc_U, scale_Up, *model.action.regression(loc_U, scale_Up, recent, log))
+    loc_Y, scale_Y = model.action.regression(loc_U, scale_Up, recent, log)
+    if ars is not None and window is not None:
+        loc_Y = mixed_locations(loc_Y, window, model.action.value_map.log if log is None else log, ars)
+    return Heads(loc_U, scale_Up, loc_Y, scale_Y)
 
 
 def reads_vocabulary_product(g: Group) -> bool:
@@ -85,7 +92,7 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
            steps: Tensor | None = None, slots: Tensor | None = None, shared_eps: Tensor | None = None,
            history: Callable[[], Tensor] | None = None, done: Heads | None = None,
            vocab: Tensor | None = None, floored: Tensor | None = None, log: Tensor | None = None,
-           forced: Tensor | None = None) -> Choice:
+           forced: Tensor | None = None, ars: list | None = None) -> Choice:
     """The group's rows: z [n, H] (its adapter active, unless `done` holds its heads and the mode reads W_cls loc_U:
     then only the group's scorer is read). prev / pending [n] (`place_number`); recent [n, K] the numbers the value
     head reads; steps [n] tokens each row wrote (for min_new_tokens); slots [n] the rows' draw slots; shared_eps
@@ -94,9 +101,9 @@ def choose(model, g: Group, z: Tensor, *, prev: Tensor, pending: Tensor, recent:
     `approximate_product(g)`); floored [n] bool: rows whose series never goes below 0 (`record.Row.floored`): the
     value they write is floored there; log [n] bool: a "series" head's rows on log y (`record.Row.log`); forced [n]
     the token a row must write (a horizon lane's <NUM>: its value is the mode's, its draws as any row's), -1 where it
-    chooses (None: every row chooses)."""
+    chooses (None: every row chooses); ars [n] the rows' series' own ARs (`heads`)."""
     s = g.settings
-    h = done if done is not None else heads(model, g, z, recent, log)
+    h = done if done is not None else heads(model, g, z, recent, log, ars)
     early = None
     if s.opts.min_new_tokens and s.eos and steps is not None:
         early = (steps < s.opts.min_new_tokens).to(s.hdev)  # eos ids cannot be chosen yet (as transformers)

@@ -228,6 +228,7 @@ class StepLoop:
             mask, position_ids, z = mask.expand(n, -1), position_ids.expand(n, -1), z.expand(n, -1)
             for r in lanes[1:]:
                 r.floored, r.series_scale, r.reused_tokens = rows[0].floored, rows[0].series_scale, hits[0][0]
+                r.ar = rows[0].ar
         self._merge(lanes, new_cache, mask, position_ids[:, -1:], z)
 
     def _prompt_inputs(self, rows: list[Row], hits, dev):
@@ -381,7 +382,7 @@ class StepLoop:
                            slots=torch.tensor([r.slot for r in mine], device=hdev) if g.fixed_slots else None,
                            shared_eps=take(g, self.shared), history=lambda: _history(mine), done=done.get(g),
                            vocab=vocab.get(g), floored=torch.tensor([r.floored for r in mine], device=hdev),
-                           log=torch.tensor([r.log for r in mine], device=hdev),
+                           log=torch.tensor([r.log for r in mine], device=hdev), ars=[r.ar for r in mine],
                            forced=forced_tokens(mine, hdev) if g in forcing else None)
             exact, written = written_values(g, c.tok, c.val)
             fault = faults(take(g, self.z), c.tok, written.to(feed_dtype), c.writable, g.settings.num_id)
@@ -429,7 +430,8 @@ class StepLoop:
                 with full_precision(self.z.device):
                     done[g] = heads(self.model, g, take(g, self.z),
                                     take(g, self.recent) if g.settings.recent_k else None,
-                                    torch.tensor([self.rows[i].log for i in groups[g]]))
+                                    torch.tensor([self.rows[i].log for i in groups[g]]),
+                                    [self.rows[i].ar for i in groups[g]])
             with full_precision(self.z.device):
                 loc_U = torch.cat([done[g].loc_U for g in shared])
                 product = shared[0].settings.scorer.approx_vocab(loc_U) if approx else \

@@ -48,6 +48,7 @@ class Row:
     floored: bool | None = None
     series_scale: float = 1.0
     log: bool = False  # a "series" head tells it on log y (a positive series: `series.prompt_support`)
+    ar: dict | None = None  # its series' own AR, mixed into the values it writes (`series_ar`)
     # a horizon's lane (`modeling.horizon`): the tokens it writes, each (id, value), value None where the value head
     # writes it (one of its values); `max_values`: it ends after that many values; `value_after`: a <NUM> it writes
     # after these two tokens is one of its values (its own text between them, at most `max_text` tokens)
@@ -66,12 +67,14 @@ class Row:
 
 
 def read_series(row: Row) -> None:
-    """A row's series, read from its prompt as it joins, unless set (`Row.floored` not None, a horizon's lanes): its
-    floor, its width factor and, for a "series" head, whether it is on log y (`series.prompt_support`)."""
+    """A row's series, read from its prompt as it joins: its series' own AR and, unless set (`Row.floored` not None,
+    a horizon's lanes), its floor, its width factor and, for a "series" head, whether it is on log y
+    (`series.prompt_support`)."""
     s = row.group.settings
+    floored, scale, positive, row.ar = prompt_support(row.ids, row.values, s.num_id, s.value_series,
+                                                      max(s.recent_k, 1))
     if row.floored is None:
-        row.floored, row.series_scale, positive = prompt_support(row.ids, row.values, s.num_id, s.value_series,
-                                                                 max(s.recent_k, 1))
+        row.floored, row.series_scale = floored, scale
         row.log = positive and s.value_map.series
 
 

@@ -30,6 +30,7 @@ from .horizon import fit_horizon_calibration
 from .choice import beats_by_one_se
 from .linear import LOSSES, WARM_START_LOSSES
 from .series import series_table
+from .series_ar import WindowRows, choose_series_ar, head_log_rows, window_rows
 from .summary import LogSummary
 from .warm_start import HeadFitSummary, WarmStartRows, fit_head, fit_value_units, gather_rows, value_decimals
 
@@ -296,13 +297,41 @@ def fit_after_training(model, config: TrainConfig, train_ds, collator, device, v
     refitted = refit_value_head(model, config, train_ds, collator, device, verbose, eval_ds)
     if eval_ds is None:
         return None
+    for entry in (inner.causal_config.value_series or {}).values():
+        entry.pop("ar", None)  # an earlier fit's ARs described the old head: the predictions below are the head's
     predictions = validation_predictions(refitted)
+    if config.series_ar:
+        fit_series_ar(inner, train_ds, predictions, verbose)
     calibrated = None
     if config.calibrate_scale:
         calibrated = calibrate_regression_scale(inner, predictions, base_scale(inner, predict),
                                                 series_widths=config.series_widths)
     fit_horizon_calibration(inner, eval_ds, verbose)  # rows with several values: the horizon's per-step maps
     return calibrated
+
+
+def fit_series_ar(inner, train_ds, predictions: dict | None, verbose: bool, max_rows: int = 8192) -> int | None:
+    """Each series' own AR where its validation rows choose it (`series_ar.choose_series_ar`, on the training rows
+    `spread_rows` reads), and the validation `predictions`' loc moved to the chosen locations, which the calibration
+    then reads. None (nothing done): no series table, or a head that reads no numbers."""
+    table, act = inner.causal_config.value_series, inner.action
+    recent = (predictions or {}).get("recent")
+    if not table or not act.recent_values or not recent or len(recent) != len(predictions["loc"]):
+        return None
+    rows, masks = spread_rows(train_ds, inner.num_token_id, max_rows)
+    train = window_rows(rows, masks, inner.num_token_id, len(recent[0]))
+    val = WindowRows(list(predictions["series"]), torch.tensor(recent, dtype=torch.float64),
+                     torch.tensor(predictions["y_true"], dtype=torch.float64))
+    before = torch.tensor(predictions["loc"], dtype=torch.float64)
+    loc, chosen = choose_series_ar(table, act.value_map, train, val, before)
+    predictions["loc"] = loc.tolist()
+    if verbose:
+        y = act.value_map.rows(head_log_rows(act.value_map, val.keys, table)).to_head(val.y)
+        ok = torch.isfinite(y)
+        mae = [float((v - y)[ok].abs().mean()) for v in (before, loc)]
+        print(f"series AR: {chosen} of {len(table)} series (validation MAE on the head's scale {mae[0]:.4g} -> "
+              f"{mae[1]:.4g})", file=sys.stderr)
+    return chosen
 
 
 def head_shift_bound(inner, config: TrainConfig) -> float:
