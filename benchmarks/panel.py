@@ -315,8 +315,8 @@ def parse_args(argv=None):
     ap = run_arguments(__doc__, "/tmp/panel.md", "TrainConfig.seed and the LoRA's")
     ap.add_argument("--max-test-rows", type=int, default=None, help="keep the first N test rows of each series")
     ap.add_argument("--quick", action="store_true", help="toy size: 2 steps, a smaller tiny base, few rows")
-    ap.add_argument("--series-widths", action="store_true", help="TrainConfig.series_widths: each series with >= 20 "
-                    "validation rows its own width factor")
+    ap.add_argument("--series-widths", action="store_true", help="TrainConfig.series_widths: per-series widths")
+    ap.add_argument("--series-ar", action="store_true", help="TrainConfig.series_ar: each series' own AR")
     ap.add_argument("--lora-from", default=None, help="the LoRA baseline's test values from an earlier run's JSON "
                     "with the same settings (it does not depend on the adapter: ~20 min saved)")
     args = ap.parse_args(argv)
