@@ -17,7 +17,7 @@ from vllm.v1.pool.metadata import PoolingMetadata
 from ...modeling.heads import full_precision, recent_values
 from ...modeling.loss import num_probability
 from ...modeling.prediction import prediction_rows
-from ...modeling.series import prompt_series
+from ...modeling.series import prompt_series, series_log_rows
 from .value_ids import split_value_ids
 
 LEVELS = (0.5, 0.9)
@@ -57,9 +57,13 @@ class ValuePooler(Pooler):
             recent = None
             if act.recent_values:
                 recent = recent_values(ids, values, k, act.recent_window)[:, -1].to(loc_U.device)
-            loc_Y, scale_Y = act.regression(loc_U, scale_Up, recent)
+            log = None  # a "series" head: the row on log y when its series is positive (as forward reads it)
+            if act.value_map.series:
+                log = series_log_rows(ids, values, k, model.causal_config.value_series)[:, -1].to(loc_U.device)
+            loc_Y, scale_Y = act.regression(loc_U, scale_Up, recent, log)
             p_num = num_probability(loc_U, scale_Up, act.num_weight(self._W_cls()), act.b_cls[k], act.num_threshold(),
                                     scale_floor=act.scale_floor)
         series = prompt_series(ids, values, None, recent, k, model.causal_config.value_series, loc_Y.double())
+        series.log = None if log is None else log.cpu()
         r = prediction_rows(model, loc_Y.double(), scale_Y.double(), p_num.double(), LEVELS, 0, series)[0]
         return torch.tensor([r[c] for c in COLUMNS], dtype=torch.float32)
