@@ -44,12 +44,6 @@ def window_features(recent: Tensor, log: Tensor | bool, lags: int) -> tuple[Tens
     return torch.where(bad.unsqueeze(-1), math.nan, X), m, s
 
 
-def ar_location(recent: Tensor, log: Tensor | bool, coef: Tensor) -> Tensor:
-    """recent [n, W], coef [lags] -> [n] the AR's location on the head's scale (NaN where the window is short)."""
-    X, m, s = window_features(recent, log, coef.numel())
-    return m + s * (X @ coef.to(X))
-
-
 def row_ar(keys: Sequence[str], table: dict | None) -> list[dict | None]:
     """Per row its series' ``ar`` entry in `table` (None: none)."""
     table = table or {}

@@ -91,10 +91,11 @@ def choose_series_ar(table: dict, value_map: ValueMap, train: WindowRows, val: W
             coef = fit_ar(train.recent[at_train], y_train[at_train], log_train[at_train], lags)
             if coef is None:
                 continue
-            for mix in MIXES:
+            alone = mixed_locations(head, val.recent[at_val], log_val[at_val],
+                                    [{"coef": coef, "mix": 0.0}] * len(at_val))
+            for mix in MIXES:  # the AR's location once, then each mix of it (a short window keeps the head's)
                 ar = {"coef": coef, "mix": mix}
-                loc = mixed_locations(head, val.recent[at_val], log_val[at_val], [ar] * len(at_val))
-                err = (loc - y_val[at_val]).abs()
+                err = (mix * head + (1 - mix) * alone - y_val[at_val]).abs()
                 if bool(torch.isfinite(err).all()) and float(err.mean()) < float(best_err.mean()):
                     best, best_err = ar, err
         if best is not None and beats_by_one_se(head_err - best_err):
