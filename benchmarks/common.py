@@ -97,7 +97,7 @@ def train_and_predict(args, name: str, train_rows: list[dict], val_rows: list[di
     recent = getattr(args, "recent_values", None)
     overrides = {**args.tiny, **({} if args.steps is None else {"max_steps": args.steps}),
                  **({} if recent is None else {"recent_values": recent}),
-                 **{k: True for k in ("series_widths", "series_ar") if getattr(args, k, False)}}
+                 **{k: getattr(args, k) for k in ("series_widths", "series_ar") if hasattr(args, k)}}
     # output and display only (no plot file, no progress bar); every training setting is the default
     config = TrainConfig(train_file=[str(files["train"])], validation_file=[str(files["validation"])],
                          output_dir=str(work / f"{name}_run"), plot=False, progress=False, seed=args.seed, **overrides)

@@ -316,7 +316,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-test-rows", type=int, default=None, help="keep the first N test rows of each series")
     ap.add_argument("--quick", action="store_true", help="toy size: 2 steps, a smaller tiny base, few rows")
     ap.add_argument("--series-widths", action="store_true", help="TrainConfig.series_widths: per-series widths")
-    ap.add_argument("--series-ar", action="store_true", help="TrainConfig.series_ar: each series' own AR")
+    ap.add_argument("--no-series-ar", dest="series_ar", action="store_false", help="TrainConfig.series_ar off")
     ap.add_argument("--lora-from", default=None, help="the LoRA baseline's test values from an earlier run's JSON "
                     "with the same settings (it does not depend on the adapter: ~20 min saved)")
     args = ap.parse_args(argv)

@@ -3,7 +3,8 @@ value head serves every series of a file, and a series whose dynamics the shared
 validation rows choose it, its own AR mixed into the head's location.
 
 The case: one file with a series that zigzags around its level (each value the mirror of the last: an AR(1) of
--0.9) beside a random walk over the same range and a trend, trained with `causal-adapter train --series-ar`.
+-0.9) beside a random walk over the same range and a trend, trained with `causal-adapter train` (each series' own
+AR is on by default).
 Claims, each failing when its mechanism is removed:
 * training chooses an AR for the series the shared head misses (an ``ar`` entry in `value_series`), and it lowers
   that series' test error;
@@ -55,7 +56,7 @@ def trained(tmp_path_factory, qwen_tokenizer):
     rows = _split_rows()
     args = ["train", "--train-file", _jsonl(tmp / "train.jsonl", rows["train"]),
             "--validation-file", _jsonl(tmp / "val.jsonl", rows["val"]), "--max-steps", "20",
-            "--output-dir", str(tmp / "run"), "--no-plot", "--no-progress", "--series-ar", *TINY32]
+            "--output-dir", str(tmp / "run"), "--no-plot", "--no-progress", *TINY32]
     assert main(args) == 0
     base, _ = load_base(None, "qwen2", "float32", 32, 1)
     model = CausalModel.from_pretrained(base, tmp / "run" / "adapter", tokenizer=qwen_tokenizer)
