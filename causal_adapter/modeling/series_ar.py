@@ -2,10 +2,11 @@
 
 One value head serves every series of a file. A per-series AR on the window a row shows (the baseline a forecaster
 fits to each series) can read a series' own dynamics better than the shared head: a noisy monthly count, a
-mean-reverting index. So, after training, each series of the file with enough rows gets the choice, made on its
-validation rows (`training.value_head.series_ar`): keep the head's location, or move it to
+mean-reverting index. So, after training, each series of the file with enough rows gets its AR, chosen on its
+validation rows (`training.value_head.series_ar`: the least validation error of the head, the AR and their even
+mix), and its location moves to
 
-    loc = mix loc_Y + (1 - mix) (m + s (c_0 + sum_j c_j (S_j - m) / s)),   j = 1 .. lags - 1,
+    loc = mix loc_Y + (1 - mix) (m + s (c_0 + sum_j c_j (S_j - m) / s)),   j = 1 .. lags - 1,   mix in {0, 0.5},
 
 where S are the row's numbers of the value's kind, newest first (`row_units.same_role`), m = S_0 and s the window's
 mean |step| (the "last" units of `row_units`), on the head's scale (logs for a row on log y), and c the series'
@@ -27,8 +28,6 @@ from .row_units import row_location_scale
 
 #: the window lengths (the newest value included) a series' AR may read
 AR_LAGS = (2, 4, 8)
-#: the head's share of the location in a mix (0: the AR alone)
-MIXES = (0.0, 0.5)
 
 
 def window_features(recent: Tensor, log: Tensor | bool, lags: int) -> tuple[Tensor, Tensor, Tensor]:

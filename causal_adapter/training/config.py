@@ -108,8 +108,8 @@ class TrainConfig:
                                        "residuals in the adapter (value_calibration: intervals calibrated at "
                                        "every level); needs a validation split and a per-row or independent scale")
     series_ar: bool = flag(True, "after training, give each series of the file with >= 10 validation rows its own "
-                                 "AR on the row's window (2, 4 or 8 values, fitted on its training rows), mixed into "
-                                 "the head's value where it beats the head on those rows by one standard error "
+                                 "AR on the row's window (2, 4 or 8 values, fitted on its training rows): the head's "
+                                 "value, the AR's or their even mix, whichever errs least on those rows "
                                  "(docs/predict.md, 'Many series in one file'; --no-series-ar: the head alone)")
     series_widths: bool = flag(False, "with calibrate_scale: give each series of the file with >= 20 validation "
                                       "rows its own width factor (the median of its normalised residuals) before the "

@@ -75,8 +75,7 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
     calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
     (`intervals.fit_calibration`) into `config.value_calibration`; with `series_widths`, on the rows rescaled by
-    each series' own width factor first (`series.series_scale_factors`, `TrainConfig.series_widths`; without it, each
-    series with its own AR, `series_ar`). Returns a `Calibration`; None (nothing done)
+    each series' own width factor first (`series.series_scale_factors`, `TrainConfig.series_widths`). Returns a `Calibration`; None (nothing done)
     without a regression scale of its own or validation values."""
     act = inner.action
     if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
@@ -127,12 +126,8 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     if table:
         for entry in table.values():  # a refit's calibration drops the widths of an earlier one
             entry.pop("scale", None)
-    # each series' own width (`series.series_scale_factors`); a series with its own AR (`series_ar`) always gets
-    # one: its residuals are no longer the shared head's, whose width the one map describes
-    with_ar = {k for k, e in (table or {}).items() if "ar" in e}
-    if keys is not None and table and (series_widths or with_ar):
-        scale = scale * series_scale_factors(keys, resid.clamp_min(resolution) / scale, table,
-                                             None if series_widths else with_ar)
+    if keys is not None and table and series_widths:  # each series' own width (`series.series_scale_factors`)
+        scale = scale * series_scale_factors(keys, resid.clamp_min(resolution) / scale, table)
         info.series_scaled = sum("scale" in e for e in table.values())
     inner.causal_config.value_calibration = fit_calibration(y, floored_loc, scale.clamp_min(act.scale_floor))
     if exact:

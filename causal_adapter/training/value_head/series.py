@@ -65,9 +65,8 @@ def _title_text(ids: list[int], values: list[float], num_token_id: int, decode: 
     return "".join(pieces + [decode(run)]).strip()
 
 
-def series_scale_factors(keys: Sequence[str], normalised: Tensor, table: dict, only: set[str] | None = None
-                         ) -> Tensor:
-    """The width factor of each series with >= `MIN_SERIES_ROWS` validation rows (of those in `only`, when given),
+def series_scale_factors(keys: Sequence[str], normalised: Tensor, table: dict) -> Tensor:
+    """The width factor of each series with >= `MIN_SERIES_ROWS` validation rows,
     written into `table` as its ``scale``: the median of its rows' `normalised` residuals |y - loc_Y| / scale_Y [n]
     (a Cauchy's scale is its median absolute deviation, so the series' 50% interval is calibrated on its own rows);
     other series keep 1 (and lose a stale factor), and all keep 1 when fewer than two series have that many rows
@@ -82,7 +81,7 @@ def series_scale_factors(keys: Sequence[str], normalised: Tensor, table: dict, o
         return factors
     for key, entry in table.items():
         idx = rows.get(key, [])
-        if len(idx) < MIN_SERIES_ROWS or (only is not None and key not in only):
+        if len(idx) < MIN_SERIES_ROWS:
             continue
         f = float(normalised[idx].median())
         if f > 0 and torch.isfinite(torch.tensor(f)):
