@@ -24,7 +24,7 @@ import torch
 from causal_adapter.commands.main import main
 from causal_adapter.modeling.generation import text_prompts_tokenizer
 from causal_adapter.modeling.prediction import encode_prompts
-from causal_adapter.training.value_head.series_ar import WindowRows, choose_series_ar
+from causal_adapter.training.value_head.series_ar import WindowRows, choose_series_ar, window_rows
 from causal_adapter.modeling.value_transform import ValueMap
 from test_default_recipe import TINY32, _jsonl
 from test_series import _split_rows as split_rows
@@ -177,6 +177,23 @@ def test_generate_writes_the_value_predict_gives(trained, qwen_tokenizer, with_a
         for numbers in (b, s):
             assert numbers[0]["exact"] == pytest.approx(p, abs=1e-9)
             assert numbers[0]["value"] == pytest.approx(p, abs=0.005 + 1e-5)  # rounded to the data's 2 decimals
+
+
+def test_window_rows_holds_the_numbers_before_each_target():
+    """The AR's training rows: each value target with the `window` numbers before it, newest first (NaN where the
+    row has fewer), in rows of different lengths (batched, padded), the target itself never among them."""
+    from datasets import Dataset
+
+    N = 999  # the <NUM> id of these rows
+    rows = Dataset.from_dict({"input_ids": [[10, N, 11, N, 12, N, 13, N], [10, N, 11, N]],
+                              "numeric_values": [[0, 1.5, 0, 2.5, 0, 3.5, 0, 4.5], [0, 7.0, 0, 8.0]]})
+    masks = [[False] * 5 + [True, False, True], [False, False, False, True]]
+    got = window_rows(rows, masks, N, 3)
+    nan = float("nan")
+    want = torch.tensor([[2.5, 1.5, nan], [3.5, 2.5, 1.5], [7.0, nan, nan]], dtype=torch.float64)
+    assert torch.equal(got.recent.isnan(), want.isnan())
+    assert torch.equal(got.recent.nan_to_num(), want.nan_to_num())
+    assert got.y.tolist() == [3.5, 4.5, 8.0] and len(set(got.keys)) == 1  # one title: the tokens before a number
 
 
 def test_each_series_takes_the_least_validation_error_of_head_mix_and_ar(qwen_tokenizer):

@@ -75,8 +75,8 @@ def calibrate_regression_scale(inner, predictions: dict | None, base_scale: Sequ
     |y - loc_Y| / scale_Y (a Cauchy's scale is its median absolute deviation, so the raw 50% interval is
     calibrated), and fit the split-conformal map of every level on the rescaled normalised residuals
     (`intervals.fit_calibration`) into `config.value_calibration`; with `series_widths`, on the rows rescaled by
-    each series' own width factor first (`series.series_scale_factors`, `TrainConfig.series_widths`). Returns a `Calibration`; None (nothing done)
-    without a regression scale of its own or validation values."""
+    each series' own width factor first (`series.series_scale_factors`, `TrainConfig.series_widths`). Returns a
+    `Calibration`; None (nothing done) without a regression scale of its own or validation values."""
     act = inner.action
     if act.b_noise_Y is None or not predictions or not predictions["y_true"]:
         return None

@@ -74,6 +74,10 @@ def fit_ar(recent: Tensor, y: Tensor, log: Tensor, lags: int) -> list[float] | N
     return coef.tolist() if bool(torch.isfinite(coef).all()) else None
 
 
+def mae(loc: Tensor, y: Tensor) -> float:
+    return float((loc - y).abs().mean())
+
+
 def choose_series_ar(table: dict, value_map: ValueMap, train: WindowRows, val: WindowRows, val_loc: Tensor
                      ) -> tuple[Tensor, int]:
     """Per series of `table` with >= `MIN_AR_VAL_ROWS` validation rows: its AR of each of `AR_LAGS` fitted on its
@@ -110,9 +114,9 @@ def choose_series_ar(table: dict, value_map: ValueMap, train: WindowRows, val: W
                     fits.append((coef, alone))
         if not fits:
             continue
-        coef, alone = min(fits, key=lambda f: float((HALF * head + HALF * f[1] - y).abs().mean()))
-        errors = {HALF: (HALF * head + HALF * alone - y).abs(), 1.0: (head - y).abs(), 0.0: (alone - y).abs()}
-        mix = min(errors, key=lambda m: float(errors[m].mean()))  # the mix first: it wins a tie
+        coef, alone = min(fits, key=lambda f: mae(HALF * head + HALF * f[1], y))
+        errors = {HALF: mae(HALF * head + HALF * alone, y), 1.0: mae(head, y), 0.0: mae(alone, y)}
+        mix = min(errors, key=errors.get)  # the mix first: it wins a tie
         if mix < 1.0:
             entry["ar"] = {"coef": coef, "mix": mix}
             chosen += 1
